@@ -1,0 +1,187 @@
+"""Typed errors of the store layer, in one module.
+
+Each class's docstring says what went wrong; each instance carries the fields a caller needs
+(ref, path, key, cause) and an ``exit_code`` that the CLI returns. Nothing here imports FUSE.
+
+Exit codes (documented in README): 1 generic store error, 2 usage (argparse), 3 invalid ref,
+4 not found, 5 integrity failure, 6 destination problem, 7 limit exceeded, 8 GC refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class StoreError(Exception):
+    """A store operation failed."""
+
+    exit_code = 1
+
+
+class InvalidRefError(StoreError, ValueError):
+    """A text is not a Ref of the form ``v1:blake3:<64 lowercase hex>``."""
+
+    exit_code = 3
+
+    def __init__(self, value: Any, reason: str) -> None:
+        self.value = value
+        self.reason = reason
+        super().__init__(f"invalid ref {value!r}: {reason}")
+
+
+class ObjectNotFoundError(StoreError, KeyError):
+    """An object id (chunk or tree) is not in the store index."""
+
+    exit_code = 4
+
+    def __init__(self, object_id: str) -> None:
+        self.object_id = object_id
+        super().__init__(f"object {object_id} is not in the store")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class SnapshotNotFoundError(StoreError, KeyError):
+    """A path inside a snapshot does not exist (``ls``/``cat``)."""
+
+    exit_code = 4
+
+    def __init__(self, ref: str, path: str) -> None:
+        self.ref = ref
+        self.path = path
+        super().__init__(f"{path!r} does not exist in {ref}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class IntegrityError(StoreError):
+    """Stored bytes do not hash to their id, or a stored object is malformed.
+
+    ``ref`` is the snapshot (or object id) being read; ``got`` says what was found instead.
+    """
+
+    exit_code = 5
+
+    def __init__(self, ref: str, got: str) -> None:
+        self.ref = ref
+        self.got = got
+        super().__init__(f"integrity failure in {ref}: {got}")
+
+
+class SnapshotError(StoreError):
+    """A directory could not be imported; nothing it wrote is referenced."""
+
+    exit_code = 1
+
+    def __init__(self, root: str, cause: str) -> None:
+        self.root = root
+        self.cause = cause
+        super().__init__(f"cannot snapshot {root}: {cause}")
+
+
+class MaterializeError(StoreError):
+    """A snapshot could not be written out; what was written has been wiped."""
+
+    exit_code = 6
+
+    def __init__(self, ref: str, dest: str, cause: BaseException | str) -> None:
+        self.ref = ref
+        self.dest = dest
+        self.cause = cause
+        super().__init__(f"cannot materialize {ref} into {dest}: {cause}")
+
+
+class DestNotEmptyError(StoreError):
+    """The destination holds a different tree; nothing was touched."""
+
+    exit_code = 6
+
+    def __init__(self, dest: str, want: str, got: str) -> None:
+        self.dest = dest
+        self.want = want
+        self.got = got
+        super().__init__(f"{dest} is not empty and holds {got}, not {want}")
+
+
+class NotDirError(StoreError):
+    """The destination exists and is not a directory."""
+
+    exit_code = 6
+
+    def __init__(self, dest: str) -> None:
+        self.dest = dest
+        super().__init__(f"{dest} exists and is not a directory")
+
+
+class ArchiveEntryError(StoreError):
+    """A tree entry is hostile or malformed (bad name, path too long, escape attempt)."""
+
+    exit_code = 5
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"refusing entry {path!r}: {reason}")
+
+
+class ArchiveLimitError(StoreError):
+    """A materialize cap was exceeded; ``observed`` is what was counted when it tripped."""
+
+    exit_code = 7
+
+    def __init__(self, limit: str, cap: int, observed: int) -> None:
+        self.limit = limit
+        self.cap = cap
+        self.observed = observed
+        super().__init__(f"{limit} limit exceeded: {observed} > {cap}")
+
+
+class GCError(StoreError):
+    """Garbage collection refused to run or failed at one step; it can be re-run."""
+
+    exit_code = 8
+
+    def __init__(self, op: str, key: str, cause: str) -> None:
+        self.op = op
+        self.key = key
+        self.cause = cause
+        super().__init__(f"gc {op} {key}: {cause}")
+
+
+class BackendError(StoreError):
+    """A blob backend operation failed."""
+
+
+class BlobNotFoundError(BackendError, KeyError):
+    """A backend key does not exist."""
+
+    exit_code = 4
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"blob {key!r} not found")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class BlobConflictError(BackendError):
+    """A key was put again with different bytes; backend objects are immutable."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"blob {key!r} already exists with different content")
+
+
+class InvalidKeyError(BackendError, ValueError):
+    """A backend key is not of the allowed form (``[A-Za-z0-9._-]`` segments joined by ``/``)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"invalid blob key {key!r}")
+
+
+class StoreLockedError(StoreError):
+    """Another process holds a lock that this operation needs."""

@@ -1,0 +1,388 @@
+"""The object store: chunks and trees in packs on a blob backend, located by the SQLite index.
+
+Layout of a local store directory ``<root>`` (mode 0700)::
+
+    <root>/backend/config.json          chunk size and compression level (immutable)
+    <root>/backend/packs/<hex>.pack     chunks and trees (see pack.py)
+    <root>/backend/snapshots/<t>-<n>.json   append-only snapshot-list records (add, forget)
+    <root>/backend/journal/<session>/<seq>.json   append-only journal events
+    <root>/index.sqlite                 the index (schema.py), a rebuildable cache
+    <root>/gc.lock                      flock: writers hold it shared, GC exclusive
+
+Write order (CONTRACT 1.3), kept by ``Writer``: chunks and trees go into packs; the packs are
+put and made durable with one barrier; then the index rows are committed; only then may the
+caller list the snapshot or append a journal event. Readers go the other way (history ->
+index -> pack), so a crash at any point leaves at most unreferenced packs, which GC removes.
+A writer holds ``gc.lock`` shared from its first dedup check until it has listed what it
+wrote, so a concurrent GC can never delete an object that the writer decided to reuse.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import zstandard
+
+from . import schema
+from .backend import BlobBackend, LocalDirBackend, check_key
+from .errors import (
+    BlobNotFoundError,
+    IntegrityError,
+    ObjectNotFoundError,
+    StoreError,
+)
+from .pack import Codec, Location, ObjKind, PackBuilder, decode_record
+from .ref import ObjectId, Ref, object_id
+from .tree import Entry, Tree, decode_tree, encode_tree
+
+DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_LEVEL = 3
+CONFIG_KEY = "config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """One row of the snapshot list."""
+
+    ref: Ref
+    time_ns: int
+    origin: str
+    label: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEvent:
+    """One journal event of a session (CONTRACT 4.5)."""
+
+    session: str
+    seq: int
+    time_ns: int
+    epoch: int
+    event: str
+    ref: Ref
+    trigger: str | None
+    consistency: str | None
+
+
+class Store:
+    """A content-addressed store of chunks and trees, with snapshot list and journals.
+
+    ``Store(root)`` opens (creating if needed) a local store; pass ``backend=`` to keep the
+    blobs elsewhere (the index and lock stay under ``root``). ``chunk_size`` (bytes, power of
+    two from 64 KiB to 8 MiB) and ``level`` (zstd level) are fixed when the store is created;
+    later opens read them from the backend. Safe to use from several threads; each thread
+    gets its own SQLite connection.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, backend: BlobBackend | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = DEFAULT_LEVEL) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        self.backend: BlobBackend = backend or LocalDirBackend(os.path.join(self.root, "backend"))
+        self.index_path = os.path.join(self.root, "index.sqlite")
+        self._local = threading.local()
+        self._cache_lock = threading.Lock()
+        self._trees: OrderedDict[bytes, Tree] = OrderedDict()
+        self._records: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        try:
+            cfg = json.loads(self.backend.get(CONFIG_KEY))
+        except BlobNotFoundError:
+            if chunk_size & (chunk_size - 1) or not (64 << 10) <= chunk_size <= (8 << 20):
+                raise StoreError(f"chunk size {chunk_size} is not a power of two "
+                                 "from 64 KiB to 8 MiB") from None
+            cfg = {"format": 1, "chunk_size": chunk_size, "level": level}
+            self.backend.put(CONFIG_KEY, json.dumps(cfg, sort_keys=True).encode())
+            self.backend.sync()
+        self.chunk_size: int = int(cfg["chunk_size"])
+        self.level: int = int(cfg["level"])
+        schema.create(self.conn)
+
+    # -- index connection -------------------------------------------------------------
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """This thread's connection to the index."""
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            c = sqlite3.connect(self.index_path, timeout=60, isolation_level=None)
+            c.execute("PRAGMA busy_timeout=60000")
+            c.execute("PRAGMA synchronous=NORMAL")
+            self._local.conn = c
+        return c
+
+    def close(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+            self._local.conn = None
+
+    def config_value(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM config WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def set_config(self, key: str, value: str | None) -> None:
+        if value is None:
+            self.conn.execute("DELETE FROM config WHERE key=?", (key,))
+        else:
+            self.conn.execute("INSERT OR REPLACE INTO config(key, value) VALUES (?, ?)",
+                              (key, value))
+
+    # -- reading ---------------------------------------------------------------------
+
+    def has(self, oid: ObjectId) -> bool:
+        return self.conn.execute("SELECT 1 FROM objects WHERE id=?", (oid,)).fetchone() is not None
+
+    def locate(self, oid: ObjectId) -> Location:
+        """Return where ``oid`` is stored. Raises ObjectNotFoundError."""
+        row = self.conn.execute(
+            "SELECT kind, pack, rec_offset, rec_length, codec, inner_offset, raw_length "
+            "FROM objects WHERE id=?", (oid,)).fetchone()
+        if row is None:
+            raise ObjectNotFoundError(oid.hex())
+        return Location(oid, ObjKind(row[0]), row[1], row[2], row[3], Codec(row[4]), row[5],
+                        row[6])
+
+    def _record(self, loc: Location) -> bytes:
+        key = (loc.pack, loc.rec_offset)
+        with self._cache_lock:
+            plain = self._records.get(key)
+            if plain is not None:
+                self._records.move_to_end(key)
+                return plain
+        try:
+            data = self.backend.get_range(loc.pack, loc.rec_offset, loc.rec_length)
+        except BlobNotFoundError:
+            raise IntegrityError(loc.oid.hex(), f"pack {loc.pack} is missing") from None
+        if len(data) != loc.rec_length:
+            raise IntegrityError(loc.oid.hex(), f"pack {loc.pack} is truncated")
+        plain = decode_record(loc.pack, loc.codec, data, loc.inner_offset + loc.raw_length
+                              if loc.codec is Codec.RAW else 1 << 26)
+        if loc.inner_offset or loc.raw_length != len(plain):
+            # A group of small objects: keep it, its neighbours are likely read next.
+            with self._cache_lock:
+                self._records[key] = plain
+                while len(self._records) > 64:
+                    self._records.popitem(last=False)
+        return plain
+
+    def read_object(self, oid: ObjectId) -> bytes:
+        """Return the plaintext of ``oid``, verified against its id.
+
+        Raises ObjectNotFoundError if it is not indexed and IntegrityError if the stored
+        bytes are missing, do not decompress or do not hash to ``oid``.
+        """
+        loc = self.locate(oid)
+        plain = self._record(loc)
+        data = plain[loc.inner_offset:loc.inner_offset + loc.raw_length]
+        if len(data) != loc.raw_length or object_id(data) != oid:
+            with self._cache_lock:
+                self._records.pop((loc.pack, loc.rec_offset), None)
+            raise IntegrityError(oid.hex(), "stored bytes do not hash to the object id")
+        return data
+
+    def get_tree(self, tree_id: ObjectId) -> Tree:
+        """Return the decoded tree ``tree_id`` (verified; cached, trees are immutable)."""
+        with self._cache_lock:
+            t = self._trees.get(tree_id)
+            if t is not None:
+                self._trees.move_to_end(tree_id)
+                return t
+        t = decode_tree(self.read_object(tree_id), tree_id.hex())
+        with self._cache_lock:
+            self._trees[tree_id] = t
+            while len(self._trees) > 8192:
+                self._trees.popitem(last=False)
+        return t
+
+    def root_tree(self, ref: Ref) -> Tree:
+        return self.get_tree(ref.tree_id)
+
+    def iter_file(self, entry: Entry) -> Iterator[bytes]:
+        """Yield a file entry's content chunk by chunk, each verified."""
+        for cid in entry.chunks:
+            yield self.read_object(cid)
+
+    # -- writing ---------------------------------------------------------------------
+
+    def writer(self) -> Writer:
+        """Open a write batch (see ``Writer``); use it as a context manager."""
+        return Writer(self)
+
+    # -- locks -----------------------------------------------------------------------
+
+    def lock(self, exclusive: bool, blocking: bool = True) -> int | None:
+        """Take ``gc.lock`` shared (writers) or exclusive (GC); return the fd, or None if
+        ``blocking`` is False and the lock is held elsewhere."""
+        fd = os.open(os.path.join(self.root, "gc.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)
+        flags = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        if not blocking:
+            flags |= fcntl.LOCK_NB
+        try:
+            fcntl.flock(fd, flags)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    @staticmethod
+    def unlock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    # -- snapshot list (CONTRACT 1.6) --------------------------------------------------
+
+    def _history_put(self, key: str, record: dict[str, object]) -> None:
+        self.backend.put(check_key(key), json.dumps(record, sort_keys=True).encode())
+        self.backend.sync()
+
+    def add_snapshot(self, ref: Ref, origin: str, label: str | None = None) -> None:
+        """List ``ref`` (durably, then in the index). Re-listing updates label and time."""
+        now = time.time_ns()
+        key = f"snapshots/{now:020d}-{os.getpid()}-add.json"
+        self._history_put(key, {"op": "add", "ref": str(ref), "time_ns": now,
+                                "origin": origin, "label": label})
+        self.conn.execute(
+            "INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, key) "
+            "VALUES (?, ?, ?, ?, ?)", (str(ref), now, origin, label, key))
+
+    def forget(self, ref: Ref) -> bool:
+        """Drop ``ref`` from the snapshot list; return False if it was not listed."""
+        if self.conn.execute("SELECT 1 FROM snapshots WHERE ref=?", (str(ref),)).fetchone() is None:
+            return False
+        now = time.time_ns()
+        key = f"snapshots/{now:020d}-{os.getpid()}-forget.json"
+        self._history_put(key, {"op": "forget", "ref": str(ref), "time_ns": now})
+        self.conn.execute("DELETE FROM snapshots WHERE ref=?", (str(ref),))
+        return True
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        rows = self.conn.execute(
+            "SELECT ref, time_ns, origin, label FROM snapshots ORDER BY time_ns, ref").fetchall()
+        return [SnapshotInfo(Ref.parse(r[0]), r[1], r[2], r[3]) for r in rows]
+
+    # -- journal (CONTRACT 1.1, 4.5) ----------------------------------------------------
+
+    def append_journal(self, session: str, event: str, ref: Ref, *, epoch: int = 0,
+                       trigger: str | None = None, consistency: str | None = None) -> int:
+        """Append one event to ``session``'s journal, durably; return its seq (1, 2, ...)."""
+        check_key(f"journal/{session}")
+        row = self.conn.execute("SELECT MAX(seq) FROM journal WHERE session=?",
+                                (session,)).fetchone()
+        seq = (row[0] or 0) + 1
+        now = time.time_ns()
+        key = f"journal/{session}/{seq:012d}.json"
+        self._history_put(key, {"session": session, "seq": seq, "time_ns": now, "epoch": epoch,
+                                "event": event, "ref": str(ref), "trigger": trigger,
+                                "consistency": consistency})
+        self.conn.execute(
+            "INSERT INTO journal(session, seq, time_ns, epoch, event, ref, trigger_, "
+            "consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (session, seq, now, epoch, event, str(ref), trigger, consistency, key))
+        return seq
+
+    def journal(self, session: str) -> list[JournalEvent]:
+        """The session's events, oldest first."""
+        rows = self.conn.execute(
+            "SELECT session, seq, time_ns, epoch, event, ref, trigger_, consistency "
+            "FROM journal WHERE session=? ORDER BY seq", (session,)).fetchall()
+        return [JournalEvent(r[0], r[1], r[2], r[3], r[4], Ref.parse(r[5]), r[6], r[7])
+                for r in rows]
+
+
+class Writer:
+    """One write batch: objects go into packs, then ``commit`` makes them durable and indexed.
+
+    Holds ``gc.lock`` shared from creation until the context exits, so list the snapshot
+    (or append the journal) inside the ``with`` block, after ``commit``. Objects already in
+    the store or in this batch are not written again. Not thread-safe.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock_fd = store.lock(exclusive=False)
+        self._pending: set[bytes] = set()
+        self._rows: list[Location] = []
+        self._packs: list[tuple[str, int, int]] = []
+        self._cctx = zstandard.ZstdCompressor(level=store.level)
+        self._builder = PackBuilder(self._emit, level=store.level)
+        self.packs_written = 0
+        self.bytes_written = 0
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            Store.unlock(self._lock_fd)
+            self._lock_fd = None
+
+    def _emit(self, key: str, data: bytes, rows: list[Location]) -> None:
+        self.store.backend.put(key, data)
+        self._rows.extend(rows)
+        self._packs.append((key, len(data), len(rows)))
+        self.packs_written += 1
+        self.bytes_written += len(data)
+
+    def known(self, oid: ObjectId) -> bool:
+        """True if ``oid`` is already stored or pending in this batch."""
+        return oid in self._pending or self.store.has(oid)
+
+    def put(self, oid: ObjectId, kind: ObjKind, data: bytes,
+            compressed: bytes | None = None) -> bool:
+        """Store ``data`` under ``oid`` (its id, computed by the caller) unless known.
+        Returns True if it was new."""
+        if self.known(oid):
+            return False
+        self._pending.add(oid)
+        self._builder.add(oid, kind, data, compressed)
+        return True
+
+    def put_chunk(self, data: bytes) -> ObjectId:
+        oid = object_id(data)
+        self.put(oid, ObjKind.CHUNK, data)
+        return oid
+
+    def put_tree(self, entries: list[Entry] | tuple[Entry, ...]) -> ObjectId:
+        enc = encode_tree(entries)
+        oid = object_id(enc)
+        self.put(oid, ObjKind.TREE, enc)
+        return oid
+
+    def compress(self, data: bytes) -> bytes:
+        return self._cctx.compress(data)
+
+    def commit(self) -> None:
+        """Flush packs, one durable barrier, then commit their index rows in one transaction."""
+        self._builder.flush()
+        if not self._rows:
+            return
+        self.store.backend.sync()
+        c = self.store.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            c.executemany(
+                "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
+                "inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r.oid, int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
+                  r.inner_offset, r.raw_length) for r in self._rows])
+            c.executemany("INSERT OR IGNORE INTO packs(key, size, objects) VALUES (?, ?, ?)",
+                          self._packs)
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        self._rows = []
+        self._packs = []
+        self._pending.clear()

@@ -1,0 +1,126 @@
+"""The store's SQLite index: every table and column, with its meaning and invariants.
+
+The index is a cache of the backend, never the only copy of anything: ``rebuild-index``
+recreates ``objects``, ``packs``, ``snapshots``, ``journal`` and ``config`` from the packs'
+trailers and the append-only history objects. It runs in WAL mode. Tables are created with
+sqlite-utils here and nowhere else; hot paths use plain prepared SQL.
+
+Invariants, each checked by ``verify`` under the stable name given in brackets:
+
+- [object-hash] every object's plaintext hashes to its id.
+- [object-location] every ``objects`` row points inside an existing pack, and that pack's
+  trailer lists the same location.
+- [pack-trailer] every pack's trailer decodes and matches its digest; its key is the blake3
+  of its bytes.
+- [pack-indexed] every object in a pack trailer has an ``objects`` row (else the index is
+  stale: run ``rebuild-index``).
+- [tree-decodes] every reachable tree decodes canonically (re-encodes to the same bytes).
+- [tree-complete] every chunk and child tree referenced by a reachable tree is indexed.
+- [file-size] a file entry's size equals the sum of its chunks' plaintext lengths.
+- [snapshot-root] every listed snapshot's root tree is indexed.
+- [journal-ref] every ref named by a journal event is indexed.
+- [history-object] every snapshot-list and journal row has its backend object, and back.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import sqlite_utils
+
+SCHEMA_VERSION = 1
+
+# table -> (column -> comment). The comments are the documentation of the schema.
+TABLES: dict[str, dict[str, str]] = {
+    "objects": {
+        "id": "32-byte blake3 id of the object's plaintext (primary key).",
+        "kind": "1 chunk (file content), 2 tree (canonical tree encoding).",
+        "pack": "backend key of the pack holding it; the pack exists (object-location).",
+        "rec_offset": "byte offset of the record holding the object inside the pack.",
+        "rec_length": "stored (compressed or raw) length of that record in bytes.",
+        "codec": "0 raw, 1 zstd: how the record is stored.",
+        "inner_offset": "offset of the object's plaintext inside the record's plaintext.",
+        "raw_length": "plaintext length of the object in bytes.",
+    },
+    "packs": {
+        "key": "backend key packs/<blake3 hex>.pack (primary key); hex is the pack digest.",
+        "size": "pack length in bytes.",
+        "objects": "number of rows in the pack's trailer index.",
+    },
+    "snapshots": {
+        "ref": "Ref text of a listed snapshot (primary key); live for GC until forgotten.",
+        "time_ns": "when it was listed, ns since the epoch.",
+        "origin": "what produced it: snapshot, checkpoint, seed, import, ...",
+        "label": "optional user label; NULL when none.",
+        "key": "backend key of the history object that listed it.",
+    },
+    "journal": {
+        "session": "session id the event belongs to.",
+        "seq": "1, 2, 3, ... per session without gaps; (session, seq) is the primary key.",
+        "time_ns": "when the event was appended, ns since the epoch.",
+        "epoch": "session lease epoch of the appender.",
+        "event": "WorkspaceCheckpointed or WorkspaceRestored.",
+        "ref": "the Ref the event names; indexed (journal-ref).",
+        "trigger_": "checkpoint trigger (manual, idle, seed, ...); NULL for restores.",
+        "consistency": "quiescent or fuzzy; NULL for restores.",
+        "key": "backend key journal/<session>/<seq>.json of the event's object.",
+    },
+    "named_refs": {
+        "name": "a name pinning a Ref for GC (primary key), e.g. a session's restore pointer.",
+        "ref": "the pinned Ref text.",
+    },
+    "state_dirs": {
+        "path": "absolute path of a registered session state directory (primary key); GC "
+                "keeps its upper's base Ref and fails closed if it cannot be read.",
+    },
+    "files_cache": {
+        "path": "absolute path (bytes) of a file seen by a snapshot (primary key).",
+        "size": "st_size when read.",
+        "mtime_ns": "st_mtime_ns when read.",
+        "ctime_ns": "st_ctime_ns when read.",
+        "inode": "st_ino when read.",
+        "chunks": "concatenated 32-byte chunk ids of the content read.",
+        "trusted_before_ns": "start time of the snapshot that recorded the row: the row is "
+                             "trusted only if mtime_ns and ctime_ns are older than this.",
+    },
+    "config": {
+        "key": "setting name (primary key): schema_version, unverified_rebuild, ...",
+        "value": "setting value as text.",
+    },
+    "leases": {
+        "name": "lease name (primary key), e.g. session/<id> or workspace-roots/<sha256>.",
+        "holder": "opaque holder id (host:pid:nonce).",
+        "epoch": "increases by one at every acquisition of this name.",
+        "expires_ns": "the holder must renew before this time or the lease can be taken.",
+    },
+}
+
+
+def create(conn: sqlite3.Connection) -> None:
+    """Create every table that is missing (idempotent) and switch the file to WAL."""
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    db = sqlite_utils.Database(conn)
+    db["objects"].create(
+        {"id": bytes, "kind": int, "pack": str, "rec_offset": int, "rec_length": int,
+         "codec": int, "inner_offset": int, "raw_length": int},
+        pk="id", not_null={"kind", "pack", "rec_offset", "rec_length", "codec",
+                           "inner_offset", "raw_length"}, if_not_exists=True)
+    db["packs"].create({"key": str, "size": int, "objects": int}, pk="key", if_not_exists=True)
+    db["snapshots"].create({"ref": str, "time_ns": int, "origin": str, "label": str,
+                            "key": str}, pk="ref", if_not_exists=True)
+    db["journal"].create({"session": str, "seq": int, "time_ns": int, "epoch": int,
+                          "event": str, "ref": str, "trigger_": str, "consistency": str,
+                          "key": str}, pk=("session", "seq"), if_not_exists=True)
+    db["named_refs"].create({"name": str, "ref": str}, pk="name", if_not_exists=True)
+    db["state_dirs"].create({"path": str}, pk="path", if_not_exists=True)
+    db["files_cache"].create({"path": bytes, "size": int, "mtime_ns": int, "ctime_ns": int,
+                              "inode": int, "chunks": bytes, "trusted_before_ns": int},
+                             pk="path", if_not_exists=True)
+    db["config"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+    db["leases"].create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
+                        pk="name", if_not_exists=True)
+    db["objects"].create_index(["pack"], if_not_exists=True)
+    conn.execute("INSERT OR IGNORE INTO config(key, value) VALUES ('schema_version', ?)",
+                 (str(SCHEMA_VERSION),))
+    conn.commit()
