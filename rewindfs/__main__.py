@@ -1,0 +1,5 @@
+import sys
+
+from rewindfs.cli import main
+
+sys.exit(main())
