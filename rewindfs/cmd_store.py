@@ -1,0 +1,395 @@
+"""Store subcommands: init, snapshot, list, forget, materialize, ls, cat, diff, gc, verify,
+stats, rebuild-index.
+
+Each handler opens the store named by ``--store``, calls one function of the store API and
+renders its result as text, or as JSON with ``--json`` (a Ref always under the key ``ref``,
+durations under ``elapsed_ms``). Store modules are imported inside handlers so that
+``rewindfs --help`` and other short commands do not pay for them. Errors are left to the
+front door (``rewindfs.cli.main``), which prints one line and returns the error's
+``exit_code``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rewindfs.cli import add_json, emit, open_store
+
+EXIT_NOT_FOUND = 4
+EXIT_INTEGRITY = 5
+
+
+class NotFoundError(Exception):
+    """A command-line argument names something that does not exist (exit code 4)."""
+
+    exit_code = EXIT_NOT_FOUND
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("init", help="create the store (optional: any command creates it)")
+    add_json(p)
+    p.set_defaults(handler=cmd_init)
+
+    p = sub.add_parser("snapshot", help="import a directory; print its Ref")
+    p.add_argument("dir", help="directory to snapshot (symlinks are not followed)")
+    p.add_argument("--label", help="label shown by 'list'")
+    add_json(p)
+    p.set_defaults(handler=cmd_snapshot)
+
+    p = sub.add_parser("list", help="list snapshots, oldest first")
+    add_json(p)
+    p.set_defaults(handler=cmd_list)
+
+    p = sub.add_parser("forget", help="drop a Ref from the snapshot list (gc frees it)")
+    p.add_argument("ref")
+    add_json(p)
+    p.set_defaults(handler=cmd_forget)
+
+    p = sub.add_parser("materialize", help="write a snapshot out as a real directory")
+    p.add_argument("ref")
+    p.add_argument("dest", help="missing or empty: extract; non-empty: compare")
+    add_json(p)
+    p.set_defaults(handler=cmd_materialize)
+
+    p = sub.add_parser("ls", help="list a directory inside a snapshot")
+    p.add_argument("ref")
+    p.add_argument("path", nargs="?", default="", help="path inside the snapshot (default: root)")
+    add_json(p)
+    p.set_defaults(handler=cmd_ls)
+
+    p = sub.add_parser("cat", help="write a file of a snapshot to stdout")
+    p.add_argument("ref")
+    p.add_argument("path")
+    p.set_defaults(handler=cmd_cat)
+
+    p = sub.add_parser("diff", help="list paths added, removed, modified between two Refs")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    add_json(p)
+    p.set_defaults(handler=cmd_diff)
+
+    p = sub.add_parser("gc", help="delete objects no listed snapshot or journal reaches")
+    add_json(p)
+    p.set_defaults(handler=cmd_gc)
+
+    p = sub.add_parser("verify", help="re-hash every reachable object, check every invariant "
+                                      "(exit 5 when a problem is found)")
+    add_json(p)
+    p.set_defaults(handler=cmd_verify)
+
+    p = sub.add_parser("stats", help="logical and stored sizes, dedup and compression ratios")
+    add_json(p)
+    p.set_defaults(handler=cmd_stats)
+
+    p = sub.add_parser("rebuild-index", help="recreate the index from the backend alone")
+    add_json(p)
+    p.set_defaults(handler=cmd_rebuild_index)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def parse_ref(text: str) -> Any:
+    """The Ref named by ``text`` (InvalidRefError, exit 3, otherwise)."""
+    from store.ref import Ref
+
+    return Ref.parse(text)
+
+
+def inner_path(text: str) -> bytes:
+    """A path inside a snapshot as raw bytes, without leading/trailing ``/`` or ``.``."""
+    parts = [p for p in os.fsencode(text).split(b"/") if p and p != b"."]
+    return b"/".join(parts)
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` made of JSON types: dataclasses to dicts, Refs and ids to text, bytes (paths,
+    names) decoded with surrogateescape, enums to lower-case names."""
+    from store.ref import Ref
+
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, Ref):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.name.lower()
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return os.fsdecode(bytes(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not f.name.startswith("_")}
+    if isinstance(obj, dict):
+        return {str(jsonable(k)): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set | frozenset):
+        return [jsonable(v) for v in obj]
+    return str(obj)
+
+
+def kv_text(data: dict[str, Any]) -> str:
+    """``key: value`` lines for a flat result (nested values shown as JSON)."""
+    import json
+
+    width = max((len(k) for k in data), default=0)
+    lines = []
+    for k, v in data.items():
+        shown = v if isinstance(v, str | int | float) or v is None else json.dumps(v)
+        lines.append(f"{k + ':':<{width + 1}} {shown}")
+    return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def elapsed_ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 1)
+
+
+class Progress:
+    """A tqdm bar on stderr for long work; silent unless stderr is a TTY and not ``--json``.
+
+    Call it as ``progress(files_done, bytes_done)``; both are running totals.
+    """
+
+    def __init__(self, args: argparse.Namespace, desc: str) -> None:
+        self.bar: Any = None
+        if not getattr(args, "json", False) and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                            file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def __call__(self, files_done: int, bytes_done: int) -> None:
+        if self.bar is not None:
+            self.bar.n = bytes_done
+            self.bar.set_postfix(files=files_done, refresh=False)
+            self.bar.update(0)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+@contextmanager
+def progress(args: argparse.Namespace, desc: str) -> Iterator[Progress]:
+    bar = Progress(args, desc)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _time_text(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+
+
+# -- handlers -----------------------------------------------------------------------------
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    st = open_store(args)
+    emit(args, {"root": st.root, "chunk_size": st.chunk_size, "level": st.level},
+         f"store {st.root} (chunk size {human_bytes(st.chunk_size)}, zstd level {st.level})")
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from store.snapshot import snapshot
+
+    st = open_store(args)
+    totals = [0, 0]
+    t0 = time.perf_counter()
+    with progress(args, "snapshot") as bar:
+        def on_progress(files_done: int, bytes_done: int) -> None:
+            totals[0], totals[1] = files_done, bytes_done
+            bar(files_done, bytes_done)
+
+        ref = snapshot(st, args.dir, label=args.label, progress=on_progress)
+    emit(args, {"ref": str(ref), "path": os.path.abspath(args.dir), "label": args.label,
+                "files": totals[0], "bytes": totals[1], "elapsed_ms": elapsed_ms(t0)},
+         str(ref))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    st = open_store(args)
+    rows = st.list_snapshots()
+    data = [{"ref": str(r.ref), "time_ns": r.time_ns, "origin": r.origin, "label": r.label}
+            for r in rows]
+    text = "\n".join(f"{_time_text(r.time_ns)}  {r.origin:<10} {r.ref}  {r.label or ''}".rstrip()
+                     for r in rows)
+    emit(args, data, text)
+    return 0
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    ref = parse_ref(args.ref)
+    st = open_store(args)
+    if not st.forget(ref):
+        raise NotFoundError(f"{ref} is not in the snapshot list")
+    emit(args, {"ref": str(ref), "forgotten": True}, f"forgot {ref}")
+    return 0
+
+
+def cmd_materialize(args: argparse.Namespace) -> int:
+    from store.materialize import materialize
+
+    ref = parse_ref(args.ref)
+    st = open_store(args)
+    t0 = time.perf_counter()
+    with progress(args, "materialize") as bar:
+        result = _call_with_progress(materialize, st, ref, args.dest, progress=bar)
+    data = {"ref": str(ref), "dest": os.path.abspath(args.dest), "elapsed_ms": elapsed_ms(t0)}
+    extra = jsonable(result)
+    if isinstance(extra, dict):
+        data.update({k: v for k, v in extra.items() if k not in data})
+    emit(args, data, kv_text(data))
+    return 0
+
+
+def _call_with_progress(fn: Any, *a: Any, progress: Progress) -> Any:
+    """Call ``fn(*a, progress=...)`` if it takes a progress callback, else ``fn(*a)``."""
+    import inspect
+
+    if "progress" in inspect.signature(fn).parameters:
+        return fn(*a, progress=progress)
+    return fn(*a)
+
+
+_KIND_CHAR = {"dir": "d", "file": "-", "symlink": "l", "fifo": "p", "socket": "s"}
+
+
+def _entry_dict(e: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": os.fsdecode(e.name), "kind": e.kind.name.lower(),
+                         "mode": e.mode, "uid": e.uid, "gid": e.gid, "mtime_ns": e.mtime_ns,
+                         "size": e.size}
+    if e.kind.name == "SYMLINK":
+        d["target"] = os.fsdecode(e.target)
+    if e.xattrs:
+        d["xattrs"] = [os.fsdecode(k) for k, _ in e.xattrs]
+    if e.link_group is not None:
+        d["link_group"] = e.link_group.hex()
+    return d
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import stat as stat_mod
+
+    from store.browse import ls
+
+    ref = parse_ref(args.ref)
+    st = open_store(args)
+    entries = ls(st, ref, inner_path(args.path))
+    data = [_entry_dict(e) for e in entries]
+    lines = []
+    for e, d in zip(entries, data, strict=True):
+        perms = stat_mod.filemode(e.st_mode)
+        line = (f"{perms} {e.uid:>5} {e.gid:>5} {e.size:>10} "
+                f"{_time_text(e.mtime_ns)} {d['name']}")
+        if "target" in d:
+            line += f" -> {d['target']}"
+        lines.append(line)
+    emit(args, data, "\n".join(lines))
+    return 0
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    from store.browse import cat
+
+    ref = parse_ref(args.ref)
+    st = open_store(args)
+    out = sys.stdout.buffer
+    for block in cat(st, ref, inner_path(args.path)):
+        out.write(block)
+    out.flush()
+    return 0
+
+
+_STATUS_CHAR = {"added": "A", "removed": "D", "modified": "M", "type_changed": "T"}
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from store.diff import diff
+
+    a = parse_ref(args.a)
+    b = parse_ref(args.b)
+    st = open_store(args)
+    t0 = time.perf_counter()
+    changes = diff(st, a, b)
+    ms = elapsed_ms(t0)
+    rows = []
+    for c in changes:
+        row: dict[str, Any] = {"path": os.fsdecode(c.path), "status": c.status}
+        row["old_kind"] = c.old.kind.name.lower() if c.old is not None else None
+        row["new_kind"] = c.new.kind.name.lower() if c.new is not None else None
+        rows.append(row)
+    text = "\n".join(f"{_STATUS_CHAR.get(r['status'], '?')}\t{r['path']}" for r in rows)
+    emit(args, {"a": str(a), "b": str(b), "changes": rows, "elapsed_ms": ms}, text)
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from store.gc import gc
+
+    st = open_store(args)
+    t0 = time.perf_counter()
+    report = gc(st)
+    data = jsonable(report)
+    if not isinstance(data, dict):
+        data = {"report": data}
+    data["elapsed_ms"] = elapsed_ms(t0)
+    emit(args, data, kv_text(data))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from store.verify import verify
+
+    st = open_store(args)
+    t0 = time.perf_counter()
+    with progress(args, "verify") as bar:
+        problems = _call_with_progress(verify, st, progress=bar)
+    rows = [{"invariant": p.invariant, "key": jsonable(p.key), "detail": p.detail}
+            for p in problems]
+    data = {"ok": not rows, "problems": rows, "elapsed_ms": elapsed_ms(t0)}
+    text = "\n".join(f"{r['invariant']}\t{r['key']}\t{r['detail']}" for r in rows) or "ok"
+    emit(args, data, text)
+    return EXIT_INTEGRITY if rows else 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from store.stats import stats
+
+    st = open_store(args)
+    data = jsonable(stats(st))
+    if not isinstance(data, dict):
+        data = {"stats": data}
+    emit(args, data, kv_text(data))
+    return 0
+
+
+def cmd_rebuild_index(args: argparse.Namespace) -> int:
+    from store.rebuild import rebuild_index
+
+    st = open_store(args)
+    t0 = time.perf_counter()
+    result = rebuild_index(st)
+    data = jsonable(result)
+    if not isinstance(data, dict):
+        data = {} if data is None else {"result": data}
+    data["elapsed_ms"] = elapsed_ms(t0)
+    emit(args, data, kv_text(data))
+    return 0
