@@ -185,3 +185,27 @@ class InvalidKeyError(BackendError, ValueError):
 
 class StoreLockedError(StoreError):
     """Another process holds a lock that this operation needs."""
+
+
+class LeaseBusyError(StoreError):
+    """A lease is held by another holder and has not expired."""
+
+    exit_code = 10
+
+    def __init__(self, name: str, holder: str, epoch: int) -> None:
+        self.name = name
+        self.holder = holder
+        self.epoch = epoch
+        super().__init__(f"lease {name!r} is held by {holder} (epoch {epoch})")
+
+
+class LeaseLostError(StoreError):
+    """A lease was taken over (or released) since the caller acquired it."""
+
+    exit_code = 10
+
+    def __init__(self, name: str, holder: str, epoch: int) -> None:
+        self.name = name
+        self.holder = holder
+        self.epoch = epoch
+        super().__init__(f"lease {name!r} epoch {epoch} held by {holder} is lost")
