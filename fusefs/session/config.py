@@ -1,0 +1,125 @@
+"""Workspace configuration: a store, at most one placement and a snapshot policy, validated
+up front (CONTRACT 4.1, 4.3) in the reference system's order:
+
+1. policy options (trigger, priority, timeout),
+2. placement resolution (one placement; store, root, leaser, lease name, canonical path),
+3. tool requirements (tools that need a workspace need a placement),
+4. policy/placement pairing (each needs the other),
+5. shared placement with a required policy,
+6. persistence overlap (store, index, state and spool paths outside the managed root).
+
+The first failing step raises its typed error; a returned ``WorkspaceConfig`` is immutable
+and complete. Nothing here creates a file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import (
+    PersistenceOverlapError,
+    SnapshotPolicyError,
+    WorkspacePlacementError,
+)
+from .placement import Mode, Placement, PlacementSpec, canonical_path, is_within, resolve
+from .policy import REQUIRED, SnapshotPolicy
+
+DEFAULT_LEASE_TTL_S = 30.0
+BACKENDS = ("auto", "fuse", "fallback")
+
+
+@dataclass(frozen=True)
+class WorkspaceConfig:
+    """A validated workspace configuration; build it with ``define``.
+
+    ``placement`` and ``policy`` are both set or both None (an unconfigured workspace, whose
+    sessions refuse checkpoint and restore). ``state_base`` holds one state directory per
+    session; ``lease_ttl_s`` is the lease time to live in seconds (renewed at a third of it);
+    ``backend`` chooses FUSE mounts or the no-FUSE fallback (``auto``: FUSE when available).
+    """
+
+    store: Any
+    placement: Placement | None
+    policy: SnapshotPolicy | None
+    state_base: str | None
+    leaser: Any
+    lease_ttl_s: float
+    backend: str
+
+    @property
+    def configured(self) -> bool:
+        return self.placement is not None
+
+
+def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
+           requires_workspace: bool = False, persistence_paths: Iterable[str] = (),
+           state_base: str | os.PathLike[str] | None = None, leaser: Any = None,
+           lease_ttl_s: float = DEFAULT_LEASE_TTL_S, backend: str = "auto") -> WorkspaceConfig:
+    """Validate and return a workspace configuration.
+
+    ``placements``: zero or one of ``session_workspaces``, ``exclusive_workspace``,
+    ``shared_workspace``. ``requires_workspace``: some tool of the agent needs a root.
+    ``persistence_paths``: further paths (spools, session stores) that must stay outside the
+    managed root. ``state_base`` defaults to ``<store root>/sessions``. ``leaser`` guards the
+    session leases (default: the exclusive placement's leaser, else one over the store).
+
+    Raises SnapshotPolicyError, WorkspacePlacementError or PersistenceOverlapError, in the
+    order given in the module docstring; ValueError for a bad ``backend`` or ``lease_ttl_s``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if not lease_ttl_s > 0:
+        raise ValueError(f"lease ttl {lease_ttl_s!r} is not a positive number of seconds")
+    # 1. policy options
+    resolved_policy = policy.resolved() if policy is not None else None
+    # 2. placement resolution
+    if len(placements) > 1:
+        raise WorkspacePlacementError(WorkspacePlacementError.MULTIPLE_PLACEMENTS,
+                                      f"{len(placements)} placements given, at most one allowed")
+    placement = resolve(placements[0]) if placements else None
+    # 3. tool requirements
+    if requires_workspace and placement is None:
+        raise WorkspacePlacementError(WorkspacePlacementError.WORKSPACE_TOOL_WITHOUT_PLACEMENT,
+                                      "a tool needs a workspace but no placement is configured")
+    # 4. policy/placement pairing
+    if placement is not None and resolved_policy is None:
+        raise SnapshotPolicyError(SnapshotPolicyError.REQUIRED,
+                                  "a placement needs a snapshot policy")
+    if placement is None and resolved_policy is not None:
+        raise SnapshotPolicyError(SnapshotPolicyError.WITHOUT_WORKSPACE,
+                                  "a snapshot policy needs a placement")
+    # 5. shared + required
+    if (placement is not None and placement.mode is Mode.SHARED and resolved_policy is not None
+            and resolved_policy.priority == REQUIRED):
+        raise SnapshotPolicyError(SnapshotPolicyError.SHARED_REQUIRED,
+                                  "a required policy would stall the other writers of a "
+                                  "shared root")
+    store = placement.store if placement is not None else None
+    base = None
+    if state_base is not None:
+        base = canonical_path(state_base)
+    elif store is not None:
+        base = os.path.join(canonical_path(store.root), "sessions")
+    # 6. persistence overlap
+    if placement is not None:
+        paths: list[str] = [placement.store.root, placement.store.index_path]
+        if base is not None:
+            paths.append(base)
+        paths.extend(os.fspath(p) for p in persistence_paths)
+        for p in paths:
+            cp = canonical_path(p)
+            if is_within(cp, placement.path):
+                raise PersistenceOverlapError(cp, placement.path)
+    if leaser is None and placement is not None:
+        leaser = placement.leaser or _default_leaser(store)
+    return WorkspaceConfig(store, placement, resolved_policy, base, leaser, float(lease_ttl_s),
+                           backend)
+
+
+def _default_leaser(store: Any) -> Any:
+    from store.lease import Leaser
+
+    return Leaser(store)

@@ -1,0 +1,212 @@
+"""Typed errors of the session layer (CONTRACT 4), in one module.
+
+Every error a workspace configuration, a session or its restore can raise is defined here,
+carries the fields a caller needs (kind, root, path, ref, epoch, cause) and an ``exit_code``
+the CLI returns (10: session or workspace error). Callers match on the class and its ``kind``,
+never on the message. Nothing here imports FUSE.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class SessionError(Exception):
+    """A session or workspace operation failed."""
+
+    exit_code = 10
+
+
+# -- configuration (CONTRACT 4.1, 4.3) ------------------------------------------------------
+
+
+class WorkspacePlacementError(SessionError, ValueError):
+    """A workspace placement is missing, duplicated or cannot be resolved.
+
+    ``kind`` is one of ``KINDS``; ``detail`` says which value was wrong.
+    """
+
+    MULTIPLE_PLACEMENTS = "multiple_placements"
+    NIL_STORE = "nil_store"
+    EMPTY_ROOT = "empty_root"
+    CANONICALIZE_FAILED = "canonicalize_failed"
+    NIL_LEASER = "nil_leaser"
+    LEASE_NAME_INVALID = "lease_name_invalid"
+    WORKSPACE_TOOL_WITHOUT_PLACEMENT = "workspace_tool_without_placement"
+    KINDS: ClassVar[frozenset[str]] = frozenset({
+        MULTIPLE_PLACEMENTS, NIL_STORE, EMPTY_ROOT, CANONICALIZE_FAILED, NIL_LEASER,
+        LEASE_NAME_INVALID, WORKSPACE_TOOL_WITHOUT_PLACEMENT})
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        assert kind in self.KINDS, kind
+        self.kind = kind
+        self.detail = detail
+        super().__init__(f"workspace placement error ({kind})" + (f": {detail}" if detail else ""))
+
+
+class SnapshotPolicyError(SessionError, ValueError):
+    """A snapshot policy is invalid or does not fit the placement. ``kind`` is one of ``KINDS``."""
+
+    REQUIRED = "required"
+    WITHOUT_WORKSPACE = "without_workspace"
+    INVALID_TRIGGER = "invalid_trigger"
+    INVALID_PRIORITY = "invalid_priority"
+    INVALID_TIMEOUT = "invalid_timeout"
+    SHARED_REQUIRED = "shared_required"
+    KINDS: ClassVar[frozenset[str]] = frozenset({
+        REQUIRED, WITHOUT_WORKSPACE, INVALID_TRIGGER, INVALID_PRIORITY, INVALID_TIMEOUT,
+        SHARED_REQUIRED})
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        assert kind in self.KINDS, kind
+        self.kind = kind
+        self.detail = detail
+        super().__init__(f"snapshot policy error ({kind})" + (f": {detail}" if detail else ""))
+
+
+class PersistenceOverlapError(SessionError, ValueError):
+    """A store, index, state or spool path is equal to or under a managed root."""
+
+    def __init__(self, path: str, root: str) -> None:
+        self.path = path
+        self.root = root
+        super().__init__(f"persistence path {path} is inside the managed root {root}")
+
+
+class PlacementDriftError(SessionError):
+    """A session is resumed under another placement than the one it was created with."""
+
+    def __init__(self, session: str, recorded: str, current: str) -> None:
+        self.session = session
+        self.recorded = recorded
+        self.current = current
+        super().__init__(f"session {session} was created under placement {recorded}, "
+                         f"not {current}")
+
+
+# -- leases (CONTRACT 4.2) --------------------------------------------------------------------
+
+
+class WorkspaceRootBusyError(SessionError):
+    """Another session holds the root lease of an exclusive root."""
+
+    def __init__(self, root: str, holder_epoch: int) -> None:
+        self.root = root
+        self.holder_epoch = holder_epoch
+        super().__init__(f"workspace root {root} is held by another session "
+                         f"(lease epoch {holder_epoch})")
+
+
+class SessionBusyError(SessionError):
+    """Another live process holds the session's lease."""
+
+    def __init__(self, session: str, holder_epoch: int) -> None:
+        self.session = session
+        self.holder_epoch = holder_epoch
+        super().__init__(f"session {session} is held by another process "
+                         f"(lease epoch {holder_epoch})")
+
+
+# -- session lifetime --------------------------------------------------------------------------
+
+
+class SessionNotFoundError(SessionError, KeyError):
+    """No session with this id is registered in the store."""
+
+    exit_code = 4
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        super().__init__(f"no session {session!r}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class SessionClosedError(SessionError):
+    """The session has been shut down; open it again with ``resume_session``."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        super().__init__(f"session {session} is closed")
+
+
+class SessionFaultedError(SessionError):
+    """The session is faulted. ``terminal`` faults (lost lease, failed rollback) last until
+    shutdown; the others (a failed required checkpoint, a failed journal append) are cleared
+    by a successful manual checkpoint. ``cause`` says what faulted it."""
+
+    def __init__(self, session: str, cause: str, terminal: bool) -> None:
+        self.session = session
+        self.cause = cause
+        self.terminal = terminal
+        what = "terminally faulted" if terminal else "faulted (a manual checkpoint clears it)"
+        super().__init__(f"session {session} is {what}: {cause}")
+
+
+class SeedError(SessionError, ValueError):
+    """A seed or fork source is refused (CONTRACT 4.4): shared placement, a non-empty root
+    that is not being adopted, or a source that cannot be read."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"seed refused: {reason}")
+
+
+class WorkspaceNotConfiguredError(SessionError):
+    """Checkpoint or restore was asked of a session without a workspace placement; nothing
+    was touched (CONTRACT 4.10)."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        super().__init__(f"cannot {op}: the session has no workspace placement")
+
+
+class CheckpointError(SessionError):
+    """A checkpoint failed; the journal and the live tree are unchanged. ``trigger`` is what
+    asked for it; ``cause`` is the underlying error."""
+
+    def __init__(self, trigger: str, cause: BaseException | str) -> None:
+        self.trigger = trigger
+        self.cause = cause
+        super().__init__(f"checkpoint ({trigger}) failed: {cause}")
+
+
+# -- restore (CONTRACT 4.8) -------------------------------------------------------------------
+
+
+class RestoreError(SessionError):
+    """A restore failed. ``kind`` is one of ``KINDS``; ``ref`` is the target; ``cause`` the
+    underlying error. Unless the kind is rollback_failed or append_failed (which fault the
+    session), the live tree is as it was before the call."""
+
+    CONTEXT_DONE = "context_done"
+    FAULTED = "faulted"
+    CLOSING = "closing"
+    PERMIT_FAILED = "permit_failed"
+    LEASE_UNHEALTHY = "lease_unhealthy"
+    SYMLINK_ROOT = "symlink_root"
+    SYMLINK_COMPONENT = "symlink_component"
+    PATH_ESCAPE = "path_escape"
+    SWAP_FAILED = "swap_failed"
+    ROLLBACK_FAILED = "rollback_failed"
+    APPEND_FAILED = "append_failed"
+    KINDS: ClassVar[frozenset[str]] = frozenset({
+        CONTEXT_DONE, FAULTED, CLOSING, PERMIT_FAILED, LEASE_UNHEALTHY, SYMLINK_ROOT,
+        SYMLINK_COMPONENT, PATH_ESCAPE, SWAP_FAILED, ROLLBACK_FAILED, APPEND_FAILED})
+
+    def __init__(self, kind: str, ref: str = "", cause: BaseException | str = "") -> None:
+        assert kind in self.KINDS, kind
+        self.kind = kind
+        self.ref = ref
+        self.cause = cause
+        msg = f"restore{' of ' + ref if ref else ''} failed ({kind})"
+        super().__init__(msg + (f": {cause}" if str(cause) else ""))
+
+
+__all__ = [
+    "CheckpointError", "PersistenceOverlapError", "PlacementDriftError", "RestoreError",
+    "SeedError", "SessionBusyError", "SessionClosedError", "SessionError",
+    "SessionFaultedError", "SessionNotFoundError", "SnapshotPolicyError",
+    "WorkspaceNotConfiguredError", "WorkspacePlacementError", "WorkspaceRootBusyError",
+]
