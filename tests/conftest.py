@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,11 @@ import fusehelpers as fh  # noqa: E402
 
 # Directories outside pytest's 0700 base that tests create for other uids to traverse.
 SHARED_TMP_PREFIX = "/tmp/rewindfs-test-"
-MOD_COPIES = 40
+MOD_COPIES = 48
+# REWINDFS_FUSE_SELFTEST=1 runs the tests built on the ``lower`` fixture against a plain copy
+# of the lower tree on the local filesystem instead of a mount: a check of the tests' own
+# expectations, never of rewindfs.
+SELFTEST = os.environ.get("REWINDFS_FUSE_SELFTEST") == "1"
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -49,6 +54,8 @@ def _fuse_safety_net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
 
 
 def _require_fuse() -> None:
+    if SELFTEST:
+        return
     if not os.path.exists("/dev/fuse") or shutil.which(fh.FUSERMOUNT) is None:
         pytest.skip("needs /dev/fuse and fusermount3")
 
@@ -90,6 +97,8 @@ def mod_lower_ref(mod_store: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     src = tmp_path_factory.mktemp("lower-src")
     for i in range(MOD_COPIES):
         fh.build_lower(src / f"t{i:02d}")
+    if SELFTEST:
+        return str(src)
     return fh.snapshot(mod_store, src)
 
 
@@ -107,6 +116,11 @@ def mod_mounter(mod_store: Path, tmp_path_factory: pytest.TempPathFactory,
 @pytest.fixture(scope="module")
 def mod_rw(mod_mounter: fh.Mounter, mod_lower_ref: str) -> fh.Daemon:
     """One read-write mount of ``mod_lower_ref`` shared by a module's tests."""
+    if SELFTEST:
+        # Check the tests' own expectations on a local filesystem: a copy of the lower.
+        mnt = mod_mounter.base / "selftest"
+        subprocess.run(["cp", "-a", mod_lower_ref, str(mnt)], check=True)
+        return fh.Daemon(store=mod_mounter.store, mnt=mnt, log=mnt / "none.log")
     return mod_mounter.rw(mod_lower_ref)
 
 
