@@ -1,0 +1,274 @@
+"""Rebuild the index from the backend alone, and catch the index up with the history objects.
+
+The backend is the source of truth (CONTRACT 1.1, 1.2); the index is its cache. Two entry
+points:
+
+- ``rebuild_index(store)`` recreates ``objects`` and ``packs`` from the pack trailers, the
+  snapshot list by replaying ``snapshots/*.json`` records (add, forget) in key order (keys
+  start with the zero-padded time in ns, so key order is time order), and the journal from
+  ``journal/<session>/<seq>.json``. The files cache is dropped (it is only a cache);
+  ``named_refs``, ``state_dirs`` and ``leases`` describe this machine and are kept. It sets
+  ``unverified_rebuild`` in ``config``: GC refuses to run until ``verify`` passes cleanly,
+  since a rebuilt index cannot prove it is complete (a lost pack would go unnoticed).
+  Packs whose trailer is corrupt and records that do not parse are skipped and reported.
+- ``catch_up(store)`` applies history records that are durable in the backend but missing
+  from the index (a crash between writing a record and committing its row). It only ever
+  adds what the backend says and never drops a row the backend does not contradict, so it
+  is safe next to concurrent writers. GC and verify call it first.
+
+Both take no FUSE and write no pack. ``rebuild_index`` holds ``gc.lock`` exclusively, so no
+writer is mid-flight while the tables are replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+import blake3
+
+from .backend import BlobBackend
+from .errors import BackendError, IntegrityError
+from .objects import CONFIG_KEY, Store
+from .pack import Location, parse_trailer
+from .ref import Ref
+
+PACK_KEY = re.compile(r"packs/([0-9a-f]{64})\.pack")
+SNAPSHOT_KEY = re.compile(r"snapshots/[A-Za-z0-9._-]+\.json")
+JOURNAL_KEY = re.compile(r"journal/(.+)/([0-9]+)\.json")
+UNVERIFIED = "unverified_rebuild"
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRecord:
+    """The listing of one Ref after replaying the snapshot-list records."""
+
+    ref: str
+    time_ns: int
+    origin: str
+    label: str | None
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class JournalRecord:
+    """One journal event object, as stored in the backend (fields as in the journal table)."""
+
+    session: str
+    seq: int
+    time_ns: int
+    epoch: int
+    event: str
+    ref: str
+    trigger: str | None
+    consistency: str | None
+    key: str
+
+    def row(self) -> tuple[object, ...]:
+        return (self.session, self.seq, self.time_ns, self.epoch, self.event, self.ref,
+                self.trigger, self.consistency, self.key)
+
+
+@dataclass
+class History:
+    """What the backend's history objects say.
+
+    ``snapshots``: the replayed list, Ref text -> record; ``last_op``: Ref text -> (key of
+    the last record naming it, its op); ``journal``: every journal event object;
+    ``bad``: (key, reason) of records that could not be parsed.
+    """
+
+    snapshots: dict[str, SnapshotRecord] = field(default_factory=dict)
+    last_op: dict[str, tuple[str, str]] = field(default_factory=dict)
+    journal: list[JournalRecord] = field(default_factory=list)
+    bad: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _record(backend: BlobBackend, key: str) -> dict[str, object]:
+    rec = json.loads(backend.get(key))
+    if not isinstance(rec, dict):
+        raise ValueError("record is not a JSON object")
+    return rec
+
+
+def _opt_str(v: object) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise ValueError(f"expected a string or null, got {v!r}")
+    return v
+
+
+def _int(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"expected an integer, got {v!r}")
+    return v
+
+
+def read_history(backend: BlobBackend) -> History:
+    """Read and replay every snapshot-list record and every journal object in the backend."""
+    h = History()
+    for key in backend.list("snapshots/"):
+        try:
+            if not SNAPSHOT_KEY.fullmatch(key):
+                raise ValueError("not a snapshot-list record key")
+            rec = _record(backend, key)
+            ref = str(Ref.parse(rec.get("ref")))
+            op = rec.get("op")
+            if op == "add":
+                origin = rec.get("origin")
+                if not isinstance(origin, str):
+                    raise ValueError("add record without an origin")
+                h.snapshots[ref] = SnapshotRecord(ref, _int(rec.get("time_ns")), origin,
+                                                  _opt_str(rec.get("label")), key)
+            elif op == "forget":
+                h.snapshots.pop(ref, None)
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            h.last_op[ref] = (key, op)
+        except (ValueError, BackendError, IntegrityError) as e:
+            h.bad.append((key, str(e)))
+    for key in backend.list("journal/"):
+        try:
+            m = JOURNAL_KEY.fullmatch(key)
+            if m is None:
+                raise ValueError("not a journal event key")
+            rec = _record(backend, key)
+            jr = JournalRecord(
+                session=str(rec.get("session")), seq=_int(rec.get("seq")),
+                time_ns=_int(rec.get("time_ns")), epoch=_int(rec.get("epoch")),
+                event=str(rec.get("event")), ref=str(Ref.parse(rec.get("ref"))),
+                trigger=_opt_str(rec.get("trigger")),
+                consistency=_opt_str(rec.get("consistency")), key=key)
+            if (jr.session, jr.seq) != (m.group(1), int(m.group(2))):
+                raise ValueError("record's session and seq differ from its key")
+            h.journal.append(jr)
+        except (ValueError, BackendError, IntegrityError) as e:
+            h.bad.append((key, str(e)))
+    return h
+
+
+def catch_up(store: Store, history: History | None = None) -> int:
+    """Apply durable history records that the index lacks; return how many rows changed.
+
+    A listing whose last record is newer than the index row (or that has no row) is
+    written; a Ref whose last record is a forget newer than its row is dropped; a journal
+    event without a row gets one. Rows are never removed for lack of a record.
+    """
+    h = history if history is not None else read_history(store.backend)
+    c = store.conn
+    changed = 0
+    c.execute("BEGIN IMMEDIATE")
+    try:
+        rows = {r[0]: r[1] for r in c.execute("SELECT ref, key FROM snapshots")}
+        for ref, (key, op) in h.last_op.items():
+            have = rows.get(ref)
+            if have is not None and (have or "") >= key:
+                continue
+            if op == "add":
+                s = h.snapshots[ref]
+                c.execute("INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, key) "
+                          "VALUES (?, ?, ?, ?, ?)", (ref, s.time_ns, s.origin, s.label, s.key))
+                changed += 1
+            elif have is not None:
+                c.execute("DELETE FROM snapshots WHERE ref=?", (ref,))
+                changed += 1
+        for jr in h.journal:
+            cur = c.execute("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, "
+                            "ref, trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            jr.row())
+            changed += cur.rowcount
+        c.execute("COMMIT")
+    except BaseException:
+        c.execute("ROLLBACK")
+        raise
+    return changed
+
+
+@dataclass
+class RebuildReport:
+    """What ``rebuild_index`` found: counts of what it indexed and what it skipped."""
+
+    packs: int = 0
+    objects: int = 0
+    snapshots: int = 0
+    journal_events: int = 0
+    skipped_packs: list[tuple[str, str]] = field(default_factory=list)
+    damaged_packs: list[tuple[str, str]] = field(default_factory=list)
+    skipped_records: list[tuple[str, str]] = field(default_factory=list)
+    unknown_keys: list[str] = field(default_factory=list)
+
+
+def is_known_key(key: str) -> bool:
+    """True for every key the store itself writes (config, packs, history records)."""
+    return (key == CONFIG_KEY or PACK_KEY.fullmatch(key) is not None
+            or SNAPSHOT_KEY.fullmatch(key) is not None or JOURNAL_KEY.fullmatch(key) is not None)
+
+
+def read_pack(backend: BlobBackend, key: str) -> tuple[bytes, list[Location]]:
+    """Return a pack's bytes and its trailer rows. Raises IntegrityError if the trailer is
+    corrupt or a row points outside the pack's records, BlobNotFoundError if it is gone."""
+    data = backend.get(key)
+    rows = parse_trailer(key, data, lambda off, n: data[off:off + n])
+    for loc in rows:
+        if loc.rec_offset < 4 or loc.rec_offset + loc.rec_length > len(data):
+            raise IntegrityError(key, f"trailer row for {loc.oid.hex()} points outside the pack")
+    return data, rows
+
+
+def rebuild_index(store: Store) -> RebuildReport:
+    """Recreate the index from the backend (see the module docstring). Holds gc.lock."""
+    rep = RebuildReport()
+    fd = store.lock(exclusive=True)
+    assert fd is not None
+    try:
+        packs: list[tuple[str, int, list[Location]]] = []
+        for key in store.backend.list(""):
+            m = PACK_KEY.fullmatch(key)
+            if m is None:
+                if not is_known_key(key):
+                    rep.unknown_keys.append(key)
+                continue
+            try:
+                data, rows = read_pack(store.backend, key)
+            except (IntegrityError, BackendError) as e:
+                rep.skipped_packs.append((key, str(e)))
+                continue
+            if blake3.blake3(data).hexdigest() != m.group(1):
+                rep.damaged_packs.append((key, "pack bytes do not hash to its key"))
+            packs.append((key, len(data), rows))
+        h = read_history(store.backend)
+        rep.skipped_records = list(h.bad)
+        c = store.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            for table in ("objects", "packs", "snapshots", "journal", "files_cache"):
+                c.execute(f"DELETE FROM {table}")
+            for key, size, rows in packs:
+                c.execute("INSERT INTO packs(key, size, objects) VALUES (?, ?, ?)",
+                          (key, size, len(rows)))
+                cur = c.executemany(
+                    "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, "
+                    "codec, inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(r.oid, int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
+                      r.inner_offset, r.raw_length) for r in rows])
+                rep.objects += cur.rowcount
+            rep.packs = len(packs)
+            c.executemany("INSERT INTO snapshots(ref, time_ns, origin, label, key) "
+                          "VALUES (?, ?, ?, ?, ?)",
+                          [(s.ref, s.time_ns, s.origin, s.label, s.key)
+                           for s in h.snapshots.values()])
+            rep.snapshots = len(h.snapshots)
+            cur = c.executemany("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, "
+                                "event, ref, trigger_, consistency, key) "
+                                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                [jr.row() for jr in h.journal])
+            rep.journal_events = cur.rowcount
+            store.set_config(UNVERIFIED, "1")
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+    finally:
+        store.unlock(fd)
+    return rep
+
