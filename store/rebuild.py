@@ -205,14 +205,20 @@ def is_known_key(key: str) -> bool:
 
 
 def read_pack(backend: BlobBackend, key: str) -> tuple[bytes, list[Location]]:
-    """Return a pack's bytes and its trailer rows. Raises IntegrityError if the trailer is
-    corrupt or a row points outside the pack's records, BlobNotFoundError if it is gone."""
+    """Return a pack's bytes and its trailer rows (``parse_pack``); BlobNotFoundError if it
+    is gone."""
     data = backend.get(key)
+    return data, parse_pack(key, data)
+
+
+def parse_pack(key: str, data: bytes) -> list[Location]:
+    """Return the trailer rows of the pack ``data``. Raises IntegrityError if the trailer is
+    corrupt or a row points outside the pack's records."""
     rows = parse_trailer(key, data, lambda off, n: data[off:off + n])
     for loc in rows:
         if loc.rec_offset < 4 or loc.rec_offset + loc.rec_length > len(data):
             raise IntegrityError(key, f"trailer row for {loc.oid.hex()} points outside the pack")
-    return data, rows
+    return rows
 
 
 def rebuild_index(store: Store) -> RebuildReport:

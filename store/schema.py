@@ -5,21 +5,33 @@ recreates ``objects``, ``packs``, ``snapshots``, ``journal`` and ``config`` from
 trailers and the append-only history objects. It runs in WAL mode. Tables are created with
 sqlite-utils here and nowhere else; hot paths use plain prepared SQL.
 
-Invariants, each checked by ``verify`` under the stable name given in brackets:
+Invariants, each checked by ``verify`` (store/verify.py, which keeps the same list in
+``INVARIANTS``) under the stable name given in brackets:
 
-- [object-hash] every object's plaintext hashes to its id.
-- [object-location] every ``objects`` row points inside an existing pack, and that pack's
-  trailer lists the same location.
-- [pack-trailer] every pack's trailer decodes and matches its digest; its key is the blake3
-  of its bytes.
-- [pack-indexed] every object in a pack trailer has an ``objects`` row (else the index is
-  stale: run ``rebuild-index``).
-- [tree-decodes] every reachable tree decodes canonically (re-encodes to the same bytes).
-- [tree-complete] every chunk and child tree referenced by a reachable tree is indexed.
-- [file-size] a file entry's size equals the sum of its chunks' plaintext lengths.
-- [snapshot-root] every listed snapshot's root tree is indexed.
-- [journal-ref] every ref named by a journal event is indexed.
-- [history-object] every snapshot-list and journal row has its backend object, and back.
+- [object-hash] every indexed object's record decodes and the object's plaintext hashes to
+  its id, with its recorded plaintext length.
+- [object-location] every ``objects`` row names a pack that has a ``packs`` row and exists
+  in the backend; its record lies inside that pack, whose trailer lists the same location.
+- [pack-trailer] every indexed pack's key is the blake3 of its bytes; its trailer decodes
+  and matches its digest; its size and object count equal its ``packs`` row.
+- [pack-indexed] every object in an indexed pack's trailer has an ``objects`` row (in that
+  pack or another). Packs without a ``packs`` row are crash leftovers that GC deletes.
+- [tree-decodes] every reachable tree decodes and re-encodes to the same bytes.
+- [tree-complete] every child tree and chunk referenced by a reachable tree is indexed, as
+  a tree or a chunk respectively.
+- [file-size] a reachable file entry's size equals the sum of its chunks' plaintext lengths.
+- [snapshot-root] every listed snapshot's root is an indexed tree.
+- [journal-ref] every ref named by a journal event is an indexed tree.
+- [named-ref] every named ref is an indexed tree.
+- [history-object] every ``snapshots`` and ``journal`` row equals its backend history
+  object, every journal object has its row, and the snapshot list equals the replay of the
+  ``snapshots/`` records in key order. (Records durable in the backend whose row a crash
+  kept from being written are applied first, by ``rebuild.catch_up``: the index lagging is
+  not a broken invariant.)
+- [journal-seq] each session's journal seqs are 1, 2, ..., n without gaps.
+- [files-cache] every chunk named by a ``files_cache`` row is an indexed chunk.
+
+Reachable means reachable from the snapshot list, the journals and the named refs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,281 @@
+"""Verify: check every invariant of the store and report each broken one by its stable name.
+
+The invariants and their names are listed in ``schema.py``'s docstring; ``INVARIANTS``
+below is the same list, and each check here reports under one of those names. ``verify``
+re-reads every indexed pack, re-hashes every indexed object (``full=True``; ``full=False``
+re-hashes trees only), walks every tree reachable from the snapshot list, the journals and
+the named refs, and compares the history rows with the backend's history objects.
+
+Before checking, the index is caught up with history records that are durable in the
+backend but lack their row (``rebuild.catch_up``; what a crash between the two leaves):
+that is the index lagging, not a broken invariant. Otherwise verify changes nothing, except
+that a clean full run clears ``unverified_rebuild`` so GC may run again. Packs that no index
+row names are crash leftovers for GC, not problems. Verify never raises for a broken
+store; it returns the problems found (empty when healthy).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import blake3
+
+from .errors import StoreError
+from .objects import Store
+from .pack import Codec, Location, ObjKind, decode_record
+from .rebuild import UNVERIFIED, History, catch_up, parse_pack, read_history
+from .ref import DIGEST_SIZE, ObjectId, Ref, object_id
+from .tree import Kind, decode_tree, encode_tree
+
+INVARIANTS = (
+    "object-hash", "object-location", "pack-trailer", "pack-indexed", "tree-decodes",
+    "tree-complete", "file-size", "snapshot-root", "journal-ref", "named-ref",
+    "history-object", "journal-seq", "files-cache",
+)
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: pack bytes checked so far and in all."""
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One broken invariant: its stable name, the key it concerns (object id hex, pack
+    key, Ref, history key or path) and a human-readable detail."""
+
+    invariant: str
+    key: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.key}: {self.detail}"
+
+
+class _Report:
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def add(self, invariant: str, key: str, detail: str) -> None:
+        assert invariant in INVARIANTS, invariant
+        self.problems.append(Problem(invariant, key, detail))
+
+
+_ObjRow = tuple[bytes, int, int, int, int, int, int]  # id kind off len codec inner rawlen
+
+
+def verify(store: Store, *, full: bool = True, progress: Progress | None = None) -> list[Problem]:
+    """Check ``store`` and return its problems, in check order (empty when healthy)."""
+    rep = _Report()
+    history = read_history(store.backend)
+    catch_up(store, history)
+    c = store.conn
+    kinds: dict[bytes, tuple[int, int]] = {}  # id -> (kind, raw_length)
+    by_pack: dict[str, list[_ObjRow]] = defaultdict(list)
+    for oid, kind, pack, off, ln, codec, inner, raw in c.execute(
+            "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, raw_length "
+            "FROM objects"):
+        kinds[oid] = (kind, raw)
+        by_pack[pack].append((oid, kind, off, ln, codec, inner, raw))
+    packs = {k: (size, n) for k, size, n in c.execute("SELECT key, size, objects FROM packs")}
+    _check_packs(store, rep, packs, by_pack, kinds, full, progress)
+    _check_reachable(store, rep, kinds)
+    _check_history(store, rep, history)
+    _check_files_cache(store, rep, kinds)
+    if full and not rep.problems:
+        store.set_config(UNVERIFIED, None)
+    return rep.problems
+
+
+def _check_packs(store: Store, rep: _Report, packs: dict[str, tuple[int, int]],
+                 by_pack: dict[str, list[_ObjRow]], kinds: dict[bytes, tuple[int, int]],
+                 full: bool, progress: Progress | None) -> None:
+    total = sum(size for size, _ in packs.values())
+    done = 0
+    for key in sorted(set(packs) | set(by_pack)):
+        rows = by_pack.get(key, [])
+        if key not in packs:
+            for r in rows:
+                rep.add("object-location", r[0].hex(), f"names pack {key}, which is not indexed")
+        try:
+            data = store.backend.get(key)
+        except StoreError as e:
+            for r in rows:
+                rep.add("object-location", r[0].hex(), f"pack {key} cannot be read: {e}")
+            if not rows:
+                rep.add("pack-trailer", key, f"indexed pack cannot be read: {e}")
+            continue
+        trailer: dict[bytes, Location] | None = None
+        if key in packs:
+            trailer = _check_trailer(rep, key, data, packs[key], kinds)
+        for r in rows:
+            oid, kind, off, ln, codec, inner, raw = r
+            if trailer is not None:
+                t = trailer.get(oid)
+                if t is None or (int(t.kind), t.rec_offset, t.rec_length, int(t.codec),
+                                 t.inner_offset, t.raw_length) != (kind, off, ln, codec,
+                                                                   inner, raw):
+                    rep.add("object-location", oid.hex(),
+                            f"pack {key}'s trailer does not list it at this location")
+            if off < 4 or off + ln > len(data):
+                rep.add("object-location", oid.hex(), f"record lies outside pack {key}")
+                continue
+        _check_hashes(rep, key, data, rows, full)
+        done += packs.get(key, (len(data), 0))[0]
+        if progress is not None:
+            progress(done, total)
+
+
+def _check_trailer(rep: _Report, key: str, data: bytes, row: tuple[int, int],
+                   kinds: dict[bytes, tuple[int, int]]) -> dict[bytes, Location] | None:
+    digest = key.removeprefix("packs/").removesuffix(".pack")
+    if blake3.blake3(data).hexdigest() != digest:
+        rep.add("pack-trailer", key, "pack bytes do not hash to its key")
+    try:
+        locs = parse_pack(key, data)
+    except StoreError as e:
+        rep.add("pack-trailer", key, f"trailer does not decode: {e}")
+        return None
+    if (len(data), len(locs)) != row:
+        rep.add("pack-trailer", key, f"size {len(data)} and {len(locs)} objects, but the index "
+                                     f"says {row[0]} and {row[1]}")
+    for loc in locs:
+        if loc.oid not in kinds:
+            rep.add("pack-indexed", loc.oid.hex(), f"listed in {key}'s trailer but not indexed")
+    return {loc.oid: loc for loc in locs}
+
+
+def _check_hashes(rep: _Report, key: str, data: bytes, rows: list[_ObjRow], full: bool) -> None:
+    plain_of: dict[tuple[int, int], bytes | StoreError] = {}
+    for oid, kind, off, ln, codec, inner, raw in rows:
+        if not full and kind != ObjKind.TREE:
+            continue
+        if off < 4 or off + ln > len(data):
+            continue  # reported as object-location
+        rec = plain_of.get((off, ln))
+        if rec is None:
+            try:
+                rec = decode_record(key, Codec(codec), data[off:off + ln], 1 << 27)
+            except (StoreError, ValueError) as e:
+                rec = StoreError(str(e))
+            plain_of[(off, ln)] = rec
+        if isinstance(rec, StoreError):
+            rep.add("object-hash", oid.hex(), f"record in {key} does not decode: {rec}")
+            continue
+        got = rec[inner:inner + raw]
+        if len(got) != raw or object_id(got) != oid:
+            rep.add("object-hash", oid.hex(), f"stored bytes in {key} do not hash to the id")
+
+
+def _roots(store: Store, rep: _Report, kinds: dict[bytes, tuple[int, int]]) -> list[ObjectId]:
+    c = store.conn
+    roots: list[ObjectId] = []
+    sources = [("snapshot-root", "SELECT ref, ref FROM snapshots"),
+               ("journal-ref", "SELECT ref, key FROM journal"),
+               ("named-ref", "SELECT ref, name FROM named_refs")]
+    for invariant, sql in sources:
+        for text, where in c.execute(sql).fetchall():
+            try:
+                ref = Ref.parse(text)
+            except StoreError as e:
+                rep.add(invariant, str(where), f"not a Ref: {e}")
+                continue
+            k = kinds.get(ref.tree_id)
+            if k is None or k[0] != ObjKind.TREE:
+                what = "is not indexed" if k is None else "names a chunk, not a tree"
+                rep.add(invariant, str(where), f"root tree of {ref} {what}")
+                continue
+            roots.append(ref.tree_id)
+    return roots
+
+
+def _check_reachable(store: Store, rep: _Report, kinds: dict[bytes, tuple[int, int]]) -> None:
+    seen: set[bytes] = set()
+    stack = _roots(store, rep, kinds)
+    while stack:
+        tid = stack.pop()
+        if tid in seen:
+            continue
+        seen.add(tid)
+        try:
+            data = store.read_object(tid)
+        except StoreError:
+            continue  # reported as object-hash or object-location
+        try:
+            tree = decode_tree(data, tid.hex())
+            if encode_tree(tree.entries) != data:
+                raise ValueError("does not re-encode to the same bytes")
+        except (StoreError, ValueError) as e:
+            rep.add("tree-decodes", tid.hex(), str(e))
+            continue
+        for ent in tree.entries:
+            where = f"{tid.hex()}/{ent.name!r}"
+            if ent.kind is Kind.DIR and ent.tree_id is not None:
+                k = kinds.get(ent.tree_id)
+                if k is None or k[0] != ObjKind.TREE:
+                    rep.add("tree-complete", where,
+                            f"child tree {ent.tree_id.hex()} "
+                            + ("is not indexed" if k is None else "is indexed as a chunk"))
+                else:
+                    stack.append(ent.tree_id)
+            elif ent.kind is Kind.FILE:
+                total = 0
+                complete = True
+                for cid in ent.chunks:
+                    k = kinds.get(cid)
+                    if k is None or k[0] != ObjKind.CHUNK:
+                        complete = False
+                        rep.add("tree-complete", where, f"chunk {cid.hex()} "
+                                + ("is not indexed" if k is None else "is indexed as a tree"))
+                    else:
+                        total += k[1]
+                if complete and total != ent.size:
+                    rep.add("file-size", where,
+                            f"size {ent.size} but its chunks hold {total} bytes")
+
+
+def _check_history(store: Store, rep: _Report, h: History) -> None:
+    c = store.conn
+    for key, why in h.bad:
+        rep.add("history-object", key, f"history object does not parse: {why}")
+    for ref, time_ns, origin, label, key in c.execute(
+            "SELECT ref, time_ns, origin, label, key FROM snapshots").fetchall():
+        s = h.snapshots.get(ref)
+        if s is None:
+            rep.add("history-object", ref, "listed in the index but not by the backend's "
+                                           "snapshot-list records")
+        elif (s.time_ns, s.origin, s.label, s.key) != (time_ns, origin, label, key):
+            rep.add("history-object", ref, f"index row differs from its record {s.key}")
+    for ref in h.snapshots.keys() - {r[0] for r in c.execute("SELECT ref FROM snapshots")}:
+        rep.add("history-object", ref, "listed by the backend's records but not in the index")
+    records = {(j.session, j.seq): j for j in h.journal}
+    rows = c.execute("SELECT session, seq, time_ns, epoch, event, ref, trigger_, consistency, "
+                     "key FROM journal ORDER BY session, seq").fetchall()
+    seqs: dict[str, list[int]] = defaultdict(list)
+    for row in rows:
+        seqs[row[0]].append(row[1])
+        j = records.pop((row[0], row[1]), None)
+        if j is None:
+            rep.add("history-object", f"journal/{row[0]}/{row[1]}",
+                    "journal row has no backend object")
+        elif j.row() != tuple(row):
+            rep.add("history-object", j.key, "journal row differs from its backend object")
+    for j in records.values():
+        rep.add("history-object", j.key, "journal object has no index row")
+    for session, ss in seqs.items():
+        if ss != list(range(1, len(ss) + 1)):
+            rep.add("journal-seq", session, f"seqs are not 1..{len(ss)} without gaps")
+
+
+def _check_files_cache(store: Store, rep: _Report, kinds: dict[bytes, tuple[int, int]]) -> None:
+    for path, chunks in store.conn.execute("SELECT path, chunks FROM files_cache").fetchall():
+        chunks = chunks or b""
+        if len(chunks) % DIGEST_SIZE:
+            rep.add("files-cache", repr(path), "chunk list is not a whole number of ids")
+            continue
+        for i in range(0, len(chunks), DIGEST_SIZE):
+            k = kinds.get(chunks[i:i + DIGEST_SIZE])
+            if k is None or k[0] != ObjKind.CHUNK:
+                rep.add("files-cache", repr(path),
+                        f"names chunk {chunks[i:i + DIGEST_SIZE].hex()}, which is not indexed")
+                break
