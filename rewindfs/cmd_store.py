@@ -207,20 +207,16 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from store.snapshot import snapshot
+    from store.snapshot import run_snapshot
 
     st = open_store(args)
-    totals = [0, 0]
     t0 = time.perf_counter()
     with progress(args, "snapshot") as bar:
-        def on_progress(files_done: int, bytes_done: int) -> None:
-            totals[0], totals[1] = files_done, bytes_done
-            bar(files_done, bytes_done)
-
-        ref = snapshot(st, args.dir, label=args.label, progress=on_progress)
-    emit(args, {"ref": str(ref), "path": os.path.abspath(args.dir), "label": args.label,
-                "files": totals[0], "bytes": totals[1], "elapsed_ms": elapsed_ms(t0)},
-         str(ref))
+        result = run_snapshot(st, args.dir, label=args.label, progress=bar)
+    data = {"ref": str(result.ref), "path": os.path.abspath(args.dir), "label": args.label}
+    data.update({k: v for k, v in jsonable(result).items() if k not in data})
+    data["elapsed_ms"] = elapsed_ms(t0)
+    emit(args, data, str(result.ref))
     return 0
 
 
