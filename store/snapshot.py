@@ -1,0 +1,605 @@
+"""Import a real directory into the store as a snapshot (CONTRACT 1.4).
+
+Owns the directory walk that turns a tree on disk into chunks and trees, the files cache
+that lets an unchanged file be skipped without reading it, and ``compute_ref``, the same walk
+with nothing written. It must never follow a symlink inside the tree, never open a device,
+and never return a Ref for a tree that changed while it was read.
+
+How the walk stays safe and bounded:
+
+- Every directory is opened relative to its parent's fd with ``O_NOFOLLOW | O_DIRECTORY``
+  and every file with ``O_NOFOLLOW | O_NONBLOCK``; an fstat after opening must show the
+  same inode as the listing, and a file is fstat'ed again after reading: any difference
+  (size, mtime, ctime, inode) is ``SnapshotError(root, cause)``. So is a directory whose
+  mtime or ctime moved while its entries were read, an unreadable entry, a device node, and
+  a directory that is the store itself.
+- Memory: one open directory (fd and listing) per level of depth, one chunk of content at a
+  time (plus at most ``_INFLIGHT`` chunks queued for compression), and the entries of the
+  directories on the path to a hard-linked file (below).
+- Hard links: a file with ``st_nlink > 1`` seen at two or more places in the tree is a
+  hard-link group whose id is ``blake3(b"\\0".join(sorted member paths))``, the paths
+  root-relative and ``/``-joined. Whether a file has a partner in the tree is known only at
+  the end of the walk, so a directory holding such a file (and its ancestors) is encoded
+  after the walk; every other directory is encoded as soon as its last entry is done. A
+  file whose other links are all outside the tree is not a group.
+- The root directory's own metadata is not part of the Ref (a Ref is the root tree's id).
+
+Files cache (table ``files_cache``, keyed by the absolute path as bytes): a row records the
+size, mtime, ctime and inode a file had when it was read and the chunk ids read. A later
+snapshot uses the row instead of reading the file only when all four match, both mtime and
+ctime are older than the row's ``trusted_before_ns``, and every chunk is still in the store.
+``trusted_before_ns`` is the recording snapshot's start on the kernel's coarse clock (the one
+file timestamps come from), rounded down to a whole second so that file systems with 1 s
+timestamps are covered too: a file written in the same timestamp tick as it was read can
+therefore never be trusted later, and a same-size rewrite within that tick is always seen.
+
+Write order (CONTRACT 1.3): chunks and trees go through one ``Writer``; ``commit`` makes the
+packs durable and indexes them; the snapshot is listed after that, inside the writer's
+``with`` block (which holds the GC lock shared). Cache rows may be written earlier: they are
+only trusted once their chunks are found in the index.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import blake3
+import zstandard
+
+from . import chunker
+from .errors import SnapshotError
+from .objects import Store, Writer
+from .pack import ObjKind
+from .ref import DIGEST_SIZE, ObjectId, Ref, object_id
+from .tree import Entry, Kind, encode_tree
+
+Progress = Callable[[int, int], None]
+"""``progress(files_done, bytes_done)``: files and logical content bytes done so far."""
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_CLOCK_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+_GROUP_THRESHOLD = 64 << 10  # objects below this are grouped by PackBuilder, compressed there
+_INFLIGHT = 4  # large chunks queued for compression at most
+_CACHE_BATCH = 2048  # files cache rows per transaction
+_XATTR_UNSUPPORTED = {errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+@dataclass(slots=True)
+class SnapshotResult:
+    """What one snapshot did. Sizes in bytes."""
+
+    ref: Ref
+    files: int = 0  # regular files in the tree (each hard link counted)
+    dirs: int = 0  # directories below the root
+    bytes: int = 0  # logical content bytes of the files
+    files_read: int = 0  # files whose content was read (not taken from the files cache)
+    bytes_read: int = 0  # content bytes read from disk
+    packs_written: int = 0
+    stored_bytes: int = 0  # pack bytes written
+
+
+def trust_horizon_ns() -> int:
+    """The ``trusted_before_ns`` of a snapshot starting now (see the module docstring)."""
+    now = time.clock_gettime_ns(_CLOCK_REALTIME_COARSE)
+    return now - now % 1_000_000_000
+
+
+def link_group_id(paths: list[bytes]) -> bytes:
+    """The id of a hard-link group: blake3 of its sorted root-relative member paths,
+    joined by NUL (which no path contains)."""
+    return blake3.blake3(b"\0".join(sorted(paths))).digest()
+
+
+# -- sinks: where chunks and trees go --------------------------------------------------
+
+
+class _HashSink:
+    """Computes ids only; writes nothing (``compute_ref``)."""
+
+    def chunk(self, data: bytes) -> ObjectId:
+        return object_id(data)
+
+    def zero(self, length: int) -> ObjectId:
+        return chunker.zero_chunk_id(length)
+
+    def tree(self, entries: list[Entry]) -> ObjectId:
+        return object_id(encode_tree(entries))
+
+    def have(self, ids: list[ObjectId]) -> bool:
+        return False
+
+    def finish(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None
+
+
+class _StoreSink:
+    """Puts chunks and trees into a Writer; large new chunks are compressed by a pool of
+    worker threads (zstd releases the GIL) while the walk reads on."""
+
+    def __init__(self, writer: Writer, level: int, workers: int) -> None:
+        self.w = writer
+        self._level = level
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(workers, "rewindfs-compress") if workers else None
+        self._queue: deque[tuple[ObjectId, bytes, Future[bytes]]] = deque()
+        self._inflight: set[bytes] = set()
+
+    def _compress(self, data: bytes) -> bytes:
+        c = getattr(self._local, "cctx", None)
+        if c is None:
+            c = self._local.cctx = zstandard.ZstdCompressor(level=self._level)
+        return c.compress(data)
+
+    def chunk(self, data: bytes) -> ObjectId:
+        oid = object_id(data)
+        if oid in self._inflight or self.w.known(oid):
+            return oid
+        if self._pool is None or len(data) < _GROUP_THRESHOLD:
+            self.w.put(oid, ObjKind.CHUNK, data)
+            return oid
+        self._inflight.add(oid)
+        self._queue.append((oid, data, self._pool.submit(self._compress, data)))
+        while len(self._queue) > _INFLIGHT:
+            self._drain_one()
+        return oid
+
+    def zero(self, length: int) -> ObjectId:
+        oid = chunker.zero_chunk_id(length)
+        if oid not in self._inflight and not self.w.known(oid):
+            self.w.put(oid, ObjKind.CHUNK, chunker.zeros(length))
+        return oid
+
+    def _drain_one(self) -> None:
+        oid, data, fut = self._queue.popleft()
+        self.w.put(oid, ObjKind.CHUNK, data, compressed=fut.result())
+        self._inflight.discard(oid)
+
+    def tree(self, entries: list[Entry]) -> ObjectId:
+        return self.w.put_tree(entries)
+
+    def have(self, ids: list[ObjectId]) -> bool:
+        return all(i in self._inflight or self.w.known(i) for i in ids)
+
+    def finish(self) -> None:
+        while self._queue:
+            self._drain_one()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def abort(self) -> None:
+        self._queue.clear()
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+
+# -- the walk ------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Dir:
+    """A directory being walked, or one whose encoding waits for hard-link groups."""
+
+    fd: int
+    rel: bytes  # root-relative path, b"" for the root
+    st: os.stat_result
+    xattrs: tuple[tuple[bytes, bytes], ...]
+    names: list[tuple[bytes, int]]  # (name, type hint from the listing)
+    pos: int = 0
+    entries: list[Entry] = field(default_factory=list)
+    # (index in entries, _Dir whose tree id is pending, or (dev, ino) of a linked file)
+    late: list[tuple[int, object]] = field(default_factory=list)
+    tree_id: ObjectId | None = None
+
+
+_HINT_DIR, _HINT_FILE, _HINT_OTHER = 1, 2, 3
+
+
+class _Walker:
+    def __init__(self, root_fd: int, root_shown: str, sink: _HashSink | _StoreSink, *,
+                 chunk_size: int, store: Store | None = None, cache_prefix: bytes | None = None,
+                 horizon_ns: int = 0, progress: Progress | None = None) -> None:
+        self.root_fd = root_fd
+        self.shown = root_shown
+        self.sink = sink
+        self.cs = chunk_size
+        self.store = store
+        self.cache_prefix = cache_prefix
+        self.horizon = horizon_ns
+        self.progress = progress
+        self.store_id: tuple[int, int] | None = None
+        if store is not None:
+            s = os.stat(store.root)
+            self.store_id = (s.st_dev, s.st_ino)
+        # (dev, ino) -> [root-relative paths] of files with st_nlink > 1
+        self.links: dict[tuple[int, int], list[bytes]] = {}
+        # (dev, ino) -> (size, mtime_ns, ctime_ns, chunks, xattrs) of such files, read once
+        self.link_content: dict[tuple[int, int], tuple[int, int, int, tuple[ObjectId, ...],
+                                                       tuple[tuple[bytes, bytes], ...]]] = {}
+        self.cache_rows: list[tuple[bytes, int, int, int, int, bytes, int]] = []
+        self.result = SnapshotResult(Ref(ObjectId(bytes(DIGEST_SIZE))))
+
+    def fail(self, rel: bytes, why: str) -> SnapshotError:
+        return SnapshotError(self.shown, f"{os.fsdecode(rel) or '.'}: {why}")
+
+    def oserror(self, rel: bytes, e: OSError) -> SnapshotError:
+        if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            return self.fail(rel, "changed while read (entry vanished or was replaced)")
+        return self.fail(rel, e.strerror or str(e))
+
+    # -- listing and metadata ------------------------------------------------------
+
+    def _list(self, fd: int, rel: bytes) -> list[tuple[bytes, int]]:
+        out = []
+        try:
+            with os.scandir(fd) as it:
+                for de in it:
+                    if de.is_dir(follow_symlinks=False):
+                        hint = _HINT_DIR
+                    elif de.is_file(follow_symlinks=False):
+                        hint = _HINT_FILE
+                    else:
+                        hint = _HINT_OTHER
+                    out.append((os.fsencode(de.name), hint))
+        except OSError as e:
+            raise self.oserror(rel, e) from None
+        return out
+
+    def _xattrs(self, fd: int, rel: bytes) -> tuple[tuple[bytes, bytes], ...]:
+        try:
+            names = os.listxattr(fd)
+        except OSError as e:
+            if e.errno in _XATTR_UNSUPPORTED:
+                return ()
+            raise self.oserror(rel, e) from None
+        out = []
+        for n in names:
+            if not n.startswith("user."):
+                continue
+            try:
+                out.append((os.fsencode(n), os.getxattr(fd, n)))
+            except OSError as e:
+                if e.errno == errno.ENODATA:
+                    raise self.fail(rel, "changed while read (xattr vanished)") from None
+                raise self.oserror(rel, e) from None
+        out.sort()
+        return tuple(out)
+
+    def _open_dir(self, parent_fd: int, name: bytes, rel: bytes) -> _Dir:
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as e:
+            raise self.oserror(rel, e) from None
+        try:
+            st = os.fstat(fd)
+            if self.store_id == (st.st_dev, st.st_ino):
+                raise self.fail(rel, "is the store itself; keep the store outside the tree")
+            xattrs = self._xattrs(fd, rel)
+            names = self._list(fd, rel)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _Dir(fd, rel, st, xattrs, names)
+
+    # -- the walk --------------------------------------------------------------------
+
+    def walk(self) -> ObjectId:
+        """Walk the tree under ``root_fd``; return the root tree id."""
+        try:
+            st = os.fstat(self.root_fd)
+        except OSError as e:
+            raise self.oserror(b"", e) from None
+        if self.store_id == (st.st_dev, st.st_ino):
+            raise self.fail(b"", "is the store itself")
+        root = _Dir(-1, b"", st, (), self._list(self.root_fd, b""))
+        root.fd = self.root_fd
+        stack = [root]
+        try:
+            while stack:
+                d = stack[-1]
+                if d.pos < len(d.names):
+                    name, hint = d.names[d.pos]
+                    d.pos += 1
+                    child = self._entry(d, name, hint)
+                    if child is not None:
+                        stack.append(child)
+                    continue
+                stack.pop()
+                self._finish_dir(d, stack[-1] if stack else None)
+        finally:
+            for d in stack:
+                if d.fd >= 0 and d.fd != self.root_fd:
+                    os.close(d.fd)
+        if root.tree_id is None:
+            self._finish_late(root)
+        assert root.tree_id is not None
+        return root.tree_id
+
+    def _entry(self, d: _Dir, name: bytes, hint: int) -> _Dir | None:
+        rel = d.rel + b"/" + name if d.rel else name
+        if hint == _HINT_DIR:
+            return self._open_dir(d.fd, name, rel)
+        if hint == _HINT_FILE:
+            self._file(d, name, rel)
+            return None
+        try:
+            st = os.stat(name, dir_fd=d.fd, follow_symlinks=False)
+        except OSError as e:
+            raise self.oserror(rel, e) from None
+        m = st.st_mode
+        if stat.S_ISDIR(m):
+            return self._open_dir(d.fd, name, rel)
+        if stat.S_ISREG(m):
+            self._file(d, name, rel)
+        elif stat.S_ISLNK(m):
+            try:
+                target = os.readlink(name, dir_fd=d.fd)
+                st2 = os.stat(name, dir_fd=d.fd, follow_symlinks=False)
+            except OSError as e:
+                raise self.oserror(rel, e) from None
+            if _sig(st) != _sig(st2) or len(target) != st.st_size:
+                raise self.fail(rel, "changed while read")
+            d.entries.append(Entry(name, Kind.SYMLINK, stat.S_IMODE(m), st.st_uid, st.st_gid,
+                                   st.st_mtime_ns, len(target), target=target))
+        elif stat.S_ISFIFO(m) or stat.S_ISSOCK(m):
+            kind = Kind.FIFO if stat.S_ISFIFO(m) else Kind.SOCKET
+            d.entries.append(Entry(name, kind, stat.S_IMODE(m), st.st_uid, st.st_gid,
+                                   st.st_mtime_ns))
+        elif stat.S_ISCHR(m) or stat.S_ISBLK(m):
+            raise self.fail(rel, "is a device node; snapshots do not hold devices")
+        else:
+            raise self.fail(rel, f"has an unsupported file type {stat.S_IFMT(m):o}")
+        return None
+
+    def _finish_dir(self, d: _Dir, parent: _Dir | None) -> None:
+        try:
+            st = os.fstat(d.fd)
+        except OSError as e:
+            raise self.oserror(d.rel, e) from None
+        finally:
+            if d.fd != self.root_fd:
+                os.close(d.fd)
+            d.fd = -1
+        if (st.st_mtime_ns, st.st_ctime_ns) != (d.st.st_mtime_ns, d.st.st_ctime_ns):
+            raise self.fail(d.rel, "changed while read (entries added or removed)")
+        d.names = []
+        if not d.late:
+            d.tree_id = self.sink.tree(d.entries)
+            d.entries = []
+        if parent is None:
+            return
+        self.result.dirs += 1
+        st = d.st
+        ent = Entry(d.rel.rsplit(b"/", 1)[-1], Kind.DIR, stat.S_IMODE(st.st_mode), st.st_uid,
+                    st.st_gid, st.st_mtime_ns, tree_id=d.tree_id or chunker.zero_chunk_id(0),
+                    xattrs=d.xattrs)
+        if d.tree_id is None:
+            parent.late.append((len(parent.entries), d))
+        parent.entries.append(ent)
+
+    def _finish_late(self, root: _Dir) -> None:
+        """Encode the directories that waited for hard-link groups, deepest first."""
+        groups = {k: link_group_id(v) for k, v in self.links.items() if len(v) > 1}
+        todo: list[tuple[_Dir, bool]] = [(root, False)]
+        while todo:
+            d, expanded = todo.pop()
+            if not expanded:
+                todo.append((d, True))
+                todo.extend((c, False) for _, c in d.late if isinstance(c, _Dir))
+                continue
+            for i, item in d.late:
+                if isinstance(item, _Dir):
+                    d.entries[i] = replace(d.entries[i], tree_id=item.tree_id)
+                else:
+                    gid = groups.get(item)  # type: ignore[call-overload]
+                    if gid is not None:
+                        d.entries[i] = replace(d.entries[i], link_group=gid)
+            d.tree_id = self.sink.tree(d.entries)
+            d.entries = []
+            d.late = []
+
+    # -- files -----------------------------------------------------------------------
+
+    def _file(self, d: _Dir, name: bytes, rel: bytes) -> None:
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=d.fd)
+        except OSError as e:
+            raise self.oserror(rel, e) from None
+        try:
+            try:
+                st = os.fstat(fd)
+            except OSError as e:
+                raise self.oserror(rel, e) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise self.fail(rel, "changed while read (no longer a regular file)")
+            key = (st.st_dev, st.st_ino)
+            known = self.link_content.get(key) if st.st_nlink > 1 else None
+            if known is not None and known[:3] == (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                chunks, xattrs = known[3], known[4]
+            else:
+                xattrs = self._xattrs(fd, rel)
+                chunks = self._content(fd, st, rel)
+                if st.st_nlink > 1:
+                    self.link_content[key] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                              chunks, xattrs)
+        finally:
+            os.close(fd)
+        ent = Entry(name, Kind.FILE, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid,
+                    st.st_mtime_ns, st.st_size, chunks, xattrs=xattrs)
+        if st.st_nlink > 1:
+            self.links.setdefault(key, []).append(rel)
+            d.late.append((len(d.entries), key))
+        d.entries.append(ent)
+        r = self.result
+        r.files += 1
+        r.bytes += st.st_size
+        if self.progress is not None:
+            self.progress(r.files, r.bytes)
+
+    def _cached(self, st: os.stat_result, rel: bytes) -> tuple[ObjectId, ...] | None:
+        if self.store is None or self.cache_prefix is None:
+            return None
+        row = self.store.conn.execute(
+            "SELECT size, mtime_ns, ctime_ns, inode, chunks, trusted_before_ns "
+            "FROM files_cache WHERE path=?", (self.cache_prefix + rel,)).fetchone()
+        if row is None:
+            return None
+        size, mtime, ctime, ino, blob, horizon = row
+        if (size, mtime, ctime, ino) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino):
+            return None
+        if not (mtime < horizon and ctime < horizon):
+            return None
+        if len(blob) != DIGEST_SIZE * chunker.chunk_count(size, self.cs):
+            return None
+        ids = [ObjectId(blob[i:i + DIGEST_SIZE]) for i in range(0, len(blob), DIGEST_SIZE)]
+        if not self.sink.have(ids):
+            return None
+        return tuple(ids)
+
+    def _content(self, fd: int, st: os.stat_result, rel: bytes) -> tuple[ObjectId, ...]:
+        cached = self._cached(st, rel)
+        if cached is not None:
+            return cached
+        size = st.st_size
+        sparse = st.st_blocks * 512 < size
+        next_data = 0  # with ``sparse``: offset of the next data at or after ``off``
+        chunks: list[ObjectId] = []
+        for off, length in chunker.chunk_spans(size, self.cs):
+            if sparse and next_data < off:
+                try:
+                    next_data = os.lseek(fd, off, os.SEEK_DATA)
+                except OSError as e:
+                    if e.errno != errno.ENXIO:
+                        raise self.oserror(rel, e) from None
+                    next_data = size  # only a hole remains
+            if sparse and next_data >= off + length:
+                chunks.append(self.sink.zero(length))
+                continue
+            try:
+                data = os.pread(fd, length, off)
+            except OSError as e:
+                raise self.oserror(rel, e) from None
+            if len(data) != length:
+                raise self.fail(rel, "changed while read (file shrank)")
+            chunks.append(self.sink.chunk(data))
+        try:
+            after = os.fstat(fd)
+        except OSError as e:
+            raise self.oserror(rel, e) from None
+        if _sig(after) != _sig(st):
+            raise self.fail(rel, "changed while read")
+        self.result.files_read += 1
+        self.result.bytes_read += size
+        if self.cache_prefix is not None:
+            self.cache_rows.append((self.cache_prefix + rel, size, st.st_mtime_ns,
+                                    st.st_ctime_ns, st.st_ino, b"".join(chunks), self.horizon))
+            if len(self.cache_rows) >= _CACHE_BATCH:
+                self.flush_cache()
+        return tuple(chunks)
+
+    def flush_cache(self) -> None:
+        if not self.cache_rows or self.store is None:
+            return
+        c = self.store.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            c.executemany(
+                "INSERT OR REPLACE INTO files_cache(path, size, mtime_ns, ctime_ns, inode, "
+                "chunks, trusted_before_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", self.cache_rows)
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        self.cache_rows = []
+
+
+def _sig(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, stat.S_IFMT(st.st_mode))
+
+
+def _open_root(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """Open the directory to import (symlinks in its own path are resolved; none below)."""
+    shown = os.fspath(path)
+    real = os.path.realpath(shown)
+    try:
+        fd = os.open(real, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise SnapshotError(shown, "no such directory") from None
+    except NotADirectoryError:
+        raise SnapshotError(shown, "not a directory") from None
+    except OSError as e:
+        raise SnapshotError(shown, e.strerror or str(e)) from None
+    return fd, real
+
+
+# -- public API ------------------------------------------------------------------------
+
+
+def run_snapshot(store: Store, path: str | os.PathLike[str], *, label: str | None = None,
+                 origin: str = "snapshot", progress: Progress | None = None,
+                 workers: int = 2) -> SnapshotResult:
+    """Import the directory ``path`` into ``store``, list it, and say what it did.
+
+    ``workers`` threads compress large new chunks (0: compress inline). Returns only when the
+    packs are durable, the index is committed and the snapshot is listed with ``origin`` and
+    ``label``. Raises SnapshotError(root, cause) when the tree cannot be read exactly as it
+    is (see the module docstring); nothing it wrote is then referenced.
+    """
+    horizon = trust_horizon_ns()
+    fd, real = _open_root(path)
+    try:
+        with store.writer() as w:
+            sink = _StoreSink(w, store.level, workers)
+            walker = _Walker(fd, os.fspath(path), sink, chunk_size=store.chunk_size,
+                             store=store, cache_prefix=os.fsencode(real.rstrip("/")) + b"/",
+                             horizon_ns=horizon, progress=progress)
+            try:
+                tree_id = walker.walk()
+                sink.finish()
+            except BaseException:
+                sink.abort()
+                raise
+            w.commit()
+            ref = Ref(tree_id)
+            store.add_snapshot(ref, origin, label)
+            walker.flush_cache()
+            r = walker.result
+            r.ref = ref
+            r.packs_written = w.packs_written
+            r.stored_bytes = w.bytes_written
+            return r
+    finally:
+        os.close(fd)
+
+
+def snapshot(store: Store, path: str | os.PathLike[str], *, label: str | None = None,
+             origin: str = "snapshot", progress: Progress | None = None) -> Ref:
+    """Import the directory ``path`` and return its Ref (see ``run_snapshot``)."""
+    return run_snapshot(store, path, label=label, origin=origin, progress=progress).ref
+
+
+def compute_ref_fd(fd: int, shown: str, chunk_size: int) -> Ref:
+    """The Ref of the directory open at ``fd``, computed without writing anything."""
+    walker = _Walker(fd, shown, _HashSink(), chunk_size=chunk_size)
+    return Ref(walker.walk())
+
+
+def compute_ref(path: str | os.PathLike[str], *, chunk_size: int = 1 << 20) -> Ref:
+    """The Ref that ``snapshot`` would give ``path`` in a store of ``chunk_size``, without
+    writing anything. Raises SnapshotError as ``snapshot`` does."""
+    fd, _ = _open_root(path)
+    try:
+        return compute_ref_fd(fd, os.fspath(path), chunk_size)
+    finally:
+        os.close(fd)
