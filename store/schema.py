@@ -29,7 +29,6 @@ Invariants, each checked by ``verify`` (store/verify.py, which keeps the same li
   kept from being written are applied first, by ``rebuild.catch_up``: the index lagging is
   not a broken invariant.)
 - [journal-seq] each session's journal seqs are 1, 2, ..., n without gaps.
-- [files-cache] every chunk named by a ``files_cache`` row is an indexed chunk.
 
 Reachable means reachable from the snapshot list, the journals and the named refs.
 """
