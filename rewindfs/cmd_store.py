@@ -158,9 +158,11 @@ def elapsed_ms(t0: float) -> float:
 
 
 class Progress:
-    """A tqdm bar on stderr for long work; silent unless stderr is a TTY and not ``--json``.
+    """A tqdm bar of bytes on stderr for long work; silent unless stderr is a TTY and the
+    command is not run with ``--json``.
 
-    Call it as ``progress(files_done, bytes_done)``; both are running totals.
+    ``progress(files_done, bytes_done)`` (running totals) is the callback shape of snapshot
+    and materialize; ``progress.done_total(done, total)`` that of verify (bytes).
     """
 
     def __init__(self, args: argparse.Namespace, desc: str) -> None:
@@ -175,6 +177,12 @@ class Progress:
         if self.bar is not None:
             self.bar.n = bytes_done
             self.bar.set_postfix(files=files_done, refresh=False)
+            self.bar.update(0)
+
+    def done_total(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
             self.bar.update(0)
 
     def close(self) -> None:
@@ -357,7 +365,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     st = open_store(args)
     t0 = time.perf_counter()
     with progress(args, "verify") as bar:
-        problems = _call_with_progress(verify, st, progress=bar)
+        problems = verify(st, progress=bar.done_total)
     rows = [{"invariant": p.invariant, "key": jsonable(p.key), "detail": p.detail}
             for p in problems]
     data = {"ok": not rows, "problems": rows, "elapsed_ms": elapsed_ms(t0)}
