@@ -1,0 +1,250 @@
+"""ReadFile, WriteFile and EditFile against a plain directory root: behaviour and caps."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.binding import DirBinding
+from tools.editfile import edit_file
+from tools.readfile import read_file
+from tools.workspace import Workspace
+from tools.writefile import write_file
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Workspace:
+    root = tmp_path / "root"
+    root.mkdir()
+    return Workspace(DirBinding(root))
+
+
+def put(ws: Workspace, rel: str, text: str | bytes) -> Path:
+    p = Path(ws.root.path) / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, str):
+        p.write_text(text)
+    else:
+        p.write_bytes(text)
+    return p
+
+
+# --- ReadFile ---------------------------------------------------------------------------
+
+def test_read_numbers_lines_like_cat_n(ws: Workspace) -> None:
+    put(ws, "a.txt", "one\ntwo\n")
+    r = read_file(ws, "a.txt")
+    assert r.ok
+    assert r.render() == "     1\tone\n     2\ttwo"
+
+
+def test_read_default_limit_2000_and_next_offset_notice(ws: Workspace) -> None:
+    put(ws, "big.txt", "".join(f"l{i}\n" for i in range(1, 2501)))
+    r = read_file(ws, "big.txt")
+    lines = r.text.split("\n")
+    assert len(lines) == 2001
+    assert lines[1999] == "  2000\tl2000"
+    assert lines[-1] == "[lines 1-2000 of 2500; continue with offset=2001]"
+    r2 = read_file(ws, "big.txt", offset=2001)
+    assert r2.text.split("\n")[0] == "  2001\tl2001"
+    assert r2.text.split("\n")[-1] == "  2500\tl2500"
+    r3 = read_file(ws, "big.txt", offset=10, limit=5)
+    assert r3.text.split("\n") == [f"{i:6d}\tl{i}" for i in range(10, 15)] + [
+        "[lines 10-14 of 2500; continue with offset=15]"]
+
+
+def test_read_cuts_lines_at_2000_characters(ws: Workspace) -> None:
+    put(ws, "long.txt", "x" * 2000 + "\n" + "y" * 2001 + "\n")
+    lines = read_file(ws, "long.txt").text.split("\n")
+    assert lines[0] == "     1\t" + "x" * 2000
+    assert lines[1] == "     2\t" + "y" * 2000 + " [... line cut at 2000 characters]"
+
+
+def test_read_errors(ws: Workspace) -> None:
+    put(ws, "a.txt", "one\n")
+    put(ws, "empty.txt", "")
+    os.mkdir(os.path.join(ws.root.path, "d"))
+    assert read_file(ws, "nope").render() == "error: nope: no such file or directory"
+    assert read_file(ws, "d").render() == "error: d: is a directory"
+    assert read_file(ws, "a.txt", offset=5).render() == (
+        "error: a.txt: offset 5 is past the end of the file (1 lines)")
+    assert read_file(ws, "a.txt", offset=0).render() == (
+        "error: offset must be >= 1 and limit >= 1 (got offset=0, limit=2000)")
+    assert read_file(ws, "empty.txt").render() == "empty.txt: empty file"
+    os.mkfifo(os.path.join(ws.root.path, "fifo"))
+    assert read_file(ws, "fifo").render() == "error: fifo: not a regular file"
+
+
+def test_read_binary_is_not_shown_but_recorded(ws: Workspace) -> None:
+    put(ws, "b.bin", b"\x00\x01\x02abc")
+    r = read_file(ws, "b.bin")
+    assert r.ok and r.render() == "b.bin: binary file (6 bytes); not shown"
+    assert write_file(ws, "b.bin", "text now").ok
+
+
+# --- WriteFile --------------------------------------------------------------------------
+
+def test_write_creates_file_and_parents(ws: Workspace) -> None:
+    r = write_file(ws, "src/pkg/new.py", "print(1)\nprint(2)\n")
+    assert r.render() == "created src/pkg/new.py (2 lines, 18 bytes)"
+    assert (Path(ws.root.path) / "src/pkg/new.py").read_text() == "print(1)\nprint(2)\n"
+    # Our own write counts as seen: writing again needs no read.
+    r2 = write_file(ws, "src/pkg/new.py", "x\n")
+    assert r2.render() == "wrote src/pkg/new.py (1 lines, 2 bytes)"
+    assert not [n for n in os.listdir(Path(ws.root.path) / "src/pkg") if n.endswith(".tmp")]
+
+
+def test_overwrite_requires_a_read(ws: Workspace) -> None:
+    p = put(ws, "a.txt", "orig\n")
+    r = write_file(ws, "a.txt", "new\n")
+    assert r.render() == ("error: a.txt: exists but has not been read; read it with ReadFile "
+                          "before changing it")
+    assert p.read_text() == "orig\n"
+    read_file(ws, "a.txt", limit=1)
+    assert write_file(ws, "a.txt", "new\n").ok
+    assert p.read_text() == "new\n"
+
+
+def test_stale_write_refused_after_another_process_changed_the_file(ws: Workspace) -> None:
+    p = put(ws, "a.txt", "v1\n")
+    assert read_file(ws, "a.txt").ok
+    subprocess.run([sys.executable, "-c", f"open({str(p)!r}, 'w').write('v2 other\\n')"],
+                   check=True)
+    r = write_file(ws, "a.txt", "mine\n")
+    assert r.render() == ("error: a.txt: changed since it was last read; read it again with "
+                          "ReadFile before changing it")
+    assert p.read_text() == "v2 other\n"
+    e = edit_file(ws, "a.txt", "v2", "v3")
+    assert e.render() == r.render().replace("WriteFile", "EditFile")
+    assert p.read_text() == "v2 other\n"
+    read_file(ws, "a.txt")
+    assert write_file(ws, "a.txt", "mine\n").ok
+
+
+def test_write_keeps_mode_and_replaces_atomically(ws: Workspace) -> None:
+    p = put(ws, "run.sh", "#!/bin/sh\n")
+    os.chmod(p, 0o751)
+    ino = p.stat().st_ino
+    read_file(ws, "run.sh")
+    assert write_file(ws, "run.sh", "#!/bin/sh\necho hi\n").ok
+    assert p.stat().st_mode & 0o7777 == 0o751
+    assert p.stat().st_ino != ino          # a new inode renamed over the old name
+
+
+def test_write_through_symlink_inside_root_writes_target(ws: Workspace) -> None:
+    p = put(ws, "real.txt", "a\n")
+    os.symlink("real.txt", os.path.join(ws.root.path, "link.txt"))
+    read_file(ws, "link.txt")
+    assert write_file(ws, "link.txt", "b\n").render() == "wrote real.txt (1 lines, 2 bytes)"
+    assert p.read_text() == "b\n"
+    assert os.path.islink(os.path.join(ws.root.path, "link.txt"))
+
+
+def _create_same(root: str, barrier: multiprocessing.synchronize.Barrier, i: int,  # type: ignore[name-defined]
+                 q: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    w = Workspace(DirBinding(root))
+    barrier.wait()
+    r = write_file(w, "race/new.txt", f"writer {i}\n")
+    q.put((i, r.ok, r.render()))
+
+
+def test_concurrent_creation_exactly_one_wins(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(10):
+        root = tmp_path / f"r{round_}"
+        root.mkdir()
+        n = 6
+        barrier = ctx.Barrier(n)
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_create_same, args=(str(root), barrier, i, q))
+                 for i in range(n)]
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=60) for _ in range(n)]
+        for p in procs:
+            p.join(60)
+        winners = [r for r in results if r[1]]
+        assert len(winners) == 1, results
+        losers = [r for r in results if not r[1]]
+        # A loser either lost the link race or arrived after the winner: both refuse.
+        for _, _, text in losers:
+            assert text in (
+                "error: race/new.txt: was created by someone else meanwhile; read it with "
+                "ReadFile before changing it",
+                "error: race/new.txt: exists but has not been read; read it with ReadFile "
+                "before changing it")
+        assert (root / "race/new.txt").read_text() == f"writer {winners[0][0]}\n"
+        assert os.listdir(root / "race") == ["new.txt"]
+
+
+# --- EditFile ---------------------------------------------------------------------------
+
+def test_edit_replaces_unique_substring_with_diff(ws: Workspace) -> None:
+    p = put(ws, "m.py", "def f():\n    return 1\n\ndef g():\n    return 2\n")
+    read_file(ws, "m.py")
+    r = edit_file(ws, "m.py", "return 1", "return 10")
+    assert r.render() == (
+        "edited m.py: 1 replacement\n"
+        "--- a/m.py\n+++ b/m.py\n@@ -1,3 +1,3 @@\n def f():\n-    return 1\n+    return 10\n ")
+    assert p.read_text() == "def f():\n    return 10\n\ndef g():\n    return 2\n"
+    # Its own edit keeps the ledger fresh: a second edit needs no read.
+    assert edit_file(ws, "m.py", "return 2", "return 20").ok
+
+
+def test_edit_refusals(ws: Workspace) -> None:
+    p = put(ws, "m.py", "x = 1\ny = 1\nx = 1\nvalue_total = compute(a, b)\n")
+    assert edit_file(ws, "m.py", "x", "x").render() == (
+        "error: old and new are identical; nothing to change")
+    assert edit_file(ws, "m.py", "", "y").render() == (
+        "error: old must not be empty; use WriteFile to create or replace a whole file")
+    assert edit_file(ws, "m.py", "x = 1", "x = 2").render() == (
+        "error: m.py: exists but has not been read; read it with ReadFile before changing it")
+    read_file(ws, "m.py")
+    assert edit_file(ws, "m.py", "x = 1", "x = 2").render() == (
+        "error: m.py: old text occurs 2 times (lines 1, 3); include more context to make it "
+        "unique, or set replace_all")
+    assert edit_file(ws, "m.py", "value_totl = compute(a, b)", "v").render() == (
+        "error: m.py: old text not found. Closest lines:\n"
+        "     4\tvalue_total = compute(a, b)")
+    assert edit_file(ws, "m.py", "zzzzqqqq", "v").render() == (
+        "error: m.py: old text not found, and no line resembles its first line")
+    assert p.read_text() == "x = 1\ny = 1\nx = 1\nvalue_total = compute(a, b)\n"
+    r = edit_file(ws, "m.py", "x = 1", "x = 2", replace_all=True)
+    assert r.text.startswith("edited m.py: 2 replacements\n")
+    assert p.read_text() == "x = 2\ny = 1\nx = 2\nvalue_total = compute(a, b)\n"
+
+
+def test_edit_diff_is_cut(ws: Workspace) -> None:
+    put(ws, "m.txt", "".join(f"a{i}\n" for i in range(200)))
+    read_file(ws, "m.txt")
+    r = edit_file(ws, "m.txt", "a", "b", replace_all=True)
+    lines = r.text.split("\n")
+    assert lines[0] == "edited m.txt: 200 replacements"
+    assert len(lines) == 1 + 60 + 1
+    assert lines[-1] == "[... diff cut: 343 more lines]"
+
+
+def test_edit_refuses_non_utf8(ws: Workspace) -> None:
+    put(ws, "l1.txt", b"caf\xe9\n")
+    read_file(ws, "l1.txt")
+    assert edit_file(ws, "l1.txt", "caf", "tea").render() == (
+        "error: l1.txt: not UTF-8 text; cannot edit it")
+
+
+def test_creation_loses_to_a_file_created_after_the_check(ws: Workspace) -> None:
+    from tools.paths import locate
+    from tools.writefile import Refusal, create_new
+
+    with locate(ws.root, "late.txt") as loc:
+        assert loc.st is None
+        put(ws, "late.txt", "theirs\n")          # appears between check and create
+        with pytest.raises(Refusal) as ei:
+            create_new(loc, b"mine\n")
+    assert ei.value.kind == "created"
+    assert (Path(ws.root.path) / "late.txt").read_text() == "theirs\n"
+    assert os.listdir(ws.root.path) == ["late.txt"]

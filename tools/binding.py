@@ -1,0 +1,93 @@
+"""What the agent tools need from a session: a root path and a few optional calls.
+
+The tools never import the session layer. A session (or anything else) plugs in by
+providing an object shaped like :class:`SessionBinding`; :class:`DirBinding` serves a plain
+directory. Checkpoint, log, diff and restore are optional: the MCP server offers those tools
+only when the binding has them (see :func:`capabilities`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+
+class SessionBinding(Protocol):
+    """The minimal session API the tools use.
+
+    ``root``: absolute path of the live workspace root (a mount point or a directory).
+    ``write_permit()``: a context manager held while a tool may change the workspace in
+    ways the session cannot see request by request (Bash holds it for the whole command),
+    so that a checkpoint requested meanwhile waits for it.
+    ``hidden_paths()``: absolute paths a sandboxed command must not see at all (the store,
+    state directories, spools); they are masked when Bash runs confined.
+    """
+
+    @property
+    def root(self) -> str: ...
+
+    def write_permit(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def hidden_paths(self) -> Sequence[str]: ...
+
+
+@runtime_checkable
+class CanCheckpoint(Protocol):
+    """Optional: freeze the workspace; returns a short text for the model (the new Ref)."""
+
+    def checkpoint(self, label: str | None = None) -> str: ...
+
+
+@runtime_checkable
+class CanLog(Protocol):
+    """Optional: the session's journal as text, newest last."""
+
+    def log(self) -> str: ...
+
+
+@runtime_checkable
+class CanDiff(Protocol):
+    """Optional: changes between two Refs (None = the live workspace / last checkpoint)."""
+
+    def diff(self, ref_a: str | None = None, ref_b: str | None = None) -> str: ...
+
+
+@runtime_checkable
+class CanRestore(Protocol):
+    """Optional: point the workspace at another Ref; returns a short text."""
+
+    def restore(self, ref: str) -> str: ...
+
+
+def capabilities(binding: object) -> frozenset[str]:
+    """Names of the optional calls ``binding`` provides: subset of checkpoint/log/diff/restore."""
+    found = set()
+    for name, proto in (("checkpoint", CanCheckpoint), ("log", CanLog), ("diff", CanDiff),
+                        ("restore", CanRestore)):
+        if isinstance(binding, proto):
+            found.add(name)
+    return frozenset(found)
+
+
+class DirBinding:
+    """A plain directory as a workspace: no checkpoints, a write permit that never waits."""
+
+    def __init__(self, root: str | os.PathLike[str], hidden: Sequence[str] = ()) -> None:
+        path = os.path.abspath(os.fspath(root))
+        if not os.path.isdir(path):
+            raise NotADirectoryError(f"workspace root is not a directory: {path}")
+        self._root = path
+        self._hidden = tuple(os.path.abspath(h) for h in hidden)
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    @contextlib.contextmanager
+    def write_permit(self) -> Iterator[None]:
+        yield
+
+    def hidden_paths(self) -> Sequence[str]:
+        return self._hidden

@@ -1,0 +1,185 @@
+"""WriteFile(path, content): create or replace a whole file (CONTRACT 5).
+
+A new file is written to a temporary name and hard-linked into place, so a concurrent
+creation of the same name is never clobbered (exactly one creator wins). Replacing an
+existing file requires a ledger digest that still matches the file (see tools.workspace);
+the new content goes to a temporary file in the same directory, is fsynced, gets the old
+file's mode (and owner when permitted) and is renamed over the old name. Missing parent
+directories are created. Also home of the write primitives EditFile shares.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+
+from tools import messages as M
+from tools.paths import Located, PathError, locate
+from tools.readfile import read_all, split_lines
+from tools.result import ToolResult, error, ok
+from tools.workspace import Workspace, digest
+
+NAME = "WriteFile"
+
+
+class Refusal(Exception):
+    """A write refused for a reason the model can act on: ``text`` and ``kind``."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        self.kind = kind
+        self.text = text
+        super().__init__(text)
+
+
+def _temp_name(name: str) -> str:
+    return f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+
+
+def _write_temp(loc: Located, data: bytes, mode: int = 0o666) -> str:
+    """Write ``data`` to a new fsynced temporary file beside ``loc``; returns its name."""
+    tmp = _temp_name(loc.name)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 mode, dir_fd=loc.parent_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quiet(loc, tmp)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def _unlink_quiet(loc: Located, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=loc.parent_fd)
+    except OSError:
+        pass
+
+
+def _sync_dir(loc: Located) -> None:
+    try:
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=loc.parent_fd)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def create_new(loc: Located, data: bytes) -> None:
+    """Create ``loc`` with ``data``; Refusal(created) when the name appeared meanwhile."""
+    tmp = _write_temp(loc, data)
+    try:
+        os.link(tmp, loc.name, src_dir_fd=loc.parent_fd, dst_dir_fd=loc.parent_fd,
+                follow_symlinks=False)
+    except FileExistsError:
+        raise Refusal("created", M.STALE_CREATED.format(path=loc.rel)) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        _create_exclusive(loc, data)    # no hard links here: O_EXCL still never clobbers
+    finally:
+        _unlink_quiet(loc, tmp)
+    _sync_dir(loc)
+
+
+def _create_exclusive(loc: Located, data: bytes) -> None:
+    try:
+        fd = os.open(loc.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                     os.O_CLOEXEC, 0o666, dir_fd=loc.parent_fd)
+    except FileExistsError:
+        raise Refusal("created", M.STALE_CREATED.format(path=loc.rel)) from None
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_current(loc: Located) -> tuple[bytes, os.stat_result]:
+    """Bytes and stat of the existing regular file at ``loc`` (opened no-follow)."""
+    fd = loc.open(os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise PathError("is_dir", loc.rel)
+        if not stat.S_ISREG(st.st_mode):
+            raise PathError("not_regular", loc.rel)
+        return read_all(fd), st
+    finally:
+        os.close(fd)
+
+
+def check_fresh(ws: Workspace, rel: str, current: bytes) -> None:
+    """Refusal unless the ledger holds the digest of ``current`` for ``rel``."""
+    seen = ws.recorded(rel)
+    if seen is None:
+        raise Refusal("not_read", M.STALE_NOT_READ.format(path=rel))
+    if seen != digest(current):
+        raise Refusal("stale", M.STALE_CHANGED.format(path=rel))
+
+
+def replace_existing(loc: Located, data: bytes, old: os.stat_result) -> None:
+    """Atomically replace the file at ``loc``, keeping its mode (and owner if allowed)."""
+    tmp = _write_temp(loc, data, 0o600)
+    try:
+        os.chmod(tmp, stat.S_IMODE(old.st_mode), dir_fd=loc.parent_fd, follow_symlinks=False)
+    except (NotImplementedError, OSError):
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=loc.parent_fd)
+        try:
+            os.fchmod(fd, stat.S_IMODE(old.st_mode))
+        finally:
+            os.close(fd)
+    try:
+        os.chown(tmp, old.st_uid, old.st_gid, dir_fd=loc.parent_fd, follow_symlinks=False)
+    except OSError:
+        pass                            # not permitted: the file becomes the writer's
+    try:
+        os.rename(tmp, loc.name, src_dir_fd=loc.parent_fd, dst_dir_fd=loc.parent_fd)
+    except BaseException:
+        _unlink_quiet(loc, tmp)
+        raise
+    _sync_dir(loc)
+
+
+def count_lines(data: bytes) -> int:
+    return len(split_lines(data.decode("utf-8", errors="replace")))
+
+
+def write_file(ws: Workspace, path: str, content: str) -> ToolResult:
+    """Create ``path`` or replace it with ``content`` (UTF-8)."""
+    data = content.encode("utf-8", errors="surrogateescape")
+    try:
+        with ws.binding.write_permit():
+            with locate(ws.root, path, make_parents=True) as loc:
+                if loc.st is None:
+                    create_new(loc, data)
+                    created = True
+                else:
+                    current, st = read_current(loc)
+                    check_fresh(ws, loc.rel, current)
+                    replace_existing(loc, data, st)
+                    created = False
+                rel = loc.rel
+    except PathError as e:
+        return error(NAME, e.text, kind=e.kind)
+    except Refusal as e:
+        return error(NAME, e.text, kind=e.kind)
+    except OSError as e:
+        return error(NAME, PathError.from_os(path, e).text, kind="os")
+    ws.record_read(rel, digest(data))
+    template = M.WRITE_CREATED if created else M.WRITE_UPDATED
+    return ok(NAME, template.format(path=rel, lines=count_lines(data), size=len(data)),
+              path=rel, created=created, size=len(data))
