@@ -1,0 +1,275 @@
+"""Permissions on a session mount, checked as an unprivileged user (uid/gid 65534).
+
+The kernel enforces permissions from the attributes the daemon returns
+(``default_permissions``, CONTRACT 2.1); root passes most checks, so every check here runs in
+a child process that has dropped to uid 65534 on a mount made with ``--allow-other``.
+Without ``--allow-other`` that user cannot enter the mount at all (CONTRACT 7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import fusehelpers as fh
+import pytest
+from conftest import SELFTEST, SHARED_TMP_PREFIX
+
+NOBODY = 65534
+OTHER = 1000
+PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
+
+# Runs as uid 65534: applies each (name, op, args) and prints {name: "ok"|errno name|value}.
+RUNNER = r"""
+import errno, json, os, sys
+results = {}
+for name, op, args in json.loads(sys.argv[1]):
+    try:
+        if op == "read":
+            with open(args[0], "rb") as f:
+                v = f.read().decode()
+        elif op == "write":
+            with open(args[0], "r+b") as f:
+                f.write(args[1].encode())
+            v = "ok"
+        elif op == "create":
+            fd = os.open(args[0], os.O_CREAT | os.O_EXCL | os.O_WRONLY, args[1])
+            os.close(fd)
+            s = os.stat(args[0])
+            v = [s.st_uid, s.st_gid, s.st_mode & 0o7777]
+        elif op == "mkdir":
+            os.mkdir(args[0], args[1])
+            s = os.stat(args[0])
+            v = [s.st_uid, s.st_gid, s.st_mode & 0o7777]
+        elif op == "stat":
+            s = os.stat(args[0])
+            v = [s.st_uid, s.st_gid, s.st_mode & 0o7777]
+        elif op == "utime_now":
+            os.utime(args[0])
+            v = "ok"
+        elif op == "utime_explicit":
+            os.utime(args[0], ns=(1, 1))
+            v = "ok"
+        elif op == "listdir":
+            v = sorted(os.listdir(args[0]))
+        elif op == "setxattr":
+            os.setxattr(args[0], args[1], args[2].encode())
+            v = "ok"
+        elif op == "access_w":
+            v = os.access(args[0], os.W_OK)
+        else:
+            r = getattr(os, op)(*args)
+            v = "ok" if r is None else r
+        results[name] = v
+    except OSError as e:
+        results[name] = errno.errorcode[e.errno]
+print(json.dumps(results))
+"""
+
+
+def as_nobody(ops: list[tuple[str, str, list[object]]]) -> dict[str, object]:
+    """Run ``ops`` in a child process with uid and gid 65534 and no supplementary groups."""
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+
+    r = subprocess.run([PY, "-c", RUNNER, json.dumps(ops)], capture_output=True, text=True,
+                       preexec_fn=drop, cwd="/", timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def build_perm_lower(root: Path) -> None:
+    """Lower tree for the permission tests; see the assertions for what each entry is for."""
+    def mk(p: Path, mode: int, uid: int, gid: int, data: bytes | None = None) -> None:
+        if data is None:
+            p.mkdir()
+        else:
+            p.write_bytes(data)
+        os.chown(p, uid, gid)
+        os.chmod(p, mode)
+
+    root.mkdir()
+    mk(root / "own", 0o755, NOBODY, NOBODY)
+    mk(root / "own" / "ro.txt", 0o444, NOBODY, NOBODY, b"mine, read-only\n")
+    mk(root / "own" / "other.txt", 0o644, OTHER, OTHER, b"someone else's\n")
+    mk(root / "rootdir", 0o755, 0, 0)
+    mk(root / "rootdir" / "ro.txt", 0o444, NOBODY, NOBODY, b"mine in a root dir\n")
+    mk(root / "sticky", 0o1777, 0, 0)
+    mk(root / "sticky" / "others.txt", 0o666, OTHER, OTHER, b"sticky\n")
+    mk(root / "sticky" / "mine.txt", 0o644, NOBODY, NOBODY, b"mine in sticky\n")
+    mk(root / "secret", 0o700, 0, 0)
+    mk(root / "secret" / "f", 0o644, 0, 0, b"secret\n")
+    mk(root / "rootfile.txt", 0o644, 0, 0, b"root's\n")
+    mk(root / "setgid", 0o2777, 0, 1234)
+    mk(root / "groupw", 0o775, 0, NOBODY)
+    mk(root / "exec_only", 0o711, 0, 0)
+    mk(root / "exec_only" / "known.txt", 0o644, 0, 0, b"reachable by name\n")
+
+
+@pytest.fixture
+def shared_base() -> Iterator[Path]:
+    """A directory uid 65534 can traverse (pytest's own base directory is 0700)."""
+    d = Path(tempfile.mkdtemp(prefix=SHARED_TMP_PREFIX + "perm-"))
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        fh.unmount_leftovers([str(d)])
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def perm_mount(mounter: fh.Mounter, fuse_store: Path, tmp_path: Path,
+               shared_base: Path) -> fh.Daemon:
+    src = tmp_path / "perm-src"
+    build_perm_lower(src)
+    if SELFTEST:
+        subprocess.run(["cp", "-a", str(src), str(shared_base / "mnt")], check=True)
+        return fh.Daemon(store=fuse_store, mnt=shared_base / "mnt", log=tmp_path / "x.log")
+    ref = fh.snapshot(fuse_store, src)
+    d = mounter.rw(ref, mnt=shared_base / "mnt", allow_other=True)
+    os.chmod(d.mnt, 0o755)
+    return d
+
+
+def test_owner_can_chmod_rename_and_delete_read_only_lower_file(perm_mount: fh.Daemon) -> None:
+    m = perm_mount.mnt
+    r = as_nobody([
+        ("write_ro", "write", [f"{m}/own/ro.txt", "x"]),
+        ("chmod", "chmod", [f"{m}/own/ro.txt", 0o644]),
+        ("write_after", "write", [f"{m}/own/ro.txt", "M"]),
+        ("read", "read", [f"{m}/own/ro.txt"]),
+        ("rename", "rename", [f"{m}/own/ro.txt", f"{m}/own/renamed.txt"]),
+        ("unlink", "unlink", [f"{m}/own/renamed.txt"]),
+        ("unlink_others_in_own_dir", "unlink", [f"{m}/own/other.txt"]),
+        ("listdir", "listdir", [f"{m}/own"]),
+    ])
+    assert r == {"write_ro": "EACCES", "chmod": "ok", "write_after": "ok",
+                 "read": "Mine, read-only\n", "rename": "ok", "unlink": "ok",
+                 "unlink_others_in_own_dir": "ok", "listdir": []}
+
+
+def test_directory_permissions_refuse_rename_and_delete(perm_mount: fh.Daemon) -> None:
+    m = perm_mount.mnt
+    r = as_nobody([
+        ("chmod_own_file_in_root_dir", "chmod", [f"{m}/rootdir/ro.txt", 0o600]),
+        ("rename_in_root_dir", "rename", [f"{m}/rootdir/ro.txt", f"{m}/rootdir/x"]),
+        ("rename_out_of_root_dir", "rename", [f"{m}/rootdir/ro.txt", f"{m}/own/x"]),
+        ("unlink_in_root_dir", "unlink", [f"{m}/rootdir/ro.txt"]),
+        ("create_in_root_dir", "create", [f"{m}/rootdir/new", 0o644]),
+        ("mkdir_in_root_dir", "mkdir", [f"{m}/rootdir/newdir", 0o755]),
+        ("rmdir_root_dir", "rmdir", [f"{m}/secret"]),
+        ("stat", "stat", [f"{m}/rootdir/ro.txt"]),
+    ])
+    assert r == {"chmod_own_file_in_root_dir": "ok", "rename_in_root_dir": "EACCES",
+                 "rename_out_of_root_dir": "EACCES", "unlink_in_root_dir": "EACCES",
+                 "create_in_root_dir": "EACCES", "mkdir_in_root_dir": "EACCES",
+                 "rmdir_root_dir": "EACCES", "stat": [NOBODY, NOBODY, 0o600]}
+    assert sorted(os.listdir(m / "rootdir")) == ["ro.txt"]
+
+
+def test_sticky_directory(perm_mount: fh.Daemon) -> None:
+    m = perm_mount.mnt
+    r = as_nobody([
+        ("unlink_others", "unlink", [f"{m}/sticky/others.txt"]),
+        ("rename_others", "rename", [f"{m}/sticky/others.txt", f"{m}/sticky/x"]),
+        ("write_others", "write", [f"{m}/sticky/others.txt", "w"]),
+        ("unlink_mine", "unlink", [f"{m}/sticky/mine.txt"]),
+        ("create", "create", [f"{m}/sticky/new", 0o600]),
+    ])
+    assert r == {"unlink_others": "EPERM", "rename_others": "EPERM", "write_others": "ok",
+                 "unlink_mine": "ok", "create": [NOBODY, NOBODY, 0o600]}
+    assert (m / "sticky" / "others.txt").read_bytes() == b"wticky\n"
+
+
+def test_unreadable_and_search_only_directories(perm_mount: fh.Daemon) -> None:
+    m = perm_mount.mnt
+    r = as_nobody([
+        ("list_secret", "listdir", [f"{m}/secret"]),
+        ("stat_in_secret", "stat", [f"{m}/secret/f"]),
+        ("read_in_secret", "read", [f"{m}/secret/f"]),
+        ("list_exec_only", "listdir", [f"{m}/exec_only"]),
+        ("read_by_name", "read", [f"{m}/exec_only/known.txt"]),
+    ])
+    assert r == {"list_secret": "EACCES", "stat_in_secret": "EACCES",
+                 "read_in_secret": "EACCES", "list_exec_only": "EACCES",
+                 "read_by_name": "reachable by name\n"}
+
+
+def test_files_of_others(perm_mount: fh.Daemon) -> None:
+    m = perm_mount.mnt
+    r = as_nobody([
+        ("read", "read", [f"{m}/rootfile.txt"]),
+        ("write", "write", [f"{m}/rootfile.txt", "x"]),
+        ("truncate", "truncate", [f"{m}/rootfile.txt", 0]),
+        ("chmod", "chmod", [f"{m}/rootfile.txt", 0o666]),
+        ("chown", "chown", [f"{m}/rootfile.txt", NOBODY, NOBODY]),
+        ("utime_explicit", "utime_explicit", [f"{m}/rootfile.txt"]),
+        ("utime_now", "utime_now", [f"{m}/rootfile.txt"]),
+        ("setxattr", "setxattr", [f"{m}/rootfile.txt", "user.x", "1"]),
+        ("access_w", "access_w", [f"{m}/rootfile.txt"]),
+        ("link", "link", [f"{m}/rootfile.txt", f"{m}/own/hl"]),
+    ])
+    assert r["read"] == "root's\n"
+    assert {k: v for k, v in r.items() if k not in ("read", "link")} == {
+        "write": "EACCES", "truncate": "EACCES", "chmod": "EPERM", "chown": "EPERM",
+        "utime_explicit": "EPERM", "utime_now": "EACCES", "setxattr": "EACCES",
+        "access_w": False}
+    # protected_hardlinks (a sysctl) decides whether linking another's file is allowed
+    assert r["link"] in ("ok", "EPERM")
+    st = os.stat(m / "rootfile.txt")
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o644)
+    assert (m / "rootfile.txt").read_bytes() == b"root's\n"
+
+
+def test_new_inodes_belong_to_the_caller(perm_mount: fh.Daemon) -> None:
+    m = perm_mount.mnt
+    r = as_nobody([
+        ("create", "create", [f"{m}/groupw/f", 0o640]),
+        ("mkdir", "mkdir", [f"{m}/groupw/d", 0o750]),
+        ("symlink", "symlink", ["f", f"{m}/groupw/s"]),
+        ("mkfifo", "mkfifo", [f"{m}/groupw/p"]),
+        ("setgid_create", "create", [f"{m}/setgid/f", 0o644]),
+        ("setgid_mkdir", "mkdir", [f"{m}/setgid/d", 0o755]),
+    ])
+    assert r["create"] == [NOBODY, NOBODY, 0o640]
+    assert r["mkdir"] == [NOBODY, NOBODY, 0o750]
+    for name in ("s", "p"):
+        st = os.lstat(m / "groupw" / name)
+        assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY), name
+    assert r["setgid_create"] == [NOBODY, 1234, 0o644]  # group inherited from the directory
+    assert r["setgid_mkdir"] == [NOBODY, 1234, 0o2755]  # and the setgid bit on directories
+
+
+@pytest.mark.skipif(SELFTEST, reason="needs a mount")
+def test_permissions_survive_remount(mounter: fh.Mounter, perm_mount: fh.Daemon) -> None:
+    m = perm_mount.mnt
+    assert as_nobody([("c", "create", [f"{m}/own/new", 0o600])]) == {
+        "c": [NOBODY, NOBODY, 0o600]}
+    mounter.remount(perm_mount)
+    r = as_nobody([("stat", "stat", [f"{m}/own/new"]),
+                   ("write", "write", [f"{m}/own/new", "ok"]),
+                   ("write_root", "write", [f"{m}/rootfile.txt", "x"])])
+    assert r == {"stat": [NOBODY, NOBODY, 0o600], "write": "ok", "write_root": "EACCES"}
+
+
+@pytest.mark.skipif(SELFTEST, reason="needs a mount")
+def test_without_allow_other_other_users_cannot_enter(mounter: fh.Mounter, fuse_store: Path,
+                                                      tmp_path: Path, shared_base: Path) -> None:
+    src = tmp_path / "perm-src"
+    build_perm_lower(src)
+    d = mounter.rw(fh.snapshot(fuse_store, src), mnt=shared_base / "private")
+    os.chmod(d.mnt, 0o755)
+    r = as_nobody([("stat", "stat", [f"{d.mnt}/rootfile.txt"]),
+                   ("list", "listdir", [f"{d.mnt}"])])
+    assert r == {"stat": "EACCES", "list": "EACCES"}
+    assert (d.mnt / "rootfile.txt").read_bytes() == b"root's\n"
