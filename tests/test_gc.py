@@ -1,0 +1,267 @@
+"""GC: forgotten objects go; everything reachable from the snapshot list, journals, named
+refs, state directories and extra roots stays; GC fails closed when it cannot prove what is
+live; a snapshot running in another process at the same time loses nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from test_verify import Built, build, file_entry, new_store
+
+from store.errors import GCError
+from store.gc import gc
+from store.objects import Store
+from store.pack import ObjKind, PackBuilder
+from store.rebuild import rebuild_index
+from store.ref import ObjectId, Ref, object_id
+from store.tree import Kind
+from store.verify import verify
+
+
+def reachable(store: Store, ref: Ref) -> set[ObjectId]:
+    """Every object id under ``ref``, each read back (and so verified) on the way."""
+    out: set[ObjectId] = set()
+    stack = [ref.tree_id]
+    while stack:
+        tid = stack.pop()
+        if tid in out:
+            continue
+        out.add(tid)
+        for e in store.get_tree(tid):
+            if e.kind is Kind.DIR:
+                assert e.tree_id is not None
+                stack.append(e.tree_id)
+            elif e.kind is Kind.FILE:
+                data = b"".join(store.iter_file(e))
+                assert len(data) == e.size
+                out.update(e.chunks)
+    return out
+
+
+def all_ids(store: Store) -> set[bytes]:
+    return {r[0] for r in store.conn.execute("SELECT id FROM objects")}
+
+
+def backend_packs(store: Store) -> set[str]:
+    return set(store.backend.list("packs/"))
+
+
+def indexed_packs(store: Store) -> set[str]:
+    return {r[0] for r in store.conn.execute("SELECT key FROM packs")}
+
+
+def test_forgotten_snapshot_objects_go_and_listed_ones_stay(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    a = build(s, seed=1)
+    b = build(s, seed=2, session="s2")
+    a_ids = reachable(s, a.ref)
+    b_ids = reachable(s, b.ref)
+    s.forget(a.ref)
+    s.conn.execute("DELETE FROM journal WHERE session='s1'")  # drop a's only journal too
+    for k in s.backend.list("journal/s1/"):
+        s.backend.delete(k)
+    rep = gc(s)
+    assert rep.objects_deleted >= len(a_ids - b_ids)
+    assert rep.bytes_freed > 0
+    assert all_ids(s).isdisjoint(a_ids - b_ids)
+    assert not s.has(a.spare_chunk)
+    # b's unreferenced chunk shares a mostly live pack: it stays until that pack is sparse.
+    assert s.has(b.spare_chunk)
+    assert reachable(s, b.ref) == b_ids
+    assert backend_packs(s) == indexed_packs(s)
+    assert verify(s) == []
+    again = gc(s)  # idempotent
+    assert (again.packs_deleted, again.packs_repacked, again.objects_deleted) == (0, 0, 0)
+
+
+def test_journals_named_refs_state_dirs_and_extra_roots_keep_objects(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    listed = build(s, seed=1, session="a")
+    journaled = build(s, seed=2, session="b")
+    named = build(s, seed=3, session="c")
+    state = build(s, seed=4, session="d")
+    extra = build(s, seed=5, session="e")
+    gone = build(s, seed=6, session="f")
+    for b in (journaled, named, state, extra, gone):
+        s.forget(b.ref)
+    for session in ("c", "d", "e", "f"):
+        s.conn.execute("DELETE FROM journal WHERE session=?", (session,))
+        for k in s.backend.list(f"journal/{session}/"):
+            s.backend.delete(k)
+    s.conn.execute("INSERT INTO named_refs(name, ref) VALUES ('pin', ?)", (str(named.ref),))
+    s.conn.execute("INSERT INTO state_dirs(path) VALUES ('/state/x')")
+    keep = {b.ref: reachable(s, b.ref) for b in (listed, journaled, named, state, extra)}
+    gone_only = reachable(s, gone.ref) - set().union(*keep.values())
+    assert gone_only
+
+    asked: list[str] = []
+
+    def reader(path: str) -> list[Ref]:
+        asked.append(path)
+        return [state.ref]
+
+    gc(s, extra_live=[extra.ref], state_dirs_reader=reader)
+    assert asked == ["/state/x"]
+    for ref, ids in keep.items():
+        assert reachable(s, ref) == ids
+    assert all_ids(s).isdisjoint(gone_only)
+    assert verify(s) == []
+
+
+def test_state_dir_without_reader_or_unreadable_fails_closed(built: Built) -> None:
+    s = built.store
+    s.forget(built.ref)
+    s.conn.execute("DELETE FROM journal")
+    for k in s.backend.list("journal/"):
+        s.backend.delete(k)
+    s.conn.execute("INSERT INTO state_dirs(path) VALUES ('/state/x')")
+    before = (s.backend.list(), all_ids(s))
+    with pytest.raises(GCError) as ei:
+        gc(s)
+    assert (ei.value.op, ei.value.key) == ("live", "/state/x")
+
+    def broken(path: str) -> list[Ref]:
+        raise OSError(5, "I/O error", path)
+
+    with pytest.raises(GCError) as ei:
+        gc(s, state_dirs_reader=broken)
+    assert ei.value.key == "/state/x" and "I/O error" in ei.value.cause
+    assert (s.backend.list(), all_ids(s)) == before
+    assert ei.value.exit_code == 8
+
+
+@pytest.fixture
+def built(tmp_path: object) -> Built:
+    return build(new_store(tmp_path))
+
+
+def test_refuses_after_rebuild_until_verified(built: Built) -> None:
+    s = built.store
+    s.forget(built.ref)
+    before = s.backend.list()
+    rebuild_index(s)
+    with pytest.raises(GCError) as ei:
+        gc(s)
+    assert ei.value.op == "check" and "verify" in ei.value.cause
+    assert s.backend.list() == before
+    s.conn.execute("UPDATE packs SET size=size+1")
+    assert verify(s) != []
+    with pytest.raises(GCError):
+        gc(s)
+    s.conn.execute("UPDATE packs SET size=size-1")
+    assert verify(s) == []
+    gc(s)  # the journal still names the ref, so its objects stay
+    reachable(s, built.ref)
+
+
+def test_repacks_sparse_pack(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    with s.writer() as w:
+        keep = file_entry(w, b"keep", b"k" * 5000)
+        drop = file_entry(w, b"drop", os.urandom(200_000))
+        keep_ref = Ref(w.put_tree([keep]))
+        drop_ref = Ref(w.put_tree([drop]))
+        w.commit()
+        s.add_snapshot(keep_ref, "test")
+        s.add_snapshot(drop_ref, "test")
+    (old_pack,) = indexed_packs(s)
+    s.forget(drop_ref)
+    rep = gc(s)
+    assert rep.packs_repacked == 1 and rep.packs_written == 1
+    assert old_pack not in backend_packs(s)
+    assert backend_packs(s) == indexed_packs(s) != {old_pack}
+    assert not s.has(drop.chunks[0])
+    assert reachable(s, keep_ref) == {keep_ref.tree_id, *keep.chunks}
+    assert rep.bytes_freed > 150_000
+    assert verify(s) == []
+    assert gc(s).packs_repacked == 0
+
+
+def test_mostly_live_pack_is_kept(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    with s.writer() as w:
+        keep = file_entry(w, b"keep", os.urandom(200_000))
+        drop = file_entry(w, b"drop", os.urandom(5_000))
+        keep_ref = Ref(w.put_tree([keep]))
+        drop_ref = Ref(w.put_tree([drop]))
+        w.commit()
+        s.add_snapshot(keep_ref, "test")
+        s.add_snapshot(drop_ref, "test")
+    packs = indexed_packs(s)
+    s.forget(drop_ref)
+    rep = gc(s)
+    assert (rep.packs_repacked, rep.packs_deleted) == (0, 0)
+    assert indexed_packs(s) == backend_packs(s) == packs
+    reachable(s, keep_ref)
+    assert verify(s) == []
+
+
+def test_unindexed_leftover_packs_go_unknown_keys_stay(built: Built) -> None:
+    s = built.store
+    emitted: list[str] = []
+
+    def emit(key: str, data: bytes, rows: object) -> None:
+        s.backend.put(key, data)
+        emitted.append(key)
+
+    pb = PackBuilder(emit)
+    pb.add(object_id(b"orphan"), ObjKind.CHUNK, b"orphan")
+    pb.flush()
+    for k in ("packs/not-a-pack", "packs/" + "A" * 64 + ".pack", "elsewhere/blob"):
+        s.backend.put(k, b"keep me")
+    assert verify(s) == []  # a leftover pack is not a problem, only garbage
+    rep = gc(s)
+    assert rep.leftover_packs == 1 and rep.packs_deleted == 1
+    assert not s.backend.exists(emitted[0])
+    assert sorted(rep.unknown_keys) == sorted(["packs/not-a-pack", "packs/" + "A" * 64 + ".pack",
+                                               "elsewhere/blob"])
+    for k in rep.unknown_keys:
+        assert s.backend.get(k) == b"keep me"
+    reachable(s, built.ref)
+
+
+def test_files_cache_rows_of_deleted_chunks_are_pruned(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    a = build(s, seed=1, session="a")
+    b = build(s, seed=2, session="b")
+    s.forget(a.ref)
+    s.conn.execute("DELETE FROM journal WHERE session='a'")
+    for k in s.backend.list("journal/a/"):
+        s.backend.delete(k)
+    ins = ("INSERT INTO files_cache(path, size, mtime_ns, ctime_ns, inode, chunks, "
+           "trusted_before_ns) VALUES (?, 0, 0, 0, 0, ?, 0)")
+    s.conn.execute(ins, (b"/a/big", b"".join(a.big.chunks)))
+    s.conn.execute(ins, (b"/b/big", b"".join(b.big.chunks)))
+    rep = gc(s)
+    assert rep.files_cache_pruned == 1
+    assert [r[0] for r in s.conn.execute("SELECT path FROM files_cache")] == [b"/b/big"]
+
+
+def test_unreadable_live_tree_fails_closed(built: Built) -> None:
+    s = built.store
+    build(s, seed=2, session="s2")
+    s.forget(built.ref)  # garbage exists, but a live tree is gone: delete nothing
+    loc = s.locate(built.sub_tree)
+    os.unlink(os.path.join(s.root, "backend", *loc.pack.split("/")))
+    s = Store(s.root)  # no cached trees
+    before = (s.backend.list(), all_ids(s))
+    with pytest.raises(GCError) as ei:
+        gc(s)
+    assert ei.value.op == "mark"
+    assert (s.backend.list(), all_ids(s)) == before
+
+
+def test_live_object_missing_from_index_fails_closed(built: Built) -> None:
+    """A pack whose rows were lost looks like a crash leftover; GC must not delete it."""
+    s = built.store
+    pack = s.locate(built.big.chunks[0]).pack
+    trees = [r[0] for r in s.conn.execute("SELECT id FROM objects WHERE pack=? AND kind=2",
+                                          (pack,))]
+    s.conn.execute("DELETE FROM objects WHERE pack=? AND kind=1", (pack,))
+    before = s.backend.list()
+    with pytest.raises(GCError) as ei:
+        gc(s)
+    assert ei.value.op == "mark" and "not indexed" in ei.value.cause
+    assert s.backend.list() == before
+    assert trees
