@@ -161,8 +161,8 @@ class Progress:
     """A tqdm bar of bytes on stderr for long work; silent unless stderr is a TTY and the
     command is not run with ``--json``.
 
-    ``progress(files_done, bytes_done)`` (running totals) is the callback shape of snapshot
-    and materialize; ``progress.done_total(done, total)`` that of verify (bytes).
+    ``progress(count_done, bytes_done)`` (running totals of files or entries, and bytes) is
+    the callback shape of snapshot and materialize; ``progress.done_total(done, total)`` that of verify (bytes).
     """
 
     def __init__(self, args: argparse.Namespace, desc: str) -> None:
@@ -173,10 +173,10 @@ class Progress:
             self.bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                             file=sys.stderr, leave=False, dynamic_ncols=True)
 
-    def __call__(self, files_done: int, bytes_done: int) -> None:
+    def __call__(self, count_done: int, bytes_done: int) -> None:
         if self.bar is not None:
             self.bar.n = bytes_done
-            self.bar.set_postfix(files=files_done, refresh=False)
+            self.bar.set_postfix_str(f"{count_done:,} done", refresh=False)
             self.bar.update(0)
 
     def done_total(self, done: int, total: int) -> None:
@@ -255,7 +255,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     st = open_store(args)
     t0 = time.perf_counter()
     with progress(args, "materialize") as bar:
-        result = _call_with_progress(materialize, st, ref, args.dest, progress=bar)
+        result = materialize(st, ref, args.dest, progress=bar)
     data = {"ref": str(ref), "dest": os.path.abspath(args.dest), "elapsed_ms": elapsed_ms(t0)}
     extra = jsonable(result)
     if isinstance(extra, dict):
@@ -263,17 +263,6 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     emit(args, data, kv_text(data))
     return 0
 
-
-def _call_with_progress(fn: Any, *a: Any, progress: Progress) -> Any:
-    """Call ``fn(*a, progress=...)`` if it takes a progress callback, else ``fn(*a)``."""
-    import inspect
-
-    if "progress" in inspect.signature(fn).parameters:
-        return fn(*a, progress=progress)
-    return fn(*a)
-
-
-_KIND_CHAR = {"dir": "d", "file": "-", "symlink": "l", "fifo": "p", "socket": "s"}
 
 
 def _entry_dict(e: Any) -> dict[str, Any]:
