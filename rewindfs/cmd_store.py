@@ -264,7 +264,6 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _entry_dict(e: Any) -> dict[str, Any]:
     d: dict[str, Any] = {"name": os.fsdecode(e.name), "kind": e.kind.name.lower(),
                          "mode": e.mode, "uid": e.uid, "gid": e.gid, "mtime_ns": e.mtime_ns,
