@@ -1,0 +1,109 @@
+"""rebuild-index: the index comes back from the backend alone (packs' trailers and the
+history objects); damaged packs and records are skipped and reported."""
+
+from __future__ import annotations
+
+import os
+
+from test_gc import reachable
+from test_verify import build, new_store
+
+from store.objects import Store
+from store.rebuild import rebuild_index
+from store.verify import verify
+
+
+def drop_index(store: Store) -> Store:
+    store.close()
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            os.unlink(store.index_path + suffix)
+        except FileNotFoundError:
+            pass
+    return Store(store.root)
+
+
+def test_rebuild_restores_snapshot_list_and_journals(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    a = build(s, seed=1, session="alpha")
+    b = build(s, seed=2, session="beta")
+    c = build(s, seed=3, session="alpha")
+    s.forget(a.ref)  # still in alpha's journal
+    s.add_snapshot(b.ref, "checkpoint", label="relabelled")  # re-listing replaces the row
+    s.append_journal("beta", "WorkspaceRestored", c.ref, epoch=7)
+    s.conn.execute("INSERT INTO named_refs(name, ref) VALUES ('pin', ?)", (str(a.ref),))
+    snaps = s.list_snapshots()
+    journals = {x: s.journal(x) for x in ("alpha", "beta")}
+    objects = sorted(s.conn.execute("SELECT * FROM objects").fetchall())
+    packs = sorted(s.conn.execute("SELECT * FROM packs").fetchall())
+    assert [i.label for i in snaps] == ["seed 3", "relabelled"]
+
+    s2 = drop_index(s)
+    assert s2.list_snapshots() == []
+    rep = rebuild_index(s2)
+    assert (rep.snapshots, rep.journal_events, rep.packs) == (2, 4, len(packs))
+    assert rep.skipped_packs == rep.skipped_records == rep.unknown_keys == []
+    assert s2.list_snapshots() == snaps
+    assert {x: s2.journal(x) for x in ("alpha", "beta")} == journals
+    assert sorted(s2.conn.execute("SELECT * FROM objects").fetchall()) == objects
+    assert sorted(s2.conn.execute("SELECT * FROM packs").fetchall()) == packs
+    for b_ in (a, b, c):
+        reachable(s2, b_.ref)
+    assert s2.config_value("unverified_rebuild") == "1"
+    assert verify(s2) == []
+    assert s2.config_value("unverified_rebuild") is None
+
+
+def test_rebuild_in_place_keeps_local_tables_and_drops_the_files_cache(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    a = build(s)
+    s.conn.execute("INSERT INTO named_refs(name, ref) VALUES ('pin', ?)", (str(a.ref),))
+    s.conn.execute("INSERT INTO state_dirs(path) VALUES ('/state/x')")
+    s.conn.execute("INSERT INTO files_cache(path, size, mtime_ns, ctime_ns, inode, chunks, "
+                   "trusted_before_ns) VALUES (?, 0, 0, 0, 0, ?, 0)",
+                   (b"/x", b"".join(a.big.chunks)))
+    s.conn.execute("DELETE FROM objects WHERE id=?", (a.spare_chunk,))
+    s.conn.execute("DELETE FROM snapshots")
+    rebuild_index(s)
+    assert s.has(a.spare_chunk)
+    assert [i.ref for i in s.list_snapshots()] == [a.ref]
+    assert s.conn.execute("SELECT name FROM named_refs").fetchall() == [("pin",)]
+    assert s.conn.execute("SELECT path FROM state_dirs").fetchall() == [("/state/x",)]
+    assert s.conn.execute("SELECT COUNT(*) FROM files_cache").fetchone() == (0,)
+
+
+def test_damaged_packs_and_records_are_skipped_and_reported(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    a = build(s, seed=1)
+    b = build(s, seed=2, session="s2")
+    bad_pack = s.locate(b.spare_chunk).pack  # b's own objects (a's pack holds shared ones)
+    path = os.path.join(s.root, "backend", *bad_pack.split("/"))
+    with open(path, "r+b") as f:  # break the footer magic
+        f.seek(-1, os.SEEK_END)
+        f.write(b"?")
+    s.backend.put("snapshots/00000000000000000001-1-add.json", b"[]")
+    s.backend.put("journal/s9/000000000001.json", b"{}")
+    s.backend.put("stray/blob", b"x")
+    s2 = drop_index(s)
+    rep = rebuild_index(s2)
+    assert [k for k, _ in rep.skipped_packs] == [bad_pack]
+    assert sorted(k for k, _ in rep.skipped_records) == [
+        "journal/s9/000000000001.json", "snapshots/00000000000000000001-1-add.json"]
+    assert rep.unknown_keys == ["stray/blob"]
+    reachable(s2, a.ref)
+    assert not s2.has(b.spare_chunk)
+    problems = verify(s2)
+    assert {p.invariant for p in problems} == {"snapshot-root", "journal-ref", "history-object"}
+    assert s2.config_value("unverified_rebuild") == "1"
+
+
+def test_rebuild_twice_gives_the_same_index(tmp_path: object) -> None:
+    s = new_store(tmp_path)
+    build(s, seed=1)
+    build(s, seed=2, session="s2")
+    rebuild_index(s)
+    first = [sorted(s.conn.execute(f"SELECT * FROM {t}").fetchall())
+             for t in ("objects", "packs", "snapshots", "journal")]
+    rebuild_index(s)
+    assert [sorted(s.conn.execute(f"SELECT * FROM {t}").fetchall())
+            for t in ("objects", "packs", "snapshots", "journal")] == first
