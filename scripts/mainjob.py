@@ -201,7 +201,8 @@ class MainJob:
         if after != before:
             raise CheckFailed(f"re-snapshot of an unchanged tree wrote {len(after) - len(before)}"
                               " pack(s)")
-        return f"same Ref, no pack written{self.ms(data)}"
+        return (f"same Ref, no pack written, {data['files_read']:,} of {data['files']:,} files "
+                f"read again (the rest came from the files cache){self.ms(data)}")
 
     def snapshot_changed(self) -> str:
         p = subprocess.run(["cp", "-a", str(self.original), str(self.changed)],
@@ -268,7 +269,7 @@ class MainJob:
                             str(self.restored)], capture_output=True, text=True)
         if p.returncode != 0:
             raise CheckFailed(f"diff -r found differences:\n{p.stdout[:2000]}{p.stderr[:500]}")
-        data, _ = self.rw("snapshot", str(self.restored), "--label", "mainjob: restored")
+        data, _ = self.rw("snapshot", str(self.restored), "--label", "mainjob: original")
         if data["ref"] != self.refs["original"]:
             raise CheckFailed(f"the materialized tree snapshots to {data['ref']}, not "
                               f"{self.refs['original']}: metadata differs")
