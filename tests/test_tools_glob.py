@@ -1,0 +1,98 @@
+"""Glob: ``**`` semantics, pruning, order, cap and containment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tools.binding import DirBinding
+from tools.glob import glob
+from tools.workspace import Workspace
+
+
+def make(root: Path, files: dict[str, int]) -> None:
+    """Create files with the given mtimes (seconds)."""
+    for rel, mtime in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(rel)
+        os.utime(p, (mtime, mtime))
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Workspace:
+    root = tmp_path / "root"
+    make(root, {
+        "a.py": 100, "b.txt": 100, "src/c.py": 300, "src/deep/er/d.py": 200,
+        "src/deep/e.md": 400, ".github/ci.py": 50, "node_modules/m/x.py": 999,
+        ".git/hooks/h.py": 999, "pkg/__pycache__/c.py": 999, ".venv/lib/v.py": 999,
+    })
+    return Workspace(DirBinding(root))
+
+
+def test_globstar_matches_zero_or_more_dirs_newest_first(ws: Workspace) -> None:
+    r = glob(ws, "**/*.py")
+    assert r.text.split("\n") == ["src/c.py", "src/deep/er/d.py", "a.py", ".github/ci.py"]
+
+
+def test_star_stays_within_one_component(ws: Workspace) -> None:
+    assert glob(ws, "*.py").text == "a.py"
+    assert glob(ws, "src/*").text == "src/c.py"
+    assert glob(ws, "src/**").text.split("\n") == ["src/deep/e.md", "src/c.py",
+                                                   "src/deep/er/d.py"]
+    assert glob(ws, "src/**/d.py").text == "src/deep/er/d.py"
+    assert glob(ws, "**/deep/*.{md,py}").text == "src/deep/e.md"
+
+
+def test_path_argument_and_paths_relative_to_root(ws: Workspace) -> None:
+    assert glob(ws, "*.py", path="src").text == "src/c.py"
+    assert glob(ws, "**/*.py", path="src/deep").text == "src/deep/er/d.py"
+
+
+def test_noise_dirs_pruned_unless_named(ws: Workspace) -> None:
+    assert "node_modules" not in glob(ws, "**/*").text
+    assert glob(ws, "node_modules/**/*.py").text == "node_modules/m/x.py"
+    assert glob(ws, "**/*.py", path="node_modules").text == "node_modules/m/x.py"
+
+
+def test_ties_sorted_by_path(tmp_path: Path) -> None:
+    make(tmp_path / "r", {"b.txt": 5, "a.txt": 5, "c/a.txt": 5, "z.txt": 6})
+    w = Workspace(DirBinding(tmp_path / "r"))
+    assert glob(w, "**/*.txt").text.split("\n") == ["z.txt", "a.txt", "b.txt", "c/a.txt"]
+
+
+def test_cap_500_with_notice(tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    make(root, {f"d{i % 7}/f{i:04d}.txt": 1000 + i for i in range(620)})
+    w = Workspace(DirBinding(root))
+    r = glob(w, "**/*.txt")
+    lines = r.text.split("\n")
+    assert len(lines) == 501
+    assert lines[0] == "d3/f0619.txt"
+    assert lines[499] == "d1/f0120.txt"
+    assert lines[500] == "[showing the newest 500 of 620 matches; narrow the pattern or path]"
+    assert r.data["total"] == 620
+
+
+def test_messages(ws: Workspace) -> None:
+    assert glob(ws, "*.nothing").render() == "no files match '*.nothing' under ."
+    assert glob(ws, "../*").render() == (
+        "error: invalid glob pattern '../*': '..' is not allowed in a pattern")
+    assert glob(ws, "*", path="../x").render() == (
+        "error: ../x: outside the workspace root; use a path inside it")
+    assert glob(ws, "*", path="a.py").render() == "error: a.py: not a directory"
+
+
+def test_links_are_not_followed_out(tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    make(root, {"in.py": 1})
+    make(tmp_path / "out", {"secret.py": 1, "sub/s2.py": 1})
+    os.symlink(str(tmp_path / "out"), root / "outdir")
+    os.symlink("../out/secret.py", root / "outfile.py")
+    w = Workspace(DirBinding(root))
+    r = glob(w, "**/*.py")
+    assert "secret" not in r.text and "s2" not in r.text
+    assert sorted(r.text.split("\n")) == ["in.py", "outfile.py"]   # the link's own name
+    assert not glob(w, "*.py", path="outdir").ok

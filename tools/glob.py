@@ -1,0 +1,226 @@
+"""Glob(pattern, path='.'): files whose path matches a glob, newest first (CONTRACT 5).
+
+Pattern syntax: ``*``, ``?`` and ``[...]`` match within one path component, ``**`` matches
+any number of components (zero included), ``{a,b}`` alternatives are expanded. Patterns are
+relative to ``path`` (or absolute under the root); dotfiles match like any other name.
+Directories are descended, never listed; noise directories (tools.walk.NOISE_DIRS) are
+pruned unless the pattern names them literally. The walk matches components as it goes, so
+it only opens directories some pattern can still match below. Results are sorted newest
+first, then by path, and capped at GLOB_MAX_RESULTS with a notice. Paths in the answer are
+relative to the workspace root.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import bracex
+
+from tools import messages as M
+from tools.paths import PathError, locate
+from tools.result import ToolResult, error, ok
+from tools.walk import NOISE_DIRS, list_dir, open_subdir
+from tools.workspace import Workspace
+
+NAME = "Glob"
+_MAX_EXPANSIONS = 256
+_STAR2 = "**"
+
+
+class PatternError(ValueError):
+    """A glob pattern that cannot be used; the message is the reason."""
+
+
+@dataclass(frozen=True)
+class _Segment:
+    literal: str | None                      # exact name, when the segment has no wildcard
+    match: Callable[[str], object] | None    # matcher of one name, for wildcard segments
+    globstar: bool
+
+
+def _compile_segment(seg: str) -> _Segment:
+    if seg == _STAR2:
+        return _Segment(None, None, True)
+    if not any(c in seg for c in "*?["):
+        return _Segment(seg, None, False)
+    seg = re.sub(r"\*{2,}", "*", seg)
+    return _Segment(None, re.compile(fnmatch.translate(seg), re.DOTALL).match, False)
+
+
+class State:
+    """A set of (pattern, segment index) positions, closed under ``**`` matching zero
+    components, with its transitions precomputed: ``accepts`` (a whole pattern matched),
+    ``alive`` (a directory in this state can still lead to a match)."""
+
+    __slots__ = ("positions", "accepts", "alive", "literals", "always", "lits", "wilds",
+                 "one", "_memo")
+
+    def __init__(self, m: Matcher, positions: frozenset[tuple[int, int]]) -> None:
+        self.positions = positions
+        self.accepts = any(si == len(m.patterns[pi]) for pi, si in positions)
+        self.alive = any(si < len(m.patterns[pi]) for pi, si in positions)
+        always: list[tuple[int, int]] = []
+        lits: dict[str, list[tuple[int, int]]] = {}
+        wilds: list[tuple[Callable[[str], object], tuple[int, int]]] = []
+        for pi, si in sorted(positions):
+            segs = m.patterns[pi]
+            if si >= len(segs):
+                continue
+            seg = segs[si]
+            if seg.globstar:
+                always.append((pi, si))
+            elif seg.literal is not None:
+                lits.setdefault(seg.literal, []).append((pi, si + 1))
+            elif seg.match is not None:
+                wilds.append((seg.match, (pi, si + 1)))
+        self.literals = frozenset(lits)
+        self.always = tuple(always)
+        self.lits = {k: tuple(v) for k, v in lits.items()}
+        self.wilds = tuple(wilds)
+        # The common case (``**/*.py``, ``src/*``): one wildcard and no literal to test.
+        self.one = wilds[0][0] if len(wilds) == 1 and not lits else None
+        self._memo: dict[tuple[object, ...], State | None] = {}
+
+
+class Matcher:
+    """Matches workspace paths one component at a time against a set of glob patterns.
+    ``start`` is the state at the base directory; ``step`` moves a state over one name
+    (None when nothing can match any more)."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns: list[list[_Segment]] = []
+        for p in patterns:
+            segs = [s for s in p.split("/") if s not in ("", ".")]
+            if ".." in segs:
+                raise PatternError("'..' is not allowed in a pattern")
+            if not segs:
+                raise PatternError("empty pattern")
+            self.patterns.append([_compile_segment(s) for s in segs])
+        self._states: dict[frozenset[tuple[int, int]], State] = {}
+        self.start = self._state([(i, 0) for i in range(len(self.patterns))])
+
+    def _state(self, positions: list[tuple[int, int]]) -> State:
+        out: set[tuple[int, int]] = set()
+        todo = list(positions)
+        while todo:
+            pi, si = todo.pop()
+            if (pi, si) in out:
+                continue
+            out.add((pi, si))
+            segs = self.patterns[pi]
+            if si < len(segs) and segs[si].globstar:
+                todo.append((pi, si + 1))
+        key = frozenset(out)
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = State(self, key)
+        return st
+
+    def step(self, state: State, name: str) -> State | None:
+        lit: str | None
+        hits: tuple[bool, ...]
+        if state.one is not None:
+            lit, hits = None, (state.one(name) is not None,)
+        else:
+            lit = name if name in state.literals else None
+            hits = tuple(match(name) is not None for match, _ in state.wilds)
+        key = (lit, hits)
+        try:
+            return state._memo[key]
+        except KeyError:
+            pass
+        nxt = list(state.always)
+        if lit is not None:
+            nxt.extend(state.lits[lit])
+        nxt.extend(pos for (_, pos), hit in zip(state.wilds, hits, strict=True) if hit)
+        result = self._state(nxt) if nxt else None
+        state._memo[key] = result
+        return result
+
+
+def compile_patterns(pattern: str) -> Matcher:
+    """A Matcher for ``pattern`` with braces expanded; raises PatternError."""
+    if not pattern or "\0" in pattern:
+        raise PatternError("empty pattern" if not pattern else "contains a NUL byte")
+    try:
+        expanded = bracex.expand(pattern, limit=_MAX_EXPANSIONS)
+    except Exception as e:  # bracex raises its own errors for runaway expansions
+        raise PatternError(str(e)) from None
+    return Matcher(expanded)
+
+
+def find(ws: Workspace, pattern: str, path: str = ".") -> tuple[list[tuple[int, str]], str]:
+    """All matches as (-mtime_ns, workspace-relative path), unsorted, and the base's rel.
+    Raises PathError or PatternError."""
+    if pattern.startswith("/"):
+        rel_parts = ws.root.parts(pattern, pattern)
+        pattern = "/".join(rel_parts)
+        path = "."
+    matcher = compile_patterns(pattern)
+    with locate(ws.root, path) as loc:
+        if loc.st is None:
+            raise PathError("not_found", loc.rel)
+        if not loc.is_dir:
+            raise PathError("not_dir", loc.rel)
+        fd = loc.open_dir()
+        base = loc.rel
+    out: list[tuple[int, str]] = []
+    try:
+        _walk(matcher, fd, "" if base == "." else base + "/", matcher.start, out)
+    finally:
+        os.close(fd)
+    return out, base
+
+
+def _walk(m: Matcher, fd: int, prefix: str, state: State,
+          out: list[tuple[int, str]]) -> None:
+    """Collect (-mtime_ns, path) of matches under ``fd``; ``prefix`` ends with "/" or is
+    empty (the root)."""
+    step = m.step
+    for entry in list_dir(fd):
+        name = entry.name
+        nxt = step(state, name)
+        if nxt is None:
+            continue
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError:
+            continue
+        if is_dir:
+            if not nxt.alive or (name in NOISE_DIRS and name not in state.literals):
+                continue
+            sub = open_subdir(fd, name)
+            if sub is None:
+                continue
+            try:
+                _walk(m, sub, prefix + name + "/", nxt, out)
+            finally:
+                os.close(sub)
+        elif nxt.accepts:
+            try:
+                out.append((-entry.stat(follow_symlinks=False).st_mtime_ns, prefix + name))
+            except OSError:
+                continue
+
+
+def glob(ws: Workspace, pattern: str, path: str = ".") -> ToolResult:
+    """Files under ``path`` matching ``pattern``, newest first, at most GLOB_MAX_RESULTS."""
+    try:
+        found, base = find(ws, pattern, path)
+    except PatternError as e:
+        return error(NAME, M.GLOB_BAD_PATTERN.format(pattern=pattern, reason=e), kind="pattern")
+    except PathError as e:
+        return error(NAME, e.text, kind=e.kind)
+    if not found:
+        return ok(NAME, M.GLOB_NONE.format(pattern=pattern, path=base), paths=[], total=0)
+    found.sort()                                    # newest first, then by path
+    total = len(found)
+    paths = [p for _, p in found[:M.GLOB_MAX_RESULTS]]
+    text = "\n".join(paths)
+    if total > M.GLOB_MAX_RESULTS:
+        text += "\n" + M.GLOB_CAPPED.format(shown=M.GLOB_MAX_RESULTS, total=total)
+    return ok(NAME, text, paths=paths, total=total)
