@@ -1,0 +1,364 @@
+"""The session API an agent harness calls (CONTRACT 4; the CLI mirrors it).
+
+    cfg = define(session_workspaces(store, "/srv/ws"), policy=SnapshotPolicy("manual"))
+    ws = Workspace(cfg)
+    s = ws.new_session(seed=None)        # or resume_session(id), fork_session(id_or_ref)
+    a = s.checkpoint(); s.restore(a); s.log(); s.shutdown()
+
+A ``SessionBackend`` opens sessions: ``FallbackBackend`` runs the session runtime in this
+process over a plain directory (CONTRACT 4.7); a FUSE backend runs it inside the mount daemon
+and hands back a client of its control socket with the same ``SessionHandle`` methods.
+``Workspace`` chooses one from ``config.backend`` (``auto``: FUSE when /dev/fuse is usable and
+the FUSE backend is installed, else the fallback).
+
+Seed rules (CONTRACT 4.4), checked here before anything is registered where they need no
+tree, and in the runtime (under the leases) where they do: a seed is a Ref or a directory
+(imported first); refused for shared placement and for a non-empty fixed root, which is
+adopted instead. A fork checkpoints the source session with trigger ``fork`` (or takes a
+Ref as it is) and seeds the new session with it: no chunk is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from store.errors import InvalidRefError
+from store.objects import JournalEvent
+from store.ref import Ref
+
+from .config import WorkspaceConfig
+from .errors import (
+    SeedError,
+    SessionError,
+    SessionNotFoundError,
+    WorkspaceNotConfiguredError,
+)
+from .fallback import FixedTree, PerSessionTree, force_rmtree, fuse_available
+from .journal import Journal
+from .live import LiveTree
+from .placement import Mode
+from .registry import Registry, SessionRecord, new_session_id
+from .runtime import SessionCore
+
+FUSE_BACKEND_MODULE = "fusefs.session.fusebackend"
+
+
+class SessionHandle(Protocol):
+    """A live session as its backend serves it (the runtime itself, or a daemon client)."""
+
+    id: str
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def fault(self) -> str | None: ...
+
+    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None) -> Ref: ...
+
+    def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
+                cancel: threading.Event | None = None) -> Ref | None: ...
+
+    def turn_done(self) -> None: ...
+
+    def step_done(self) -> None: ...
+
+    def write_permit(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def mutated(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class SessionBackend(Protocol):
+    """Opens sessions. ``open_new`` seeds (``seed`` is a Ref already in the store, or None
+    to adopt the root as it is) and journals the seed event; ``open_existing`` resumes."""
+
+    name: str
+
+    def open_new(self, cfg: WorkspaceConfig, record: SessionRecord,
+                 seed: Ref | None) -> SessionHandle: ...
+
+    def open_existing(self, cfg: WorkspaceConfig, record: SessionRecord) -> SessionHandle: ...
+
+
+class FallbackBackend:
+    """The no-FUSE backend: the session runtime runs in this process on a real directory."""
+
+    name = "fallback"
+
+    def live_tree(self, cfg: WorkspaceConfig, record: SessionRecord) -> LiveTree:
+        assert cfg.placement is not None and record.root is not None
+        if cfg.placement.mode is Mode.PER_SESSION:
+            return PerSessionTree(cfg.placement.store, record.root, record.id,
+                                  record.state_dir)
+        assert cfg.state_base is not None
+        return FixedTree(cfg.placement.store, record.root, record.id,
+                         cfg.placement.consistency, cfg.state_base)
+
+    def open_new(self, cfg: WorkspaceConfig, record: SessionRecord,
+                 seed: Ref | None) -> SessionHandle:
+        core = SessionCore(cfg, record, self.live_tree(cfg, record))
+        core.open_new(seed)
+        return core
+
+    def open_existing(self, cfg: WorkspaceConfig, record: SessionRecord) -> SessionHandle:
+        core = SessionCore(cfg, record, self.live_tree(cfg, record))
+        core.open_existing()
+        return core
+
+
+def select_backend(cfg: WorkspaceConfig) -> SessionBackend:
+    """The backend ``cfg.backend`` asks for. Raises SessionError if ``fuse`` is asked and
+    the FUSE backend or /dev/fuse is unavailable."""
+    if cfg.backend == "fallback":
+        return FallbackBackend()
+    try:
+        mod = importlib.import_module(FUSE_BACKEND_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != FUSE_BACKEND_MODULE:
+            raise
+        mod = None
+    if cfg.backend == "fuse":
+        if mod is None:
+            raise SessionError("the FUSE session backend is not installed; use the fallback "
+                               "(--no-fuse)")
+        if not fuse_available():
+            raise SessionError("FUSE is not available here (/dev/fuse or fusermount3 "
+                               "missing); use the fallback (--no-fuse)")
+    if mod is not None and fuse_available():
+        backend: SessionBackend = mod.FuseBackend()
+        return backend
+    return FallbackBackend()
+
+
+class Session:
+    """One open session. ``root`` is the live directory tools use (None without placement).
+    Use as a context manager to shut it down."""
+
+    def __init__(self, workspace: Workspace, record: SessionRecord,
+                 handle: SessionHandle | None) -> None:
+        self.workspace = workspace
+        self.record = record
+        self.id = record.id
+        self.root = record.root
+        self._handle = handle
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _h(self, op: str) -> SessionHandle:
+        if self._handle is None:
+            raise WorkspaceNotConfiguredError(op)
+        return self._handle
+
+    @property
+    def epoch(self) -> int:
+        """The session lease epoch (0 without placement)."""
+        return self._handle.epoch if self._handle is not None else 0
+
+    @property
+    def fault(self) -> str | None:
+        """Why the session is faulted, or None."""
+        return self._handle.fault if self._handle is not None else None
+
+    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None) -> Ref:
+        """Freeze the live tree and journal it; return the Ref (CONTRACT 4.5). ``trigger``:
+        manual (clears a latched fault) or interrupt. Raises WorkspaceNotConfiguredError,
+        SessionClosedError, SessionFaultedError, CheckpointError."""
+        if trigger not in ("manual", "interrupt"):
+            raise ValueError(f"a caller's checkpoint trigger is manual or interrupt, "
+                             f"not {trigger!r}")
+        return self._h("checkpoint").checkpoint(trigger, timeout_s)
+
+    def restore(self, ref: Ref | str, discard: bool = False,
+                timeout_s: float | None = None,
+                cancel: threading.Event | None = None) -> Ref | None:
+        """Make the live tree ``ref`` (CONTRACT 3.2, 4.7); return the pre_restore checkpoint
+        (None with ``discard``). Raises WorkspaceNotConfiguredError, InvalidRefError,
+        RestoreError, and store errors for a target missing from the store."""
+        h = self._h("restore")
+        return h.restore(Ref.parse(ref), discard, timeout_s, cancel)
+
+    def turn_done(self) -> None:
+        """The agent finished a turn (checkpoints under on_turn_done)."""
+        if self._handle is not None:
+            self._handle.turn_done()
+
+    def step_done(self) -> None:
+        """The agent finished a step (checkpoints under on_step_done)."""
+        if self._handle is not None:
+            self._handle.step_done()
+
+    @contextlib.contextmanager
+    def write_permit(self) -> Iterator[None]:
+        """Hold the shared write permit while mutating the root (a checkpoint or restore
+        waits for it); its end restarts the idle timer."""
+        if self._handle is None:
+            yield
+            return
+        with self._handle.write_permit():
+            yield
+
+    def log(self) -> list[JournalEvent]:
+        """The session's journal, oldest first."""
+        return self.workspace.log(self.id)
+
+    def restore_pointer(self) -> Ref | None:
+        ev = self.log()
+        return ev[-1].ref if ev else None
+
+    def shutdown(self) -> None:
+        """Stop checkpoint work, unmount or detach, release the root lease, then the session
+        lease (CONTRACT 4.9). No checkpoint is made. Idempotent."""
+        if self._handle is not None:
+            self._handle.shutdown()
+        self.workspace._closed(self)
+
+
+class Workspace:
+    """Sessions under one validated ``WorkspaceConfig``."""
+
+    def __init__(self, config: WorkspaceConfig, backend: SessionBackend | None = None) -> None:
+        self.config = config
+        self.store: Any = config.placement.store if config.placement is not None else None
+        self.registry = Registry(config.state_base) if config.state_base else None
+        self._backend = backend
+        self._open: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def backend(self) -> SessionBackend:
+        if self._backend is None:
+            self._backend = select_backend(self.config)
+        return self._backend
+
+    def _closed(self, s: Session) -> None:
+        with self._lock:
+            if self._open.get(s.id) is s:
+                del self._open[s.id]
+
+    def _remember(self, s: Session) -> Session:
+        with self._lock:
+            self._open[s.id] = s
+        return s
+
+    def sessions(self) -> list[SessionRecord]:
+        """Every registered session of this store, oldest first."""
+        return self.registry.list() if self.registry is not None else []
+
+    def log(self, session_id: str) -> list[JournalEvent]:
+        """The journal of ``session_id``, oldest first. Raises SessionNotFoundError."""
+        if self.registry is None or not self.registry.exists(session_id):
+            raise SessionNotFoundError(session_id)
+        return Journal(self.store, session_id).events()
+
+    # -- seeds ----------------------------------------------------------------------------
+
+    def _seed_ref(self, seed: Ref | str | os.PathLike[str]) -> Ref:
+        from store.snapshot import snapshot
+
+        if isinstance(seed, Ref):
+            ref = seed
+        elif isinstance(seed, str) and seed.startswith("v1:"):
+            ref = Ref.parse(seed)
+        else:
+            path = os.fspath(seed)
+            if not os.path.isdir(path):
+                raise SeedError(f"{path!r} is neither a Ref nor a directory")
+            return snapshot(self.store, path, origin="seed")
+        self.store.get_tree(ref.tree_id)  # ObjectNotFoundError before anything is created
+        return ref
+
+    # -- opening --------------------------------------------------------------------------
+
+    def new_session(self, seed: Ref | str | os.PathLike[str] | None = None, *,
+                    parent: str | None = None) -> Session:
+        """Start a session, seeded from ``seed`` (a Ref or a directory) or adopting what the
+        root holds; its first journal event is ``WorkspaceCheckpointed{trigger=seed}``.
+
+        Raises SeedError, WorkspaceRootBusyError, the store's errors for a missing seed, and
+        whatever opening the live tree raises; nothing stays registered on failure."""
+        cfg = self.config
+        if cfg.placement is None or self.registry is None:
+            if seed is not None:
+                raise WorkspaceNotConfiguredError("seed")
+            rec = SessionRecord(new_session_id(), None, None, None, "", "none",
+                                time.time_ns(), parent)
+            return Session(self, rec, None)
+        if seed is not None and cfg.placement.mode is Mode.SHARED:
+            raise SeedError("a shared root cannot be seeded")
+        seed_ref = self._seed_ref(seed) if seed is not None else None
+        backend = self.backend
+        sid = new_session_id()
+        rec = SessionRecord(sid, cfg.placement.fingerprint, cfg.placement.mode.value,
+                            cfg.placement.root_for(sid), self.registry.state_dir(sid),
+                            backend.name, time.time_ns(), parent)
+        self.registry.create(rec)
+        try:
+            handle = backend.open_new(cfg, rec, seed_ref)
+        except BaseException:
+            force_rmtree(rec.state_dir)
+            if cfg.placement.mode is Mode.PER_SESSION and rec.root is not None:
+                force_rmtree(rec.root)
+            raise
+        return self._remember(Session(self, rec, handle))
+
+    def resume_session(self, session_id: str) -> Session:
+        """Open a registered session again after its process ended: its live tree with its
+        un-checkpointed changes, after recovering an interrupted restore (CONTRACT 4.6).
+
+        Raises SessionNotFoundError, PlacementDriftError (another placement than the one it
+        was created under), SessionBusyError (another process holds it),
+        WorkspaceRootBusyError."""
+        cfg = self.config
+        if cfg.placement is None or self.registry is None:
+            raise SessionNotFoundError(session_id)
+        rec = self.registry.load(session_id)
+        cfg.placement.check_drift(session_id, rec.fingerprint or "")
+        backend = self.backend
+        if rec.backend != backend.name:
+            raise SessionError(f"session {session_id} runs on the {rec.backend} backend, "
+                               f"not {backend.name}")
+        return self._remember(Session(self, rec, backend.open_existing(cfg, rec)))
+
+    def fork_session(self, id_or_ref: str | Ref) -> Session:
+        """Start a session from another session's current state (checkpointed there with
+        trigger ``fork``) or from a Ref. Copies no file content into the store.
+
+        Raises InvalidRefError/SessionNotFoundError for an unknown source, SessionBusyError
+        if the source session is live in another process, and ``new_session``'s errors."""
+        if isinstance(id_or_ref, Ref) or str(id_or_ref).startswith("v1:"):
+            ref = Ref.parse(id_or_ref)
+            return self.new_session(ref, parent=str(ref))
+        sid = str(id_or_ref)
+        with self._lock:
+            src = self._open.get(sid)
+        if src is not None:
+            ref = src._h("fork").checkpoint("fork", None)
+        else:
+            if self.registry is None or not self.registry.exists(sid):
+                raise SessionNotFoundError(sid)
+            other = self.resume_session(sid)
+            try:
+                ref = other._h("fork").checkpoint("fork", None)
+            finally:
+                other.shutdown()
+        return self.new_session(ref, parent=sid)
+
+
+def parse_ref_or_none(text: str) -> Ref | None:
+    """``Ref.parse(text)`` or None if ``text`` is not a Ref."""
+    try:
+        return Ref.parse(text)
+    except InvalidRefError:
+        return None

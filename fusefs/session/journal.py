@@ -1,0 +1,90 @@
+"""A session's journal (CONTRACT 4.5): what happened to its workspace, oldest first.
+
+Events live in the store (``Store.append_journal``: a durable backend object, then an index
+row), so they survive the session process and rebuild with the store. Two events exist:
+
+- ``WorkspaceCheckpointed{ref, consistency, trigger}``: trigger is one of ``TRIGGERS``,
+  consistency ``quiescent`` or ``fuzzy``;
+- ``WorkspaceRestored{ref}``.
+
+Each carries seq (1, 2, ... per session), time (ns) and the session lease epoch of the
+appender. Snapshot before append, always: an event may only name a Ref whose root tree is
+already committed in the store, so the journal never points at something missing. The
+restore pointer is the Ref of the last event of either kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from store.objects import JournalEvent
+from store.ref import Ref
+
+from .errors import SessionError
+
+CHECKPOINTED = "WorkspaceCheckpointed"
+RESTORED = "WorkspaceRestored"
+TRIGGERS = ("manual", "idle", "interrupt", "turn_done", "step_done", "seed", "pre_restore",
+            "fork")
+CONSISTENCIES = ("quiescent", "fuzzy")
+
+
+class JournalError(SessionError):
+    """An event could not be appended; ``cause`` says why (the journal is unchanged)."""
+
+    def __init__(self, session: str, cause: BaseException | str) -> None:
+        self.session = session
+        self.cause = cause
+        super().__init__(f"cannot append to the journal of session {session}: {cause}")
+
+
+class Journal:
+    """The journal of session ``session_id`` in ``store`` (a ``store.objects.Store``)."""
+
+    def __init__(self, store: Any, session_id: str) -> None:
+        self.store = store
+        self.session_id = session_id
+
+    def _check_committed(self, ref: Ref) -> None:
+        if not self.store.has(ref.tree_id):
+            raise JournalError(self.session_id, f"{ref} is not committed in the store")
+
+    def checkpointed(self, ref: Ref, trigger: str, consistency: str, epoch: int) -> int:
+        """Append ``WorkspaceCheckpointed``; return its seq. Raises ValueError for an unknown
+        trigger or consistency, JournalError if ``ref`` is not in the store."""
+        if trigger not in TRIGGERS:
+            raise ValueError(f"unknown checkpoint trigger {trigger!r}")
+        if consistency not in CONSISTENCIES:
+            raise ValueError(f"unknown consistency {consistency!r}")
+        self._check_committed(ref)
+        return int(self.store.append_journal(self.session_id, CHECKPOINTED, ref, epoch=epoch,
+                                             trigger=trigger, consistency=consistency))
+
+    def restored(self, ref: Ref, epoch: int) -> int:
+        """Append ``WorkspaceRestored``; return its seq. Raises JournalError if ``ref`` is not
+        in the store."""
+        self._check_committed(ref)
+        return int(self.store.append_journal(self.session_id, RESTORED, ref, epoch=epoch))
+
+    def events(self) -> list[JournalEvent]:
+        """Every event, oldest first."""
+        return list(self.store.journal(self.session_id))
+
+    def last_seq(self) -> int:
+        ev = self.events()
+        return ev[-1].seq if ev else 0
+
+    def restore_pointer(self) -> Ref | None:
+        """The Ref of the last checkpointed-or-restored event (None for an empty journal)."""
+        ev = self.events()
+        return ev[-1].ref if ev else None
+
+
+def event_dict(e: JournalEvent) -> dict[str, object]:
+    """One event as plain data (the JSON shape of ``rewindfs log --json``)."""
+    d: dict[str, object] = {"seq": e.seq, "time_ns": e.time_ns, "epoch": e.epoch,
+                            "event": e.event, "ref": str(e.ref)}
+    if e.event == CHECKPOINTED:
+        d["trigger"] = e.trigger
+        d["consistency"] = e.consistency
+    return d

@@ -1,0 +1,110 @@
+"""Session records: which sessions exist, where their state and roots are.
+
+Each session has a state directory ``<state base>/<session id>`` (mode 0700, on local disk,
+never under a managed root) holding ``session.json``::
+
+    {"id", "fingerprint", "mode", "root", "state_dir", "backend", "created_ns", "parent"}
+
+written atomically (temporary file, fsync, rename, fsync of the directory). The record never
+changes after creation except for ``backend``-private files beside it (swap logs, the FUSE
+upper layer, the control socket path). This module never touches a live root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass
+
+from .errors import SessionNotFoundError
+from .placement import check_session_id
+
+RECORD = "session.json"
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """A session as registered. ``root`` is None for a session without placement;
+    ``parent`` is the session id or Ref it was forked from, if any."""
+
+    id: str
+    fingerprint: str | None
+    mode: str | None
+    root: str | None
+    state_dir: str
+    backend: str
+    created_ns: int
+    parent: str | None = None
+
+
+def new_session_id() -> str:
+    """A fresh id: ``<UTC yyyymmdd-HHMMSS>-<8 random hex>`` (sorts by creation time)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
+
+
+def write_json_atomic(path: str, data: object) -> None:
+    """Replace ``path`` with ``data`` as JSON durably (temp file, fsync, rename, dir fsync)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(data, sort_keys=True).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class Registry:
+    """Session records under ``state_base``."""
+
+    def __init__(self, state_base: str) -> None:
+        self.state_base = state_base
+
+    def state_dir(self, session_id: str) -> str:
+        return os.path.join(self.state_base, check_session_id(session_id))
+
+    def create(self, record: SessionRecord) -> SessionRecord:
+        """Create the state directory (0700) and write the record. Raises FileExistsError if
+        the session id is taken."""
+        os.makedirs(self.state_base, mode=0o700, exist_ok=True)
+        os.mkdir(record.state_dir, 0o700)
+        write_json_atomic(os.path.join(record.state_dir, RECORD), asdict(record))
+        return record
+
+    def load(self, session_id: str) -> SessionRecord:
+        """The record of ``session_id``. Raises SessionNotFoundError."""
+        try:
+            path = os.path.join(self.state_dir(session_id), RECORD)
+            with open(path, "rb") as f:
+                data = json.loads(f.read())
+        except (ValueError, FileNotFoundError, NotADirectoryError):
+            raise SessionNotFoundError(session_id) from None
+        return SessionRecord(**data)
+
+    def exists(self, session_id: str) -> bool:
+        try:
+            self.load(session_id)
+        except SessionNotFoundError:
+            return False
+        return True
+
+    def list(self) -> list[SessionRecord]:
+        """Every registered session, oldest first."""
+        try:
+            names = os.listdir(self.state_base)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            try:
+                out.append(self.load(name))
+            except SessionNotFoundError:
+                continue
+        return sorted(out, key=lambda r: (r.created_ns, r.id))

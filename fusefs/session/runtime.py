@@ -1,0 +1,431 @@
+"""The session runtime: one live session's leases, permits, journal, policy and state.
+
+This is the session process's side of CONTRACT 4 and knows nothing of FUSE: it runs inside
+the caller for the no-FUSE fallback and inside the mount daemon for FUSE sessions, over a
+``LiveTree`` that does the file work.
+
+Lifecycle: ``open_new`` / ``open_existing`` take the session lease, then (exclusive
+placement) the root lease, recover an interrupted restore, and for a new session seed or
+adopt the tree and journal ``WorkspaceCheckpointed{trigger=seed}`` first of all. A renewer
+thread renews both leases every third of their ttl; a lost lease faults the session
+terminally. ``shutdown`` stops checkpoint work, closes the tree, releases the root lease,
+then the session lease, and makes no checkpoint (CONTRACT 4.9).
+
+Permits: mutations (tools, agent commands) hold a shared write permit; checkpoint and
+restore take the exclusive permit, which pauses admission of new write permits and waits
+up to a timeout for held ones to end.
+
+Faults: terminal (lost lease, failed rollback) refuse everything but shutdown; a latched
+fault (a failed required checkpoint, a failed journal append after a restore) refuses
+restore and policy events until a successful manual checkpoint clears it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from store.errors import LeaseBusyError, LeaseLostError
+from store.ref import Ref
+
+from .config import WorkspaceConfig
+from .errors import (
+    CheckpointError,
+    RestoreError,
+    SeedError,
+    SessionBusyError,
+    SessionClosedError,
+    SessionFaultedError,
+    WorkspaceRootBusyError,
+)
+from .journal import Journal
+from .live import LiveTree
+from .placement import Mode
+from .policy import PolicyRunner
+from .registry import SessionRecord
+
+log = logging.getLogger("rewindfs.session")
+
+OPEN = "open"
+CLOSING = "closing"
+CLOSED = "closed"
+
+
+class PermitGate:
+    """Shared write permits and one exclusive permit, preferring the exclusive waiter."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._writers = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        """Hold a write permit; waits while a checkpoint or restore runs or waits."""
+        with self._cv:
+            while self._exclusive or self._waiting:
+                self._cv.wait()
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._writers -= 1
+                self._cv.notify_all()
+
+    def acquire_exclusive(self, timeout_s: float) -> bool:
+        """Pause admission and wait up to ``timeout_s`` for writers to end; False on timeout
+        (admission resumes)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            self._waiting += 1
+            try:
+                while self._exclusive or self._writers:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cv.wait(left)
+                self._exclusive = True
+                return True
+            finally:
+                self._waiting -= 1
+                self._cv.notify_all()
+
+    def release_exclusive(self) -> None:
+        with self._cv:
+            self._exclusive = False
+            self._cv.notify_all()
+
+
+def holder_id() -> str:
+    """A lease holder id unique to this process and runtime: ``host:pid:nonce``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+class SessionCore:
+    """One live session: ``record`` (registered), ``tree`` (its live tree) under ``cfg``."""
+
+    def __init__(self, cfg: WorkspaceConfig, record: SessionRecord, tree: LiveTree) -> None:
+        assert cfg.placement is not None and cfg.policy is not None
+        self.cfg = cfg
+        self.placement = cfg.placement
+        self.record = record
+        self.id = record.id
+        self.tree = tree
+        self.store: Any = cfg.store if cfg.store is not None else cfg.placement.store
+        self.journal = Journal(self.store, record.id)
+        self.gate = PermitGate()
+        self.policy = PolicyRunner(cfg.policy, self._policy_checkpoint, record.id)
+        self.state = OPEN
+        self.terminal_fault: str | None = None
+        self.latched_fault: str | None = None
+        self._holder = holder_id()
+        self._leases: list[Any] = []
+        self._lease_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self._op_lock = threading.Lock()  # one checkpoint or restore at a time
+
+    # -- leases (CONTRACT 4.2) ----------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The session lease epoch stamped on every journal event."""
+        return int(self._leases[0].epoch) if self._leases else 0
+
+    def _acquire_leases(self) -> None:
+        leaser = self.cfg.leaser
+        ttl = self.cfg.lease_ttl_s
+        try:
+            self._leases.append(leaser.acquire(f"session/{self.id}", self._holder, ttl))
+        except LeaseBusyError as e:
+            raise SessionBusyError(self.id, e.epoch) from None
+        if self.placement.mode is Mode.EXCLUSIVE:
+            assert self.placement.lease_name is not None
+            try:
+                self._leases.append(self.placement.leaser.acquire(
+                    self.placement.lease_name, self._holder, ttl))
+            except LeaseBusyError as e:
+                self._release_leases()
+                raise WorkspaceRootBusyError(self.placement.path, e.epoch) from None
+        self._renewer = threading.Thread(target=self._renew_loop, name=f"lease-{self.id}",
+                                         daemon=True)
+        self._renewer.start()
+
+    def _leaser_of(self, i: int) -> Any:
+        return self.cfg.leaser if i == 0 else self.placement.leaser
+
+    def _renew_loop(self) -> None:
+        interval = self.cfg.lease_ttl_s / 3
+        while not self._stop.wait(interval):
+            with self._lease_lock:
+                for i, lease in enumerate(list(self._leases)):
+                    leaser = self._leaser_of(i)
+                    try:
+                        self._leases[i] = leaser.renew(lease, self.cfg.lease_ttl_s)
+                    except LeaseLostError:
+                        self._fault_terminal(f"lease {lease.name} lost (epoch {lease.epoch})")
+                        return
+                    except Exception as e:  # a busy index: retry at the next tick
+                        log.warning("session %s: renewing %s failed: %s", self.id, lease.name, e)
+                        if not leaser.held(lease):
+                            self._fault_terminal(f"lease {lease.name} expired")
+                            return
+
+    def leases_healthy(self) -> bool:
+        with self._lease_lock:
+            return all(self._leaser_of(i).held(lease) for i, lease in enumerate(self._leases))
+
+    def _release_leases(self) -> None:
+        self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join()
+        with self._lease_lock:
+            # Root lease first, then the session lease (CONTRACT 4.9).
+            for i in reversed(range(len(self._leases))):
+                try:
+                    self._leaser_of(i).release(self._leases[i])
+                except Exception as e:
+                    log.warning("session %s: releasing %s failed: %s", self.id,
+                                self._leases[i].name, e)
+            self._leases.clear()
+
+    def _fault_terminal(self, cause: str) -> None:
+        if self.terminal_fault is None:
+            self.terminal_fault = cause
+            log.error("session %s faulted: %s", self.id, cause)
+
+    # -- opening -------------------------------------------------------------------------
+
+    def open_new(self, seed: Ref | None, seeded_by_fork: bool = False) -> Ref:
+        """Take the leases, check the seed rules (CONTRACT 4.4), seed or adopt the tree and
+        journal the seed event. Returns the seed Ref. On failure the leases are released."""
+        self._acquire_leases()
+        try:
+            self.tree.recover(self._roll_forward)
+            empty = self.tree.is_empty()
+            if seed is not None and self.placement.mode is Mode.SHARED:
+                raise SeedError("a shared root cannot be seeded")
+            if seed is not None and not empty:
+                raise SeedError(f"the root {self.tree.root} is not empty; it would be adopted, "
+                                "so it cannot also be seeded")
+            with self._exclusive(self.policy.policy.timeout_s, "seed"):
+                if seed is None:
+                    ref = self.tree.capture("seed")  # adopt what is there (maybe nothing)
+                else:
+                    self.tree.install(seed)
+                    ref = seed
+                self.journal.checkpointed(ref, "seed", self.tree.consistency, self.epoch)
+        except BaseException:
+            self._release_leases()
+            raise
+        self.policy.start()
+        return ref
+
+    def open_existing(self) -> Ref | None:
+        """Take the leases and recover an interrupted restore; returns the restore pointer.
+        The live tree (with its un-checkpointed changes) is kept as it is."""
+        self._acquire_leases()
+        try:
+            self.tree.recover(self._roll_forward)
+            pointer = self.journal.restore_pointer()
+            if pointer is not None and self.tree.is_empty() and not os.path.isdir(
+                    self.tree.root):
+                self.tree.install(pointer)  # the root was removed while closed
+        except BaseException:
+            self._release_leases()
+            raise
+        self.policy.start()
+        return pointer
+
+    def _roll_forward(self, ref: Ref, seq_before: int) -> bool:
+        if self.journal.last_seq() != seq_before:
+            return True
+        try:
+            self.journal.restored(ref, self.epoch)
+        except Exception as e:
+            log.warning("session %s: cannot journal the interrupted restore: %s", self.id, e)
+            return False
+        return True
+
+    # -- permits ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def write_permit(self) -> Iterator[None]:
+        """Hold a write permit for a mutation; when it ends the idle timer restarts."""
+        self._check_usable()
+        with self.gate.write():
+            yield
+        self.policy.mutated()
+
+    def mutated(self) -> None:
+        """A mutation happened outside any permit (restarts the idle timer)."""
+        self.policy.mutated()
+
+    @contextlib.contextmanager
+    def _exclusive(self, timeout_s: float, what: str) -> Iterator[None]:
+        with self._op_lock:
+            if not self.gate.acquire_exclusive(timeout_s):
+                raise CheckpointError(what, f"writers did not finish within {timeout_s} s")
+            try:
+                yield
+            finally:
+                self.gate.release_exclusive()
+
+    def _check_usable(self) -> None:
+        if self.state != OPEN:
+            raise SessionClosedError(self.id)
+        if self.terminal_fault is not None:
+            raise SessionFaultedError(self.id, self.terminal_fault, terminal=True)
+
+    # -- checkpoint (CONTRACT 4.3, 4.5) ------------------------------------------------------
+
+    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None) -> Ref:
+        """Freeze the live tree, journal ``WorkspaceCheckpointed{ref, consistency, trigger}``
+        and return the Ref. A manual success clears a latched fault.
+
+        Raises SessionClosedError, SessionFaultedError (terminal), CheckpointError (writers
+        did not finish within ``timeout_s``, default the policy timeout, or the snapshot
+        failed; nothing journaled)."""
+        self._check_usable()
+        timeout = self.policy.policy.timeout_s if timeout_s is None else timeout_s
+        with self._exclusive(timeout, trigger):
+            try:
+                ref = self.tree.capture("checkpoint")
+            except Exception as e:
+                raise CheckpointError(trigger, e) from e
+            if not self.leases_healthy():
+                raise CheckpointError(trigger, "the session lease is not held")
+            self.journal.checkpointed(ref, trigger, self.tree.consistency, self.epoch)
+        if trigger == "manual":
+            self.latched_fault = None
+            self.policy.manual_succeeded()
+        return ref
+
+    def _policy_checkpoint(self, trigger: str, timeout_s: float) -> object:
+        return self.checkpoint(trigger, timeout_s)
+
+    def turn_done(self) -> None:
+        self._check_usable()
+        self.policy.turn_done()
+
+    def step_done(self) -> None:
+        self._check_usable()
+        self.policy.step_done()
+
+    @property
+    def fault(self) -> str | None:
+        return self.terminal_fault or self.latched_fault or self.policy.fault
+
+    # -- restore (CONTRACT 3.2, 4.7, 4.8) ------------------------------------------------
+
+    def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
+                cancel: threading.Event | None = None) -> Ref | None:
+        """Make the live tree ``ref``, journaling ``WorkspaceRestored{ref}``. Unless
+        ``discard``, the current state is checkpointed first (trigger pre_restore) and that
+        Ref returned, so the restore can be undone.
+
+        Raises RestoreError (kinds of CONTRACT 4.8) and the store's errors for a target
+        that is not complete in the store (ObjectNotFoundError, IntegrityError)."""
+        sref = str(ref)
+        if cancel is not None and cancel.is_set():
+            raise RestoreError(RestoreError.CONTEXT_DONE, sref, "cancelled before start")
+        if self.state != OPEN:
+            raise RestoreError(RestoreError.CLOSING, sref)
+        if self.fault is not None:
+            raise RestoreError(RestoreError.FAULTED, sref, self.fault)
+        timeout = self.policy.policy.timeout_s if timeout_s is None else timeout_s
+        with self._op_lock:
+            if not self.gate.acquire_exclusive(timeout):
+                raise RestoreError(RestoreError.PERMIT_FAILED, sref,
+                                   f"writers did not finish within {timeout} s")
+            try:
+                return self._restore_locked(ref, discard, cancel)
+            finally:
+                self.gate.release_exclusive()
+
+    def _restore_locked(self, ref: Ref, discard: bool,
+                        cancel: threading.Event | None) -> Ref | None:
+        sref = str(ref)
+        if cancel is not None and cancel.is_set():
+            raise RestoreError(RestoreError.CONTEXT_DONE, sref, "cancelled")
+        if not self.leases_healthy():
+            raise RestoreError(RestoreError.LEASE_UNHEALTHY, sref)
+        pre = None
+        if not discard:
+            try:
+                pre = self.tree.capture("checkpoint")
+            except Exception as e:
+                raise RestoreError(RestoreError.SWAP_FAILED, sref,
+                                   f"pre-restore checkpoint failed: {e}") from e
+            self.journal.checkpointed(pre, "pre_restore", self.tree.consistency, self.epoch)
+        verify_complete(self.store, ref)
+
+        def on_commit() -> None:
+            self.journal.restored(ref, self.epoch)
+
+        try:
+            self.tree.swap(ref, self.journal.last_seq(), on_commit)
+        except RestoreError as e:
+            if e.kind == RestoreError.ROLLBACK_FAILED:
+                self._fault_terminal(f"restore rollback failed: {e.cause}")
+            elif e.kind == RestoreError.APPEND_FAILED:
+                self.latched_fault = f"restore of {sref} done but not journaled: {e.cause}"
+            raise
+        return pre
+
+    # -- shutdown (CONTRACT 4.9) ---------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop checkpoint work, close the tree, release the root lease, then the session
+        lease. Idempotent. No checkpoint is made."""
+        if self.state == CLOSED:
+            return
+        self.state = CLOSING
+        self.policy.stop()
+        with self._op_lock:
+            try:
+                self.tree.close()
+            finally:
+                self._release_leases()
+                self.state = CLOSED
+
+    def abandon(self) -> None:
+        """Stop the threads without releasing anything, as a crash would (tests)."""
+        self.state = CLOSED
+        self.policy.stop()
+        self._stop.set()
+
+
+def verify_complete(store: Any, ref: Ref) -> None:
+    """Check that every tree and chunk reachable from ``ref`` is indexed in ``store``.
+
+    Raises ObjectNotFoundError for the first missing object."""
+    from store.errors import ObjectNotFoundError
+    from store.tree import Kind
+
+    seen: set[bytes] = set()
+    stack = [ref.tree_id]
+    while stack:
+        tid = stack.pop()
+        if tid in seen:
+            continue
+        seen.add(tid)
+        tree = store.get_tree(tid)
+        for e in tree.entries:
+            if e.kind is Kind.DIR and e.tree_id is not None:
+                stack.append(e.tree_id)
+            elif e.kind is Kind.FILE:
+                for cid in e.chunks:
+                    if cid not in seen:
+                        if not store.has(cid):
+                            raise ObjectNotFoundError(cid.hex())
+                        seen.add(cid)
