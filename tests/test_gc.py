@@ -5,6 +5,8 @@ live; a snapshot running in another process at the same time loses nothing."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from test_verify import Built, build, file_entry, new_store
@@ -265,3 +267,69 @@ def test_live_object_missing_from_index_fails_closed(built: Built) -> None:
     assert ei.value.op == "mark" and "not indexed" in ei.value.cause
     assert s.backend.list() == before
     assert trees
+
+
+# -- a snapshot in another process, concurrently with GC -------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SNAPSHOTTER = r"""
+import os, random, sys
+from store.objects import Store
+from store.snapshot import snapshot
+
+root, tree, n, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rnd = random.Random(seed)
+store = Store(root)
+listed = []
+for i in range(n):
+    for _ in range(3):  # rewrite, add and delete files so every snapshot has new content
+        name = os.path.join(tree, f"f{rnd.randrange(12)}")
+        with open(name, "wb") as f:
+            f.write(rnd.randbytes(rnd.randrange(0, 200_000)))
+    victim = os.path.join(tree, f"f{rnd.randrange(12)}")
+    if os.path.exists(victim) and rnd.random() < 0.3:
+        os.unlink(victim)
+    ref = snapshot(store, tree, label=f"iteration {i}")
+    listed.append(ref)
+    if len(listed) > 2 and rnd.random() < 0.6:  # forgetting makes garbage for GC to find
+        store.forget(listed.pop(rnd.randrange(len(listed) - 1)))
+    print(ref, flush=True)
+print("done", flush=True)
+"""
+
+
+def test_concurrent_snapshot_in_another_process_loses_nothing(tmp_path: object) -> None:
+    from store.materialize import materialize
+    from store.snapshot import compute_ref, snapshot
+
+    s = new_store(tmp_path)
+    tree = os.path.join(str(tmp_path), "tree")
+    os.makedirs(os.path.join(tree, "fixed"))
+    with open(os.path.join(tree, "fixed", "same"), "wb") as f:
+        f.write(os.urandom(150_000))  # unchanged throughout: reused from the files cache
+    first = snapshot(s, tree)
+    child = subprocess.Popen([sys.executable, "-c", _SNAPSHOTTER, s.root, tree, "25", "7"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    runs = 0
+    try:
+        while child.poll() is None or runs < 3:
+            gc(s)
+            runs += 1
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err
+    assert out.splitlines()[-1] == "done"
+    gc(s)
+    assert verify(s) == []
+    listed = s.list_snapshots()
+    assert first in {i.ref for i in listed} and len(listed) >= 3
+    for n, info in enumerate(listed):
+        dest = os.path.join(str(tmp_path), f"out{n}")
+        materialize(s, info.ref, dest)
+        assert compute_ref(dest, chunk_size=s.chunk_size) == info.ref
+    assert backend_packs(s) == indexed_packs(s)
