@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +23,7 @@ import fusehelpers as fh  # noqa: E402
 # Directories outside pytest's 0700 base that tests create for other uids to traverse.
 SHARED_TMP_PREFIX = "/tmp/rewindfs-test-"
 MOD_COPIES = 48
-# REWINDFS_FUSE_SELFTEST=1 runs the tests built on the ``lower`` fixture against a plain copy
-# of the lower tree on the local filesystem instead of a mount: a check of the tests' own
-# expectations, never of rewindfs.
-SELFTEST = os.environ.get("REWINDFS_FUSE_SELFTEST") == "1"
+SELFTEST = fh.SELFTEST  # see fusehelpers
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -79,7 +75,7 @@ def mounter(fuse_store: Path, tmp_path: Path, request: pytest.FixtureRequest
             ) -> Iterator[fh.Mounter]:
     """Starts mounts for one test; unmounts and reaps them all at teardown."""
     _require_fuse()
-    m = fh.Mounter(tmp_path / "mounts", fuse_store)
+    m = (fh.SelftestMounter if SELFTEST else fh.Mounter)(tmp_path / "mounts", fuse_store)
     m.base.mkdir()
     yield m
     m.teardown(_test_failed(request))
@@ -97,8 +93,6 @@ def mod_lower_ref(mod_store: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     src = tmp_path_factory.mktemp("lower-src")
     for i in range(MOD_COPIES):
         fh.build_lower(src / f"t{i:02d}")
-    if SELFTEST:
-        return str(src)
     return fh.snapshot(mod_store, src)
 
 
@@ -107,7 +101,8 @@ def mod_mounter(mod_store: Path, tmp_path_factory: pytest.TempPathFactory,
                 request: pytest.FixtureRequest) -> Iterator[fh.Mounter]:
     """Like ``mounter``, shared by the tests of one module."""
     _require_fuse()
-    m = fh.Mounter(tmp_path_factory.mktemp("modmounts"), mod_store)
+    m = (fh.SelftestMounter if SELFTEST else fh.Mounter)(tmp_path_factory.mktemp("modmounts"),
+                                                         mod_store)
     failed_before = request.session.testsfailed
     yield m
     m.teardown(request.session.testsfailed > failed_before)
@@ -116,11 +111,6 @@ def mod_mounter(mod_store: Path, tmp_path_factory: pytest.TempPathFactory,
 @pytest.fixture(scope="module")
 def mod_rw(mod_mounter: fh.Mounter, mod_lower_ref: str) -> fh.Daemon:
     """One read-write mount of ``mod_lower_ref`` shared by a module's tests."""
-    if SELFTEST:
-        # Check the tests' own expectations on a local filesystem: a copy of the lower.
-        mnt = mod_mounter.base / "selftest"
-        subprocess.run(["cp", "-a", mod_lower_ref, str(mnt)], check=True)
-        return fh.Daemon(store=mod_mounter.store, mnt=mnt, log=mnt / "none.log")
     return mod_mounter.rw(mod_lower_ref)
 
 
@@ -132,3 +122,13 @@ def lower(mod_rw: fh.Daemon) -> Path:
         pytest.fail(f"more than {MOD_COPIES} tests use the shared lower; raise MOD_COPIES")
     mod_rw._next_copy = n + 1  # type: ignore[attr-defined]
     return mod_rw.mnt / f"t{n:02d}"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[object]:
+    """A fresh store (default chunk size) in ``tmp_path/"store"``."""
+    from store.objects import Store
+
+    s = Store(tmp_path / "store")
+    yield s
+    s.close()

@@ -30,6 +30,11 @@ MOUNT_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
 FUSERMOUNT = "fusermount3"
 
+# REWINDFS_FUSE_SELFTEST=1 runs the FUSE tests against plain copies on the local filesystem
+# instead of mounts: a check of the tests' own expectations, never of rewindfs. ``snapshot``
+# then returns the source directory and ``SelftestMounter`` copies it.
+SELFTEST = os.environ.get("REWINDFS_FUSE_SELFTEST") == "1"
+
 # Daemons started by this process that have not been torn down yet, by mountpoint.
 LIVE: dict[str, Daemon] = {}
 
@@ -278,9 +283,10 @@ atexit.register(kill_all_live)
 
 def snapshot(store_dir: str | os.PathLike[str], src: str | os.PathLike[str]) -> str:
     """Snapshot directory ``src`` into the store at ``store_dir``; return the Ref text."""
-    from store.snapshot import snapshot as take
-
+    if SELFTEST:
+        return os.fspath(src)
     from store.objects import Store
+    from store.snapshot import snapshot as take
 
     st = Store(os.fspath(store_dir))
     try:
@@ -501,3 +507,33 @@ def build_lower(root: Path) -> None:
     (root / "dir" / "sub" / "deeper" / "c.txt").write_bytes(b"c\n")
     for p in [root / "plain.txt", root / "exec.sh", root / "big.bin"]:
         os.utime(p, ns=(MTIME_NS, MTIME_NS))
+
+
+class SelftestMounter(Mounter):
+    """``Mounter`` for REWINDFS_FUSE_SELFTEST: a "mount" is a ``cp -a`` copy of the source."""
+
+    def rw(self, ref: str | None, *, state: Path | None = None, mnt: Path | None = None,
+           allow_other: bool = False) -> Daemon:
+        mnt = mnt or self.base / f"mnt{self._n}"
+        self._n += 1
+        if ref is not None:
+            subprocess.run(["cp", "-a", ref, str(mnt)], check=True)
+        return Daemon(store=self.store, mnt=mnt, ref=ref, log=self.base / "none.log")
+
+    def ro(self, ref: str, mnt: Path | None = None) -> Daemon:
+        return self.rw(ref, mnt=mnt)
+
+    def unmount(self, d: Daemon) -> None:
+        pass
+
+    def remount(self, d: Daemon, *, with_ref: bool = False) -> Daemon:
+        return d
+
+    def kill9(self, d: Daemon) -> None:
+        pass
+
+    def restart(self, d: Daemon, *, with_ref: bool = False) -> Daemon:
+        return d
+
+    def teardown(self, failed: bool) -> None:
+        pass
