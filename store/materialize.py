@@ -1,0 +1,432 @@
+"""Write a snapshot out as a real directory (CONTRACT 1.5), hardened against hostile trees.
+
+Owns extraction into a missing or empty destination, the compare of a non-empty one, and
+the wipe of a half-written one. It must never write outside the destination, never write
+bytes that did not verify against their chunk id, and never leave a partial tree behind.
+
+The three destination cases:
+
+- missing, or an empty directory: extract. On any failure everything written is wiped (a
+  destination this call created is removed, an existing one is emptied and its mtime put
+  back) and the error is raised: ``IntegrityError`` (a chunk or tree does not verify or is
+  missing), ``ArchiveEntryError`` (a hostile entry), ``ArchiveLimitError`` (a cap tripped)
+  surface as themselves; an OS error (disk full, permission, a concurrent change in the
+  destination) becomes ``MaterializeError(ref, dest, cause)``.
+- a non-empty directory: its Ref is computed (``snapshot.compute_ref``); equal -> success
+  with ``already_equal`` and no write; different or unreadable -> ``DestNotEmptyError`` and
+  nothing touched.
+- anything else, a symlink included: ``NotDirError``.
+
+Hardening:
+
+- The destination path is walked from ``/`` one component at a time with ``O_NOFOLLOW``:
+  a symlink anywhere in it is refused (``MaterializeError``; pass a canonical path). Below
+  it every create and open is relative to a directory fd, with ``O_EXCL``/``O_NOFOLLOW``,
+  so nothing is ever written through a symlink, whoever put it there.
+- Names are checked when a tree is decoded (one component, 1..255 bytes, no NUL, not ``.``
+  or ``..``; duplicates are non-canonical), paths are capped at 4096 bytes, symlink targets
+  must be 1..4095 bytes without NUL, xattr names must be ``user.*``, and a hard-link group
+  may hold only files whose entries agree.
+- Caps: ``max_entries`` counts every entry processed (sockets and hard links included),
+  ``max_bytes`` the content bytes actually written (holes are not written); a dir entry
+  that repeats a subtree id is expanded again and counted again, so a tree cannot multiply
+  its size by sharing subtrees. Exceeding one raises ``ArchiveLimitError(limit, cap,
+  observed)`` before the entry or chunk is written.
+- setuid and setgid bits are dropped; uid/gid are applied only when running as root.
+
+Order: directories are created 0700 and get their mode, xattrs and mtime when their last
+entry is written (post-order, so deepest first, and read-only directories round-trip); a
+file gets its metadata right after its content; symlink mtimes are set without following.
+Sparse files: an all-zero chunk is skipped with a seek, and the file is truncated to its
+size at the end, so holes stay holes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import chunker
+from .errors import (
+    ArchiveEntryError,
+    ArchiveLimitError,
+    DestNotEmptyError,
+    IntegrityError,
+    MaterializeError,
+    NotDirError,
+    ObjectNotFoundError,
+    SnapshotError,
+)
+from .objects import Store
+from .ref import ObjectId, Ref
+from .snapshot import compute_ref_fd
+from .tree import PATH_MAX, Entry, Kind
+
+DEFAULT_MAX_ENTRIES = 1_048_576
+DEFAULT_MAX_BYTES = 8 << 30
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_FIFO_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_DROP_BITS = stat.S_ISUID | stat.S_ISGID
+
+Progress = Callable[[int, int], None]
+"""``progress(entries_done, bytes_done)``: entries and content bytes written so far."""
+
+
+@dataclass(frozen=True, slots=True)
+class MaterializeResult:
+    """What ``materialize`` did: entries created, content bytes written, sockets skipped,
+    and whether the destination already held the tree (then nothing was written)."""
+
+    entries: int
+    bytes: int
+    sockets_skipped: int
+    already_equal: bool
+
+
+# -- the destination -------------------------------------------------------------------
+
+
+def _open_parent(dest: str, ref: Ref) -> tuple[int, bytes]:
+    """Open the parent of ``dest`` walking from ``/`` without following any symlink;
+    return (fd, final component)."""
+    path = os.path.abspath(dest)
+    parts = [p for p in os.fsencode(path).split(b"/") if p]
+    if not parts:
+        raise NotDirError(dest)  # "/" is never an empty destination
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        for i, part in enumerate(parts[:-1]):
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                shown = os.fsdecode(b"/" + b"/".join(parts[:i + 1]))
+                if e.errno == errno.ELOOP:
+                    cause = f"{shown} is a symbolic link; give a path without symlinks"
+                    raise MaterializeError(str(ref), dest, cause) from None
+                raise MaterializeError(str(ref), dest, f"{shown}: {e.strerror}") from None
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+# -- extraction ------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Open:
+    """A directory being filled: its fd and the entry whose metadata it gets at the end."""
+
+    fd: int
+    rel: bytes
+    entries: tuple[Entry, ...]
+    pos: int = 0
+    meta: Entry | None = None  # None for the destination itself
+
+
+@dataclass(slots=True)
+class _Extractor:
+    store: Store
+    ref: Ref
+    max_entries: int
+    max_bytes: int
+    progress: Progress | None
+    dest_fd: int = -1
+    as_root: bool = field(default_factory=lambda: os.geteuid() == 0)
+    entries: int = 0
+    written: int = 0
+    sockets: int = 0
+    # hard-link group id -> (root-relative path, (dev, ino), the first member's entry)
+    links: dict[bytes, tuple[bytes, tuple[int, int], Entry]] = field(default_factory=dict)
+
+    def tree(self, tree_id: ObjectId, rel: bytes) -> tuple[Entry, ...]:
+        try:
+            return self.store.get_tree(tree_id).entries
+        except ObjectNotFoundError:
+            where = os.fsdecode(rel) or "."
+            raise IntegrityError(str(self.ref), f"tree {tree_id.hex()} of {where!r} is "
+                                 "missing from the store") from None
+
+    def run(self, dest_fd: int) -> None:
+        stack = [_Open(dest_fd, b"", self.tree(self.ref.tree_id, b""))]
+        try:
+            while stack:
+                d = stack[-1]
+                if d.pos < len(d.entries):
+                    e = d.entries[d.pos]
+                    d.pos += 1
+                    child = self.entry(d, e)
+                    if child is not None:
+                        stack.append(child)
+                    continue
+                stack.pop()
+                if d.meta is not None:
+                    try:
+                        self.apply_meta(d.fd, d.meta, d.rel)
+                    finally:
+                        os.close(d.fd)
+        finally:
+            for d in stack:
+                if d.fd != dest_fd:
+                    os.close(d.fd)
+
+    def count(self) -> None:
+        self.entries += 1
+        if self.entries > self.max_entries:
+            raise ArchiveLimitError("entries", self.max_entries, self.entries)
+
+    def entry(self, d: _Open, e: Entry) -> _Open | None:
+        rel = d.rel + b"/" + e.name if d.rel else e.name
+        if len(rel) > PATH_MAX:
+            raise ArchiveEntryError(os.fsdecode(rel[:64]) + "...",
+                                    f"path is {len(rel)} bytes, over {PATH_MAX}")
+        self.count()
+        if e.xattrs and e.kind not in (Kind.FILE, Kind.DIR):
+            raise ArchiveEntryError(os.fsdecode(rel), "only files and directories carry "
+                                    "user xattrs")
+        for k, _ in e.xattrs:
+            if not k.startswith(b"user.") or len(k) <= 5 or b"\0" in k or len(k) > 255:
+                raise ArchiveEntryError(os.fsdecode(rel), f"xattr name {k!r} is not user.*")
+        if e.link_group is not None and e.kind is not Kind.FILE:
+            raise ArchiveEntryError(os.fsdecode(rel), "only files can be hard-linked")
+        if e.kind is Kind.DIR:
+            assert e.tree_id is not None
+            entries = self.tree(e.tree_id, rel)
+            os.mkdir(e.name, 0o700, dir_fd=d.fd)
+            fd = os.open(e.name, _DIR_FLAGS, dir_fd=d.fd)
+            return _Open(fd, rel, entries, meta=e)
+        if e.kind is Kind.FILE:
+            if e.link_group is not None and e.link_group in self.links:
+                self.link(d, e, rel)
+            else:
+                self.file(d, e, rel)
+        elif e.kind is Kind.SYMLINK:
+            if not e.target or b"\0" in e.target or len(e.target) >= PATH_MAX:
+                raise ArchiveEntryError(os.fsdecode(rel), "symlink target is empty, too long "
+                                        "or holds NUL")
+            os.symlink(e.target, e.name, dir_fd=d.fd)
+            if self.as_root:
+                os.chown(e.name, e.uid, e.gid, dir_fd=d.fd, follow_symlinks=False)
+            os.utime(e.name, ns=(time.time_ns(), e.mtime_ns), dir_fd=d.fd,
+                     follow_symlinks=False)
+        elif e.kind is Kind.FIFO:
+            os.mkfifo(e.name, 0o600, dir_fd=d.fd)
+            fd = os.open(e.name, _FIFO_FLAGS, dir_fd=d.fd)
+            try:
+                if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                    raise OSError(errno.EEXIST, "replaced while being created", rel)
+                self.apply_meta(fd, e, rel)
+            finally:
+                os.close(fd)
+        elif e.kind is Kind.SOCKET:
+            self.sockets += 1
+        if self.progress is not None:
+            self.progress(self.entries, self.written)
+        return None
+
+    def file(self, d: _Open, e: Entry, rel: bytes) -> None:
+        cs = self.store.chunk_size
+        fd = os.open(e.name, _NEW_FILE_FLAGS, 0o600, dir_fd=d.fd)
+        try:
+            off = 0
+            pos = 0  # the file offset
+            for i, cid in enumerate(e.chunks):
+                want = chunker.chunk_length(i, e.size, cs)
+                if want and cid == chunker.zero_chunk_id(want):
+                    off += want
+                    continue
+                try:
+                    data = self.store.read_object(cid)
+                except ObjectNotFoundError:
+                    raise IntegrityError(str(self.ref), f"chunk {cid.hex()} of "
+                                         f"{os.fsdecode(rel)!r} is missing") from None
+                if off + len(data) > e.size:
+                    raise IntegrityError(str(self.ref), f"{os.fsdecode(rel)!r} has more "
+                                         f"content than its size {e.size}")
+                if self.written + len(data) > self.max_bytes:
+                    raise ArchiveLimitError("bytes", self.max_bytes, self.written + len(data))
+                if chunker.is_zero(data):
+                    off += len(data)
+                    continue
+                if pos != off:
+                    os.lseek(fd, off, os.SEEK_SET)
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                off += len(data)
+                pos = off
+                self.written += len(data)
+            if off != e.size:
+                raise IntegrityError(str(self.ref), f"{os.fsdecode(rel)!r} has {off} bytes of "
+                                     f"content, its entry says {e.size}")
+            if pos != off:
+                os.ftruncate(fd, off)
+            self.apply_meta(fd, e, rel)
+            if e.link_group is not None:
+                st = os.fstat(fd)
+                self.links[e.link_group] = (rel, (st.st_dev, st.st_ino), e)
+        finally:
+            os.close(fd)
+
+    def link(self, d: _Open, e: Entry, rel: bytes) -> None:
+        assert e.link_group is not None
+        first_rel, ident, first = self.links[e.link_group]
+        if (e.kind, e.mode, e.uid, e.gid, e.mtime_ns, e.size, e.chunks, e.xattrs) != (
+                first.kind, first.mode, first.uid, first.gid, first.mtime_ns, first.size,
+                first.chunks, first.xattrs):
+            raise ArchiveEntryError(os.fsdecode(rel), "hard-link group members differ from "
+                                    f"{os.fsdecode(first_rel)!r}")
+        os.link(first_rel, e.name, src_dir_fd=self.dest_fd, dst_dir_fd=d.fd,
+                follow_symlinks=False)
+        st = os.stat(e.name, dir_fd=d.fd, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) != ident:
+            raise OSError(errno.EEXIST, "hard-link source was replaced while linking", rel)
+
+    def apply_meta(self, fd: int, e: Entry, rel: bytes) -> None:
+        """Owner (as root), xattrs, mode without setuid/setgid, then mtime, on an open fd."""
+        if self.as_root:
+            os.fchown(fd, e.uid, e.gid)
+        for k, v in e.xattrs:
+            os.setxattr(fd, k, v)
+        os.fchmod(fd, e.mode & ~_DROP_BITS & 0o7777)
+        os.utime(fd, ns=(time.time_ns(), e.mtime_ns))
+
+
+# -- the wipe --------------------------------------------------------------------------
+
+
+def _wipe_into(fd: int) -> None:
+    """Remove everything inside the directory open at ``fd`` without following symlinks;
+    directories are made writable first so read-only ones can be emptied."""
+    stack = [(fd, os.listdir(fd))]
+    try:
+        while stack:
+            dfd, names = stack[-1]
+            if not names:
+                stack.pop()
+                if stack:
+                    os.close(dfd)
+                    parent, pnames = stack[-1]
+                    os.rmdir(pnames.pop(), dir_fd=parent)
+                continue
+            name = names[-1]
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                names.pop()
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                cfd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+                try:
+                    os.fchmod(cfd, 0o700)
+                    stack.append((cfd, os.listdir(cfd)))
+                except BaseException:
+                    os.close(cfd)
+                    raise
+                continue
+            os.unlink(name, dir_fd=dfd)
+            names.pop()
+    finally:
+        for dfd, _ in stack[1:]:
+            os.close(dfd)
+
+
+def _wipe(parent_fd: int, name: bytes, dest_fd: int, created: bool,
+          dest_st: os.stat_result) -> None:
+    try:
+        _wipe_into(dest_fd)
+        if created:
+            os.rmdir(name, dir_fd=parent_fd)
+        else:
+            os.utime(dest_fd, ns=(dest_st.st_atime_ns, dest_st.st_mtime_ns))
+    except OSError:
+        pass  # the original error is what the caller needs; a leftover shows up in dest
+
+
+# -- public API ------------------------------------------------------------------------
+
+
+def materialize(store: Store, ref: Ref | str, dest: str | os.PathLike[str], *,
+                max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES,
+                progress: Progress | None = None) -> MaterializeResult:
+    """Write snapshot ``ref`` out at ``dest`` (see the module docstring for the three cases,
+    the errors and the hardening). ``max_bytes`` is in bytes of content written.
+
+    Raises ObjectNotFoundError (before touching anything) if ``ref``'s root tree is not in
+    the store; NotDirError, DestNotEmptyError, MaterializeError, IntegrityError,
+    ArchiveEntryError, ArchiveLimitError as described above.
+    """
+    ref = Ref.parse(ref)
+    shown = os.fspath(dest)
+    if not isinstance(shown, str):
+        shown = os.fsdecode(shown)
+    store.get_tree(ref.tree_id)  # ObjectNotFoundError / IntegrityError before any write
+    parent_fd, name = _open_parent(shown, ref)
+    try:
+        return _materialize_at(store, ref, shown, parent_fd, name, max_entries, max_bytes,
+                               progress)
+    finally:
+        os.close(parent_fd)
+
+
+def _materialize_at(store: Store, ref: Ref, shown: str, parent_fd: int, name: bytes,
+                    max_entries: int, max_bytes: int,
+                    progress: Progress | None) -> MaterializeResult:
+    created = False
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        try:
+            os.mkdir(name, 0o777, dir_fd=parent_fd)
+        except OSError as e:
+            raise MaterializeError(str(ref), shown, e.strerror or str(e)) from None
+        created = True
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except OSError as e:
+        raise MaterializeError(str(ref), shown, e.strerror or str(e)) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotDirError(shown)
+    try:
+        dest_fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotDirError(shown) from None
+        raise MaterializeError(str(ref), shown, e.strerror or str(e)) from None
+    try:
+        dest_st = os.fstat(dest_fd)
+        if (dest_st.st_dev, dest_st.st_ino) != (st.st_dev, st.st_ino):
+            raise MaterializeError(str(ref), shown, "destination replaced while opening it")
+        if os.listdir(dest_fd):
+            if created:
+                raise MaterializeError(str(ref), shown, "destination filled by someone else")
+            return _compare(store, ref, shown, dest_fd)
+        x = _Extractor(store, ref, max_entries, max_bytes, progress, dest_fd)
+        try:
+            x.run(dest_fd)
+        except BaseException as exc:
+            _wipe(parent_fd, name, dest_fd, created, dest_st)
+            if isinstance(exc, OSError):
+                raise MaterializeError(str(ref), shown, exc) from exc
+            raise
+        return MaterializeResult(x.entries, x.written, x.sockets, already_equal=False)
+    finally:
+        os.close(dest_fd)
+
+
+def _compare(store: Store, ref: Ref, shown: str, dest_fd: int) -> MaterializeResult:
+    try:
+        got = str(compute_ref_fd(dest_fd, shown, store.chunk_size))
+    except SnapshotError as e:
+        got = f"an unreadable tree ({e.cause})"
+    if got != str(ref):
+        raise DestNotEmptyError(shown, str(ref), got)
+    return MaterializeResult(0, 0, 0, already_equal=True)
