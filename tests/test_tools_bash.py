@@ -1,0 +1,166 @@
+"""Bash: output cap, exit codes, timeouts that kill the whole tree, confinement, permit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tools import sandbox
+from tools.bash import run_bash
+from tools.binding import DirBinding
+from tools.workspace import Workspace
+
+HAS_BWRAP = sandbox.bwrap() is not None
+MODES = ["confined", "unconfined"] if HAS_BWRAP else ["unconfined"]
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "unconfined":
+        monkeypatch.setenv("REWINDFS_NO_SANDBOX", "1")
+    return str(request.param)
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Workspace:
+    root = tmp_path / "root"
+    root.mkdir()
+    return Workspace(DirBinding(root, hidden=[str(tmp_path / "state")]))
+
+
+def procs_with(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def wait_gone(marker: str, bound_s: float = 20.0) -> list[int]:
+    end = time.monotonic() + bound_s
+    while True:
+        left = procs_with(marker)
+        if not left or time.monotonic() > end:
+            return left
+
+
+def test_output_exit_code_and_cwd(ws: Workspace, mode: str) -> None:
+    r = run_bash(ws, "echo out; echo err >&2; pwd; exit 3")
+    lines = r.text.split("\n")
+    assert lines[:3] == ["out", "err", ws.root.real]
+    assert lines[3] == "[exit code: 3]"
+    assert r.data["exit_code"] == 3 and r.ok
+    if mode == "unconfined":
+        assert lines[4] == ("[note: ran unconfined (no sandbox available here): the command "
+                            "could read and write outside the workspace]")
+    else:
+        assert len(lines) == 4
+    assert run_bash(ws, "true").text.split("\n")[0] == "(no output)"
+
+
+def test_output_capped_head_and_tail_kept(ws: Workspace, mode: str) -> None:
+    r = run_bash(ws, "printf 'H%.0s' $(seq 20000); printf 'M%.0s' $(seq 30000); "
+                     "printf 'T%.0s' $(seq 20000)")
+    out = r.text.split("\n[exit code: 0]")[0]
+    head, rest = out.split("\n[... ", 1)
+    omitted, tail = rest.split(" bytes of output omitted ...]\n", 1)
+    assert head == "H" * 16384
+    assert tail == "T" * 16384
+    assert int(omitted) == 70000 - 2 * 16384
+    assert r.data["output_bytes"] == 70000
+
+
+def test_timeout_kills_grandchild_that_called_setsid(ws: Workspace, mode: str) -> None:
+    marker = f"rewindfs-test-{uuid.uuid4().hex}"
+    cmd = (f"setsid bash -c 'touch gc.started; exec -a {marker} sleep 1000' & "
+           f"(exec -a {marker}-child sleep 1000)")
+    r = run_bash(ws, cmd, timeout=2)
+    assert r.data["timed_out"] is True and r.data["exit_code"] is None
+    assert "[timed out after 2 s: the command and every process it started were killed]" \
+        in r.text
+    assert (Path(ws.root.path) / "gc.started").exists()
+    assert wait_gone(marker) == []
+
+
+def test_background_processes_end_with_the_command(ws: Workspace, mode: str) -> None:
+    marker = f"rewindfs-test-{uuid.uuid4().hex}"
+    r = run_bash(ws, f"(setsid bash -c 'exec -a {marker} sleep 1000' &) ; echo started")
+    assert r.text.startswith("started\n[exit code: 0]")
+    assert wait_gone(marker) == []
+
+
+def test_bad_arguments(ws: Workspace) -> None:
+    assert run_bash(ws, "  ").render() == "error: command must not be empty"
+    assert run_bash(ws, "true", timeout=601).render() == (
+        "error: timeout must be between 1 and 600 seconds (got 601)")
+    assert run_bash(ws, "true", timeout=0).render() == (
+        "error: timeout must be between 1 and 600 seconds (got 0)")
+
+
+@pytest.mark.skipif(not HAS_BWRAP, reason="bubblewrap does not work here")
+def test_confined_root_writable_rest_read_only_hidden_invisible(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    state = tmp_path / "state"
+    root.mkdir()
+    state.mkdir()
+    (state / "index.db").write_text("private")
+    ws = Workspace(DirBinding(root, hidden=[str(state)]))
+    r = run_bash(ws, f"echo hi > in_root.txt && cat in_root.txt; "
+                     f"touch {tmp_path}/outside.txt; "      # lands in the private /tmp
+                     f"touch /usr/rewindfs-test 2>/dev/null || echo ro-usr; "
+                     f"ls -A {state} | wc -l; cat {state}/index.db 2>/dev/null || echo hidden; "
+                     f"touch /tmp/scratch && echo tmp-ok")
+    assert r.text.split("\n") == ["hi", "ro-usr", "0", "hidden", "tmp-ok",
+                                  "[exit code: 0]"]
+    assert (root / "in_root.txt").read_text() == "hi\n"
+    assert not (tmp_path / "outside.txt").exists()
+    assert not os.path.exists("/usr/rewindfs-test")
+    assert r.data["confined"] is True
+
+
+class PermitBinding(DirBinding):
+    """A binding whose whole-workspace permit is an exclusive lock, as a checkpoint's is."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def write_permit(self) -> Iterator[None]:
+        with self.lock:
+            yield
+
+    def checkpoint(self, label: str | None = None) -> str:
+        with self.lock:
+            return "done-exists" if (Path(self.root) / "done").exists() else "too-early"
+
+
+def test_checkpoint_requested_while_bash_runs_waits_for_it(tmp_path: Path) -> None:
+    b = PermitBinding(tmp_path)
+    ws = Workspace(b)
+    got: list[str] = []
+
+    def checkpoint_when_started() -> None:
+        while not (tmp_path / "started").exists():
+            time.sleep(0.01)
+        got.append(b.checkpoint())
+
+    t = threading.Thread(target=checkpoint_when_started)
+    t.start()
+    r = run_bash(ws, "touch started; sleep 1; touch done")
+    t.join(30)
+    assert r.data["exit_code"] == 0
+    assert got == ["done-exists"]
