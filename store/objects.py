@@ -180,7 +180,14 @@ class Store:
         bytes are missing, do not decompress or do not hash to ``oid``.
         """
         loc = self.locate(oid)
-        plain = self._record(loc)
+        try:
+            plain = self._record(loc)
+        except IntegrityError:
+            # GC may have repacked the object between locate and read: look it up once more.
+            again = self.locate(oid)
+            if again == loc:
+                raise
+            loc, plain = again, self._record(again)
         data = plain[loc.inner_offset:loc.inner_offset + loc.raw_length]
         if len(data) != loc.raw_length or object_id(data) != oid:
             with self._cache_lock:

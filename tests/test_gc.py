@@ -333,3 +333,31 @@ def test_concurrent_snapshot_in_another_process_loses_nothing(tmp_path: object) 
         materialize(s, info.ref, dest)
         assert compute_ref(dest, chunk_size=s.chunk_size) == info.ref
     assert backend_packs(s) == indexed_packs(s)
+
+
+def test_reader_whose_object_is_repacked_mid_read_gets_the_bytes(tmp_path: object) -> None:
+    """A reader that located an object just before GC moved it reads it from its new pack."""
+    s = new_store(tmp_path)
+    with s.writer() as w:
+        keep = file_entry(w, b"keep", b"k" * 5000)
+        drop = file_entry(w, b"drop", os.urandom(200_000))
+        keep_ref = Ref(w.put_tree([keep]))
+        drop_ref = Ref(w.put_tree([drop]))
+        w.commit()
+        s.add_snapshot(keep_ref, "test")
+        s.add_snapshot(drop_ref, "test")
+    s.forget(drop_ref)
+
+    class GCBetweenLocateAndRead(Store):
+        collected = False
+
+        def locate(self, oid: ObjectId):  # type: ignore[no-untyped-def]
+            loc = super().locate(oid)
+            if not self.collected:
+                self.collected = True
+                assert gc(s).packs_repacked == 1
+            return loc
+
+    reader = GCBetweenLocateAndRead(s.root)
+    assert reader.read_object(keep.chunks[0]) == b"k" * 5000
+    assert reader.collected
