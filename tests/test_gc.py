@@ -17,7 +17,7 @@ from store.objects import Store
 from store.pack import ObjKind, PackBuilder
 from store.rebuild import rebuild_index
 from store.ref import ObjectId, Ref, object_id
-from store.tree import Kind
+from store.tree import Entry, Kind
 from store.verify import verify
 
 
@@ -361,3 +361,33 @@ def test_reader_whose_object_is_repacked_mid_read_gets_the_bytes(tmp_path: objec
     reader = GCBetweenLocateAndRead(s.root)
     assert reader.read_object(keep.chunks[0]) == b"k" * 5000
     assert reader.collected
+
+
+def test_stats_count_logical_unique_and_stored_bytes(tmp_path: object) -> None:
+    from store.stats import stats
+
+    s = new_store(tmp_path)
+    shared = os.urandom(100_000)
+    text = b"line of text\n" * 20_000
+    with s.writer() as w:
+        a = Ref(w.put_tree([file_entry(w, b"x", shared)]))
+        sub = w.put_tree([file_entry(w, b"x", shared), file_entry(w, b"t", text)])
+        b = Ref(w.put_tree([file_entry(w, b"copy", shared),
+                            file_entry(w, b"empty", b""),
+                            Entry(b"d", Kind.DIR, 0o755, 0, 0, 0, tree_id=sub)]))
+        w.commit()
+        s.add_snapshot(a, "test")
+        s.add_snapshot(b, "test")
+    st = stats(s)
+    assert st.snapshots == 2 and st.files == 5
+    assert st.logical_bytes == 3 * len(shared) + len(text)
+    assert st.unique_bytes == len(shared) + len(text)
+    assert st.dedup_ratio == st.logical_bytes / st.unique_bytes
+    assert st.stored_bytes == sum(len(s.backend.get(k)) for k in s.backend.list("packs/"))
+    assert st.stored_bytes < st.unique_bytes  # the text compresses
+    assert st.compression_ratio > 1
+    s.forget(b)
+    gc(s)
+    after = stats(s)
+    assert (after.snapshots, after.files, after.logical_bytes) == (1, 1, len(shared))
+    assert after.stored_bytes < st.stored_bytes
