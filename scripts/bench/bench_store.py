@@ -72,7 +72,8 @@ def run(runs: int = 3, profile: str | None = None) -> dict[str, Any]:
         def git_setup(_i: int) -> None:
             rmtree(git_dir.parent)
             git_dir.parent.mkdir()
-            sh(["git", "init", "-q", "--bare", str(git_dir)], env=genv)
+            sh(["git", "init", "-q", "--bare", str(git_dir)],
+               env={k: v for k, v in genv.items() if k != "GIT_WORK_TREE"})
 
         log("bench_store: git add -A && git commit")
         r["git_commit_s"], _ = median_time(runs, lambda i: sh(

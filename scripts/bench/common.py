@@ -164,10 +164,15 @@ def median_time(runs: int, fn: Callable[[int], Any],
 
 def sh(cmd: str | Sequence[str], cwd: Path | None = None, env: dict[str, str] | None = None,
        ) -> subprocess.CompletedProcess[bytes]:
-    """Run a command (a shell line if ``cmd`` is a str), raising on failure, output kept."""
+    """Run a command (a shell line if ``cmd`` is a str); output kept; RuntimeError with its
+    stderr when it fails."""
     full_env = None if env is None else {**os.environ, **env}
-    return subprocess.run(cmd, shell=isinstance(cmd, str), cwd=cwd, env=full_env, check=True,
-                          capture_output=True)
+    p = subprocess.run(cmd, shell=isinstance(cmd, str), cwd=cwd, env=full_env,
+                       capture_output=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{cmd!r} exited {p.returncode}: "
+                           f"{p.stderr.decode(errors='replace').strip()}")
+    return p
 
 
 def git_env(git_dir: Path, work_tree: Path) -> dict[str, str]:
