@@ -24,7 +24,8 @@ are retried a few times when a concurrent writer changes a file while it is read
 Both refuse a root that is a symlink (symlink_root) or has a symlink above it
 (symlink_component). Crash tests set ``REWINDFS_CRASH_AT`` to a point name (``swap:staged``,
 ``swap:backup``, ``swap:committed``, ``swap:journaled``, ``reconcile:planned``,
-``reconcile:step:<n>``, ``reconcile:committed``, ``reconcile:journaled``): the process kills
+``reconcile:step:<n>`` (before step n), ``reconcile:step:mid``, ``reconcile:step:last``,
+``reconcile:committed``, ``reconcile:journaled``): the process kills
 itself with SIGKILL there.
 """
 
@@ -62,6 +63,14 @@ def crash_point(name: str) -> None:
     """Kill this process with SIGKILL if ``$REWINDFS_CRASH_AT`` names this point (tests)."""
     if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step_crash_points(i: int, n: int) -> None:
+    crash_point(f"reconcile:step:{i}")
+    if i == n // 2:
+        crash_point("reconcile:step:mid")
+    if i == n - 1:
+        crash_point("reconcile:step:last")
 
 
 def force_rmtree(path: str) -> None:
@@ -307,7 +316,7 @@ class FixedTree(_DirTree):
             write_json_atomic(self.log_path, entry)
             crash_point("reconcile:planned")
             try:
-                rc.apply(sides, steps, lambda i: crash_point(f"reconcile:step:{i}"))
+                rc.apply(sides, steps, lambda i: _step_crash_points(i, len(steps)))
             except Exception as e:
                 try:
                     rc.rollback_plan(sides, steps)
