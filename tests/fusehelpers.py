@@ -247,6 +247,20 @@ def stop(d: Daemon, *, timeout: float = EXIT_TIMEOUT_S) -> int:
     return rc
 
 
+def wait_exit(d: Daemon, timeout: float) -> int:
+    """Wait for a daemon that is leaving on its own (a signal); return its exit code.
+    Kills its group and raises MountError if it is still there after ``timeout`` s."""
+    assert d.proc is not None
+    rc = _wait_exit(d, timeout)
+    if rc is None:
+        kill(d)
+        raise MountError(f"daemon for {d.mnt} still running after {timeout} s\n"
+                         + d.log_tail())
+    _killpg(d, signal.SIGKILL)
+    _forget(d, rc)
+    return rc
+
+
 def kill(d: Daemon) -> None:
     """``kill -9`` the daemon's whole process group, reap it and lazily unmount."""
     if d.proc is None:
@@ -291,6 +305,22 @@ def snapshot(store_dir: str | os.PathLike[str], src: str | os.PathLike[str]) -> 
     st = Store(os.fspath(store_dir))
     try:
         return str(take(st, os.fspath(src)))
+    finally:
+        st.close()
+
+
+def upper_problems(state: Path, store_dir: Path | None = None) -> list[str]:
+    """The upper layer's broken invariants (``fusefs.upper.check``) as ``[name] detail``
+    strings; with ``store_dir`` also the checks that need the lower trees."""
+    from fusefs.upper import check
+
+    if store_dir is None:
+        return [str(p) for p in check(os.fspath(state))]
+    from store.objects import Store
+
+    st = Store(os.fspath(store_dir))
+    try:
+        return [str(p) for p in check(os.fspath(state), st)]
     finally:
         st.close()
 
@@ -381,7 +411,8 @@ class Mounter:
     """Starts the mounts of one test (or module) under ``base`` and tears them all down.
 
     ``teardown`` unmounts every daemon still up, then fails (MountError) if a daemon exited
-    non-zero after a clean unmount or logged a Python traceback (a handler's unexpected
+    non-zero after a clean unmount, left an upper layer that breaks one of its documented
+    invariants (``fusefs.upper.check``), or logged a Python traceback (a handler's unexpected
     exception is answered with EIO, and a test that does not expect it must not pass over it
     silently); the daemons' log tails are printed when the test failed or teardown found a
     problem.
@@ -393,6 +424,7 @@ class Mounter:
         self.daemons: list[Daemon] = []
         self._n = 0
         self.tracebacks_ok = False
+        self.check_upper = True
 
     def _new_dir(self, kind: str) -> Path:
         self._n += 1
@@ -452,6 +484,12 @@ class Mounter:
                     problems.append(f"daemon for {d.mnt} exited with {rc} after unmount")
             if not self.tracebacks_ok and "Traceback (most recent call last)" in d.log_text():
                 problems.append(f"daemon for {d.mnt} logged a traceback")
+            if self.check_upper and d.state is not None and not d.ro and d.returncodes \
+                    and d.returncodes[-1] == 0:
+                broken = upper_problems(d.state, d.store)
+                if broken:
+                    problems.append(f"upper of {d.state} breaks invariants after a clean "
+                                    f"unmount: {broken}")
         leftovers = unmount_leftovers([str(self.base)])
         if leftovers:
             problems.append(f"mounts left behind: {leftovers}")
