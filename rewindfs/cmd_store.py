@@ -140,7 +140,12 @@ def kv_text(data: dict[str, Any]) -> str:
     width = max((len(k) for k in data), default=0)
     lines = []
     for k, v in data.items():
-        shown = v if isinstance(v, str | int | float) or v is None else json.dumps(v)
+        if isinstance(v, float):
+            shown: Any = f"{v:.4g}"
+        elif isinstance(v, str | int) or v is None:
+            shown = v
+        else:
+            shown = json.dumps(v)
         lines.append(f"{k + ':':<{width + 1}} {shown}")
     return "\n".join(lines)
 
