@@ -92,6 +92,13 @@ class MaterializeResult:
 # -- the destination -------------------------------------------------------------------
 
 
+def _is_symlink(dir_fd: int, name: bytes) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def _open_parent(dest: str, ref: Ref) -> tuple[int, bytes]:
     """Open the parent of ``dest`` walking from ``/`` without following any symlink;
     return (fd, final component)."""
@@ -106,7 +113,7 @@ def _open_parent(dest: str, ref: Ref) -> tuple[int, bytes]:
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except OSError as e:
                 shown = os.fsdecode(b"/" + b"/".join(parts[:i + 1]))
-                if e.errno == errno.ELOOP:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(fd, part):
                     cause = f"{shown} is a symbolic link; give a path without symlinks"
                     raise MaterializeError(str(ref), dest, cause) from None
                 raise MaterializeError(str(ref), dest, f"{shown}: {e.strerror}") from None
