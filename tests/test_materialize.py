@@ -32,7 +32,7 @@ from store.materialize import materialize
 from store.objects import Store
 from store.pack import ObjKind
 from store.ref import ObjectId, Ref, object_id
-from store.snapshot import compute_ref, run_snapshot, snapshot
+from store.snapshot import compute_ref, snapshot
 from store.tree import Entry, Kind
 
 CS = 64 << 10
