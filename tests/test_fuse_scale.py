@@ -1,0 +1,96 @@
+"""Work whose cost must not grow with the tree: renaming a lower directory with 20,000
+descendants writes O(1) rows to the upper layer (CONTRACT 2.2), and ``rm -rf`` of large
+lower and upper directories finishes in one pass (stable readdir cookies).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import fusehelpers as fh
+import pytest
+
+pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
+
+DIRS, FILES_PER_DIR = 200, 99  # 200 directories + 19,800 files = 20,000 descendants
+
+
+@pytest.fixture(scope="module")
+def big_lower(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(store dir, Ref) of a tree with ``big/`` (20,000 descendants) and ``wide/`` (one
+    directory of 3,000 files)."""
+    base = tmp_path_factory.mktemp("scale")
+    src = base / "src"
+    for i in range(DIRS):
+        d = src / "big" / f"d{i:03d}"
+        d.mkdir(parents=True)
+        for j in range(FILES_PER_DIR):
+            (d / f"f{j:02d}").write_bytes(b"%d/%d\n" % (i, j))
+    (src / "wide").mkdir()
+    for j in range(3000):
+        (src / "wide" / f"w{j:05d}").write_bytes(b"")
+    store = base / "store"
+    return store, fh.snapshot(store, src)
+
+
+def total_rows(state: Path) -> int:
+    return sum(fh.row_counts(state).values())
+
+
+def test_rename_of_lower_dir_with_20000_descendants_writes_o1_rows(
+        big_lower: tuple[Path, str], tmp_path: Path) -> None:
+    store, ref = big_lower
+    m = fh.Mounter(tmp_path / "mounts", store)
+    m.base.mkdir()
+    failed = True
+    try:
+        d = m.rw(ref)
+        assert d.state is not None
+        ino_before = os.stat(d.mnt / "big" / "d123" / "f45").st_ino
+        m.unmount(d)
+        rows_before = total_rows(d.state)
+        fh.start(d, with_ref=False)
+        os.rename(d.mnt / "big", d.mnt / "renamed")
+        assert (d.mnt / "renamed" / "d123" / "f45").read_bytes() == b"123/45\n"
+        assert not os.path.lexists(d.mnt / "big")
+        m.unmount(d)
+        grown = total_rows(d.state) - rows_before
+        assert grown <= 10, f"rename wrote {grown} rows: {fh.row_counts(d.state)}"
+        fh.start(d, with_ref=False)
+        assert sorted(os.listdir(d.mnt / "renamed"))[:2] == ["d000", "d001"]
+        assert len(os.listdir(d.mnt / "renamed")) == DIRS
+        assert os.stat(d.mnt / "renamed" / "d123" / "f45").st_ino == ino_before
+        assert (d.mnt / "renamed" / "d199" / "f98").read_bytes() == b"199/98\n"
+        failed = False
+    finally:
+        m.teardown(failed)
+
+
+def test_rm_rf_of_wide_lower_and_upper_dirs_in_one_pass(big_lower: tuple[Path, str],
+                                                        tmp_path: Path) -> None:
+    store, ref = big_lower
+    m = fh.Mounter(tmp_path / "mounts", store)
+    m.base.mkdir()
+    failed = True
+    try:
+        d = m.rw(ref)
+        wide = d.mnt / "wide"
+        for j in range(0, 3000, 3):  # a mix of lower, copied-up and new entries
+            (wide / f"w{j:05d}").write_bytes(b"changed")
+        for j in range(1500):
+            (wide / f"n{j:05d}").write_bytes(b"")
+        r = subprocess.run(["rm", "-rf", str(wide)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert not os.path.lexists(wide)
+        r = subprocess.run(["rm", "-rf", str(d.mnt / "big" / "d000"), str(d.mnt / "big" / "d001")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert len(os.listdir(d.mnt / "big")) == DIRS - 2
+        m.remount(d)
+        assert not os.path.lexists(wide)
+        assert len(os.listdir(d.mnt / "big")) == DIRS - 2
+        failed = False
+    finally:
+        m.teardown(failed)
