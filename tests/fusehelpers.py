@@ -123,8 +123,11 @@ class Daemon:
     extra: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     returncodes: list[int] = field(default_factory=list)
+    command: list[str] | None = None  # another FUSE daemon's argv instead of rewindfs'
 
     def argv(self, with_ref: bool = True) -> list[str]:
+        if self.command is not None:
+            return list(self.command)
         a = [sys.executable, "-m", "rewindfs", "--store", str(self.store), "mount"]
         if self.ro:
             a.append("--ro")
@@ -218,29 +221,35 @@ def _killpg(d: Daemon, sig: int) -> None:
         pass
 
 
-def stop(d: Daemon, *, timeout: float = EXIT_TIMEOUT_S) -> int:
+def stop(d: Daemon, *, timeout: float = EXIT_TIMEOUT_S, busy_grace: float = 5.0) -> int:
     """Unmount ``d`` cleanly and reap its daemon; return the daemon's exit code.
 
-    ``fusermount3 -u`` is retried for a moment while the mount is busy (processes of the
-    test may still be closing files), then done lazily. A daemon that does not leave within
-    ``timeout`` seconds is killed with its group and MountError raised with its log.
+    ``fusermount3 -u`` is retried for ``busy_grace`` seconds while the mount is busy
+    (processes of the test may still be closing files). If it stays busy, the mount is
+    detached lazily (``-uz``), the daemon gets ``busy_grace`` more seconds to leave (it
+    cannot while something still holds the detached mount), is then killed with its group,
+    and MountError is raised. A daemon that does not leave within ``timeout`` seconds of a
+    clean unmount is killed the same way.
     """
     if d.proc is None:
         return 0
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + busy_grace
+    lazy = False
     while is_fuse_mounted(d.mnt):
         if fusermount(d.mnt):
             break
         if d.proc.poll() is not None or time.monotonic() > deadline:
             fusermount(d.mnt, lazy=True)
+            lazy = d.proc.poll() is None
             break
         time.sleep(0.05)
-    rc = _wait_exit(d, timeout)
+    rc = _wait_exit(d, busy_grace if lazy else timeout)
     if rc is None:
         _killpg(d, signal.SIGKILL)
         d.proc.wait()
         _forget(d, -9)
-        raise MountError(f"daemon for {d.mnt} did not exit {timeout} s after unmount\n"
+        why = "was busy, detached lazily, and its daemon" if lazy else "daemon"
+        raise MountError(f"{d.mnt} {why} did not exit after unmount; killed\n"
                          + d.log_tail())
     _killpg(d, signal.SIGKILL)  # children it may have left behind
     _forget(d, rc)
