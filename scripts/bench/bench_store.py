@@ -187,7 +187,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="runs per measurement (median)")
     ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
-    ap.add_argument("--profile", metavar="FILE", help="cProfile a first snapshot into FILE, a re-snapshot into FILE.re")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="cProfile a first snapshot into FILE, a re-snapshot into FILE.re")
     args = ap.parse_args()
     os.chdir(common.REPO)
     r = run(args.runs, args.profile)
