@@ -1,0 +1,62 @@
+"""Typed errors of the FUSE layer (overlay, upper layer, mount daemon), in one module.
+
+POSIX failures of a filesystem operation are plain ``OSError(errno, ...)``: the overlay
+raises them and the FUSE adapter answers with their errno. The classes below are for
+everything that is not one request failing: opening a state directory, mounting, unmounting.
+Each carries the fields a caller needs and an ``exit_code`` the CLI returns (9: mount or
+daemon failure, see ``rewindfs/cli.py``).
+"""
+
+from __future__ import annotations
+
+
+class FuseFSError(Exception):
+    """A mount, unmount or state-directory operation failed."""
+
+    exit_code = 9
+
+
+class StateLockedError(FuseFSError):
+    """Another daemon holds the state directory's lock; a state directory serves one mount."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+        super().__init__(f"state directory {state_dir} is in use by another mount daemon")
+
+
+class BaseMismatchError(FuseFSError):
+    """The state directory's upper layer sits on another Ref than the one asked for."""
+
+    def __init__(self, state_dir: str, recorded: str, requested: str) -> None:
+        self.state_dir = state_dir
+        self.recorded = recorded
+        self.requested = requested
+        super().__init__(f"state directory {state_dir} sits on {recorded}, not {requested}; "
+                         "mount it without a Ref to use its recorded base")
+
+
+class NoBaseError(FuseFSError):
+    """A state directory without a recorded base was mounted without a Ref."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+        super().__init__(f"state directory {state_dir} records no base Ref; give one")
+
+
+class UpperFormatError(FuseFSError):
+    """The state directory's upper layer is of an unknown format or was made for another
+    store (``what`` says which)."""
+
+    def __init__(self, state_dir: str, what: str) -> None:
+        self.state_dir = state_dir
+        self.what = what
+        super().__init__(f"state directory {state_dir}: {what}")
+
+
+class MountError(FuseFSError):
+    """The mount could not be set up, or an unmount failed; ``cause`` says why."""
+
+    def __init__(self, mountpoint: str, cause: str) -> None:
+        self.mountpoint = mountpoint
+        self.cause = cause
+        super().__init__(f"{mountpoint}: {cause}")

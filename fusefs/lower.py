@@ -1,0 +1,119 @@
+"""The lower layer: one immutable snapshot (a Ref) read through the store.
+
+Owns reads of trees and chunks for the overlay, a small cache of decompressed chunks, the
+per-tree count of subdirectories (for a directory's ``st_nlink``) and the index of hard-link
+groups (for a linked file's ``st_nlink``). It never writes to the store.
+
+File content is split in fixed chunks of ``chunk_size`` bytes: chunk ``i`` of a file holds
+bytes ``[i * chunk_size, (i + 1) * chunk_size)``, the last one is shorter (CONTRACT 0).
+
+Thread use: ``load_chunks`` may run in a worker thread (the store is thread safe and the
+chunk cache has a lock); everything else runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from store.objects import Store
+from store.ref import ObjectId, Ref
+from store.tree import Kind, Tree
+
+# Chunks up to this plaintext size are read on the request thread; bigger ones are worth a
+# worker thread, since decompressing them would stall every other request.
+SMALL_CHUNK = 256 << 10
+
+
+class Lower:
+    """Read access to the snapshot ``ref`` in ``store``.
+
+    ``cache_bytes`` bounds the decompressed-chunk cache (bytes).
+    """
+
+    def __init__(self, store: Store, ref: Ref, *, cache_bytes: int = 64 << 20) -> None:
+        self.store = store
+        self.ref = ref
+        self.chunk_size = store.chunk_size
+        self._cache: OrderedDict[bytes, bytes] = OrderedDict()
+        self._cache_size = 0
+        self._cache_max = cache_bytes
+        self._lock = threading.Lock()
+        self._subdirs: dict[bytes, int] = {}
+        self._groups: dict[bytes, int] | None = None
+
+    @property
+    def root_tree(self) -> ObjectId:
+        return self.ref.tree_id
+
+    def tree(self, tree_id: ObjectId) -> Tree:
+        """The decoded tree (verified; raises the store's IntegrityError if corrupt)."""
+        return self.store.get_tree(tree_id)
+
+    def subdirs(self, tree_id: ObjectId) -> int:
+        """Number of directory entries in the tree ``tree_id``."""
+        n = self._subdirs.get(tree_id)
+        if n is None:
+            n = sum(1 for e in self.tree(tree_id).entries if e.kind is Kind.DIR)
+            self._subdirs[tree_id] = n
+        return n
+
+    def link_count(self, group: bytes) -> int:
+        """Number of names of the hard-link group ``group`` in the whole snapshot.
+
+        The first call walks every tree of the snapshot once (only snapshots holding hard
+        links ever ask)."""
+        if self._groups is None:
+            # Equal subtrees are walked once per place: each place holds its own names.
+            groups: dict[bytes, int] = {}
+            todo = [self.root_tree]
+            while todo:
+                tid = todo.pop()
+                for e in self.tree(tid).entries:
+                    if e.kind is Kind.DIR and e.tree_id is not None:
+                        todo.append(e.tree_id)
+                    elif e.link_group is not None:
+                        groups[e.link_group] = groups.get(e.link_group, 0) + 1
+            self._groups = groups
+        return max(1, self._groups.get(group, 1))
+
+    # -- chunks --------------------------------------------------------------------------
+
+    def cached(self, cid: bytes) -> bytes | None:
+        with self._lock:
+            data = self._cache.get(cid)
+            if data is not None:
+                self._cache.move_to_end(cid)
+            return data
+
+    def _put(self, cid: bytes, data: bytes) -> None:
+        with self._lock:
+            if cid in self._cache:
+                return
+            self._cache[cid] = data
+            self._cache_size += len(data)
+            while self._cache_size > self._cache_max and len(self._cache) > 4:
+                _, old = self._cache.popitem(last=False)
+                self._cache_size -= len(old)
+
+    def chunk(self, cid: bytes) -> bytes:
+        """The plaintext of chunk ``cid`` (verified), through the cache."""
+        data = self.cached(cid)
+        if data is None:
+            data = self.store.read_object(ObjectId(cid))
+            self._put(cid, data)
+        return data
+
+    def is_small(self, cid: bytes) -> bool:
+        """True if reading ``cid`` is cheap enough for the request thread."""
+        try:
+            return self.store.locate(ObjectId(cid)).raw_length <= SMALL_CHUNK
+        except KeyError:
+            return True  # let the read raise its own error on the request thread
+
+    def load_chunks(self, cids: Iterable[bytes]) -> None:
+        """Read chunks into the cache; safe to call from a worker thread."""
+        for cid in cids:
+            self.chunk(cid)
+

@@ -1,0 +1,1057 @@
+"""The overlay: one POSIX namespace over a lower snapshot and an upper layer.
+
+A plain class, callable without a mount: the FUSE adapter (``operations.py``) translates
+requests into these methods and tests drive them directly. Inodes are addressed by number
+and names are bytes, as in FUSE. Every POSIX failure is an ``OSError`` with its errno;
+anything else is a bug. Without an upper layer the overlay is read-only (EROFS).
+
+What it owns: lookup and lookup counts, the upper's in-memory state (the upper file is its
+write-behind copy, see ``upper.py``), copy-up (metadata first, data per chunk), whiteouts,
+stable readdir cookies, open handles, and the batches written to the upper.
+
+What it must never do: touch the mount point, block on anything but local files, or write
+the store. Methods are not thread safe: call them from one thread (the trio thread).
+
+Semantics follow POSIX and Linux (the references for each operation are the Linux man
+pages of the same name); permission checks are the kernel's (``default_permissions``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Iterator
+
+from store.tree import NAME_MAX, Entry, Kind
+
+from .inodes import ROOT_INO, Node, derive_ino, origin_key
+from .lower import Lower
+from .upper import Batch, Loaded, Upper, bitmap, iter_data_files, unbitmap
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+XATTR_CREATE = 1
+XATTR_REPLACE = 2
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 65536
+
+# Readdir cookies: 1 and 2 are "." and "..", 3 + i the i-th lower entry, UPPER_BASE + c the
+# upper dentry with cookie c. Lower trees are immutable and upper cookies only grow, so a
+# cookie names the same entry for the whole life of a directory (PYFUSE3.md trap 4).
+UPPER_BASE = 1 << 40
+
+_KIND_OF_FMT = {stat.S_IFREG: Kind.FILE, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK: Kind.SOCKET}
+
+
+def _err(code: int, what: object = None) -> OSError:
+    if what is None:
+        return OSError(code, os.strerror(code))
+    return OSError(code, os.strerror(code), str(what))
+
+
+class Handle:
+    """An open file: ``node`` and the open flags."""
+
+    __slots__ = ("node", "flags", "writable")
+
+    def __init__(self, node: Node, flags: int) -> None:
+        self.node = node
+        self.flags = flags
+        self.writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+
+class DirHandle:
+    """An open directory; ``upper`` lists (cookie, name) of its upper entries, refreshed
+    when a listing starts over."""
+
+    __slots__ = ("node", "cookies", "names")
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.cookies: list[int] = []
+        self.names: list[bytes] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        ents = self.node.entries or {}
+        pairs = [(c, name) for name, (ino, c) in ents.items() if ino]
+        self.cookies = [c for c, _ in pairs]
+        self.names = [name for _, name in pairs]
+
+
+class Overlay:
+    """lower (+ upper): see the module docstring.
+
+    ``uid``/``gid`` own the root directory while it is unchanged (the snapshot does not
+    record the root's own attributes); ``clock`` returns ns since the epoch.
+    """
+
+    def __init__(self, lower: Lower, upper: Upper | None = None, *,
+                 uid: int | None = None, gid: int | None = None,
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        self.lower = lower
+        self.upper = upper
+        self.readonly = upper is None
+        self.cs = lower.chunk_size
+        self.clock = clock
+        self.nodes: dict[int, Node] = {}
+        self.by_origin: dict[bytes, int] = {}
+        self.pins: dict[bytes, tuple[int, int]] = {}
+        self.pinned: dict[int, bytes] = {}
+        self.handles: dict[int, Handle] = {}
+        self.dirs: dict[int, DirHandle] = {}
+        self._next_fh = 1
+        self.next_ino = 2
+        self.next_cookie = 1
+        self._dirty_ino: set[int] = set()
+        self._dirty_dent: set[tuple[int, bytes]] = set()
+        self._dirty_xattr: set[int] = set()
+        self._dirty_data: set[int] = set()
+        self._unlink_after: list[str] = []
+        if upper is not None:
+            self._load(upper.load())
+        if ROOT_INO not in self.nodes:
+            root = Node(ROOT_INO, Kind.DIR, 0o755, os.getuid() if uid is None else uid,
+                        os.getgid() if gid is None else gid, 0)
+            root.lower_tree = lower.root_tree
+            root.parent = ROOT_INO
+            root.nlink = 2 + lower.subdirs(lower.root_tree)
+            self.nodes[ROOT_INO] = root
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _load(self, s: Loaded) -> None:
+        self.next_ino = int(s.meta.get("next_ino", "2"))
+        self.next_cookie = int(s.meta.get("next_cookie", "1"))
+        for r in s.inodes:
+            n = Node(r["ino"], Kind(r["kind"]), r["mode"], r["uid"], r["gid"], 0)
+            n.atime_ns, n.mtime_ns, n.ctime_ns = r["atime_ns"], r["mtime_ns"], r["ctime_ns"]
+            n.nlink = r["nlink"]
+            n.lower_links = r["lower_links"]
+            n.size = r["size"]
+            n.parent = r["parent"]
+            n.lower_tree = r["lower_tree"]
+            chunks = r["lower_chunks"] or b""
+            n.lower_chunks = tuple(chunks[i:i + 32] for i in range(0, len(chunks), 32))
+            n.lower_len = r["lower_len"]
+            n.present = unbitmap(r["present"])
+            n.target = r["target"] or b""
+            n.origin = r["origin"]
+            n.upper = True
+            if n.kind is Kind.DIR:
+                n.entries = {}
+            self.nodes[n.ino] = n
+            if n.origin is not None:
+                self.by_origin[n.origin] = n.ino
+        for parent, name, ino, cookie in s.dentries:
+            d = self.nodes.get(parent)
+            if d is not None and d.entries is not None:
+                d.entries[name] = (ino, cookie)
+        for ino, name, value in s.xattrs:
+            xn = self.nodes.get(ino)
+            if xn is not None:
+                xn.xattrs[name] = value
+        for origin, ino, ctime in s.pins:
+            self.pins[origin] = (ino, ctime)
+            self.pinned[ino] = origin
+        assert self.upper is not None
+        for ino, _path in iter_data_files(self.upper.data_dir):
+            dn = self.nodes.get(ino)
+            if dn is not None:
+                dn.has_data = True
+
+    # -- resolution ------------------------------------------------------------------------
+
+    def _node(self, ino: int) -> Node:
+        n = self.nodes.get(ino)
+        if n is None:
+            raise _err(errno.ENOENT, f"inode {ino}")
+        return n
+
+    def _dir(self, ino: int) -> Node:
+        d = self._node(ino)
+        if d.kind is not Kind.DIR:
+            raise _err(errno.ENOTDIR, f"inode {ino}")
+        return d
+
+    def _lower_entry(self, d: Node, name: bytes) -> Entry | None:
+        t = d.lower_tree
+        return None if t is None else self.lower.tree(t).get(name)
+
+    def _exists(self, d: Node, name: bytes) -> bool:
+        ents = d.entries
+        if ents is not None:
+            v = ents.get(name)
+            if v is not None:
+                return v[0] != 0
+        return self._lower_entry(d, name) is not None
+
+    def _child(self, d: Node, name: bytes) -> Node | None:
+        """The node ``name`` in directory ``d`` names, without counting a lookup."""
+        ents = d.entries
+        if ents is not None:
+            v = ents.get(name)
+            if v is not None:
+                return None if v[0] == 0 else self.nodes[v[0]]
+        e = self._lower_entry(d, name)
+        return None if e is None else self._lower_node(d, name, e)
+
+    def _lower_node(self, d: Node, name: bytes, e: Entry) -> Node:
+        """The node of lower entry ``e`` in ``d``: its upper row, else pinned, else derived."""
+        origin = origin_key(d.ino, name, e)
+        known = self.by_origin.get(origin)
+        if known is not None:
+            return self.nodes[known]
+        ctime: int | None = None
+        ino = 0
+        pin = self.pins.get(origin)
+        if pin is not None:
+            other = self.nodes.get(pin[0])
+            if other is None:
+                ino, ctime = pin
+            elif other.origin == origin:
+                return other
+            else:
+                pin = None  # the pinned number is taken: fall back to a derived one
+        if pin is None:
+            salt = 0
+            while True:
+                ino = derive_ino(origin, salt)
+                other = self.nodes.get(ino)
+                if other is not None:
+                    if other.origin == origin:
+                        return other
+                elif self.pinned.get(ino, origin) == origin:
+                    break
+                salt += 1
+        if e.kind is Kind.DIR:
+            assert e.tree_id is not None
+            nlink = 2 + self.lower.subdirs(e.tree_id)
+        elif e.link_group is not None:
+            nlink = self.lower.link_count(e.link_group)
+        else:
+            nlink = 1
+        n = Node.from_entry(ino, e, origin, d.ino, nlink, ctime)
+        self.nodes[ino] = n
+        return n
+
+    def resolve(self, path: bytes | str) -> Node:
+        """The node at ``path`` (relative to the root, ``/``-separated), without counting
+        lookups; symlinks are not followed. Raises ENOENT/ENOTDIR."""
+        if isinstance(path, str):
+            path = os.fsencode(path)
+        n = self.nodes[ROOT_INO]
+        for part in path.split(b"/"):
+            if not part or part == b".":
+                continue
+            if part == b"..":
+                n = self._node(n.parent)
+                continue
+            d = self._dir(n.ino)
+            c = self._child(d, part)
+            if c is None:
+                raise _err(errno.ENOENT, path)
+            n = c
+        return n
+
+    # -- lookup counts ---------------------------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes) -> Node | None:
+        """The node ``name`` names in ``parent`` with its lookup count raised, or None."""
+        d = self._dir(parent)
+        if name == b".":
+            n: Node | None = d
+        elif name == b"..":
+            n = self._node(d.parent)
+        else:
+            n = self._child(d, name)
+        if n is not None:
+            n.nlookup += 1
+        return n
+
+    def remember(self, n: Node) -> None:
+        """Count one lookup of ``n`` (a readdirplus entry the kernel accepted)."""
+        n.nlookup += 1
+
+    def release_unused(self, n: Node) -> None:
+        """Drop ``n`` from memory if nothing refers to it (an entry readdir made but the
+        kernel did not take)."""
+        self._maybe_forget(n)
+
+    def forget(self, ino: int, count: int) -> None:
+        """Lower ``ino``'s lookup count by ``count``; free or drop it when unused."""
+        n = self.nodes.get(ino)
+        if n is None:
+            return
+        n.nlookup = max(0, n.nlookup - count)
+        self._maybe_forget(n)
+
+    def _maybe_forget(self, n: Node) -> None:
+        if n.nlookup > 0 or n.nopen > 0 or n.ino == ROOT_INO:
+            return
+        if self.nodes.get(n.ino) is not n:
+            return
+        if not n.upper:
+            del self.nodes[n.ino]
+            return
+        if n.nlink > 0:
+            return
+        # Unlinked and unused: free it. Its row goes in the next commit; its data file
+        # only after that commit (see the crash table in upper.py).
+        del self.nodes[n.ino]
+        if n.origin is not None and self.by_origin.get(n.origin) == n.ino:
+            del self.by_origin[n.origin]
+        self._close_fd(n)
+        self._dirty_ino.add(n.ino)
+        self._dirty_xattr.discard(n.ino)
+        self._dirty_data.discard(n.ino)
+        if n.has_data and self.upper is not None:
+            self._unlink_after.append(self.upper.data_path(n.ino))
+
+    # -- changes: helpers ----------------------------------------------------------------
+
+    def _mut(self) -> None:
+        if self.upper is None:
+            raise _err(errno.EROFS)
+
+    def _copy_up(self, n: Node) -> None:
+        """Give ``n`` an upper row (metadata only; data is copied per chunk on write)."""
+        if not n.upper:
+            self._mut()
+            n.upper = True
+            if n.kind is Kind.DIR and n.entries is None:
+                n.entries = {}
+            if n.origin is not None:
+                self.by_origin[n.origin] = n.ino
+            if n.xattrs:
+                self._dirty_xattr.add(n.ino)
+        self._dirty_ino.add(n.ino)
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG, name)
+        if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+            raise _err(errno.EINVAL, name)
+
+    def _cookie(self) -> int:
+        c = self.next_cookie
+        self.next_cookie = c + 1
+        return c
+
+    def _touch(self, n: Node, now: int) -> None:
+        n.mtime_ns = n.ctime_ns = now
+        self._dirty_ino.add(n.ino)
+
+    def _set_name(self, d: Node, name: bytes, n: Node, now: int) -> None:
+        """Make ``name`` in ``d`` an upper dentry for ``n`` (a fresh cookie)."""
+        self._copy_up(d)
+        ents = d.entries
+        assert ents is not None
+        ents.pop(name, None)
+        ents[name] = (n.ino, self._cookie())
+        self._dirty_dent.add((d.ino, name))
+        self._touch(d, now)
+
+    def _clear_name(self, d: Node, name: bytes, now: int) -> bool:
+        """Remove the visible ``name`` from ``d``; return True if it came from lower."""
+        self._copy_up(d)
+        ents = d.entries
+        assert ents is not None
+        v = ents.pop(name, None)
+        if self._lower_entry(d, name) is not None:
+            ents[name] = (0, 0)
+        self._dirty_dent.add((d.ino, name))
+        self._touch(d, now)
+        return v is None
+
+    def _lose_name(self, n: Node, from_lower: bool, now: int) -> None:
+        """``n`` lost one name (unlink, rmdir, replaced by rename)."""
+        if n.kind is Kind.DIR:
+            n.nlink = 0
+        else:
+            n.nlink -= 1
+            if from_lower:
+                n.lower_links -= 1
+        n.ctime_ns = now
+        if n.upper or n.nlink > 0:
+            self._copy_up(n)
+        self._maybe_forget(n)
+
+    def _new(self, d: Node, kind: Kind, mode: int, uid: int, gid: int, now: int) -> Node:
+        ino = self.next_ino
+        self.next_ino = ino + 1
+        if d.mode & stat.S_ISGID:
+            gid = d.gid
+            if kind is Kind.DIR:
+                mode |= stat.S_ISGID
+        n = Node(ino, kind, mode, uid, gid, now)
+        n.upper = True
+        if kind is Kind.DIR:
+            n.entries = {}
+            n.parent = d.ino
+        self.nodes[ino] = n
+        self._dirty_ino.add(ino)
+        return n
+
+    def _make(self, parent: int, name: bytes, kind: Kind, mode: int, uid: int, gid: int,
+              target: bytes = b"") -> Node:
+        self._mut()
+        d = self._dir(parent)
+        self._check_name(name)
+        if d.nlink == 0:
+            raise _err(errno.ENOENT, "directory was removed")
+        if self._exists(d, name):
+            raise _err(errno.EEXIST, name)
+        now = self.clock()
+        n = self._new(d, kind, mode, uid, gid, now)
+        if kind is Kind.SYMLINK:
+            n.target = target
+            n.size = len(target)
+        self._set_name(d, name, n, now)
+        if kind is Kind.DIR:
+            d.nlink += 1
+        n.nlookup += 1
+        return n
+
+    # -- namespace operations ----------------------------------------------------------
+
+    def getattr(self, ino: int) -> Node:
+        return self._node(ino)
+
+    def readlink(self, ino: int) -> bytes:
+        n = self._node(ino)
+        if n.kind is not Kind.SYMLINK:
+            raise _err(errno.EINVAL)
+        return n.target
+
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+              gid: int) -> Node:
+        """Create a fifo, socket or (``S_IFREG``) empty file; devices: EPERM."""
+        fmt = stat.S_IFMT(mode)
+        kind = _KIND_OF_FMT.get(fmt)
+        if kind is None:
+            raise _err(errno.EPERM if fmt in (stat.S_IFCHR, stat.S_IFBLK) else errno.EINVAL)
+        return self._make(parent, name, kind, mode, uid, gid)
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        return self._make(parent, name, Kind.DIR, mode, uid, gid)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Node:
+        if len(target) > 4095:
+            raise _err(errno.ENAMETOOLONG, "symlink target")
+        return self._make(parent, name, Kind.SYMLINK, 0o777, uid, gid, target)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        self._mut()
+        d = self._dir(parent)
+        n = self._child(d, name)
+        if n is None:
+            raise _err(errno.ENOENT, name)
+        if n.kind is Kind.DIR:
+            raise _err(errno.EISDIR, name)
+        now = self.clock()
+        from_lower = self._clear_name(d, name, now)
+        self._lose_name(n, from_lower, now)
+
+    def _is_empty(self, d: Node) -> bool:
+        ents = d.entries or {}
+        whiteouts = 0
+        for ino, _c in ents.values():
+            if ino:
+                return False
+            whiteouts += 1
+        t = d.lower_tree
+        return t is None or len(self.lower.tree(t)) <= whiteouts
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        self._mut()
+        d = self._dir(parent)
+        if name == b".":
+            raise _err(errno.EINVAL, name)
+        n = self._child(d, name)
+        if n is None:
+            raise _err(errno.ENOENT, name)
+        if n.kind is not Kind.DIR:
+            raise _err(errno.ENOTDIR, name)
+        if n.ino == ROOT_INO:
+            raise _err(errno.EBUSY, name)
+        if not self._is_empty(n):
+            raise _err(errno.ENOTEMPTY, name)
+        now = self.clock()
+        self._clear_name(d, name, now)
+        d.nlink -= 1
+        self._lose_name(n, False, now)
+
+    def _is_ancestor(self, a: Node, d: Node) -> bool:
+        """True if directory ``a`` is ``d`` or one of its ancestors."""
+        n: Node | None = d
+        seen = 0
+        while n is not None and seen < 1 << 16:
+            if n is a:
+                return True
+            if n.ino == ROOT_INO:
+                return False
+            n = self.nodes.get(n.parent)
+            seen += 1
+        return False
+
+    def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+               flags: int = 0) -> None:
+        """rename(2)/renameat2(2) with RENAME_NOREPLACE and RENAME_EXCHANGE. O(1) rows, also
+        for a lower directory with any number of descendants."""
+        self._mut()
+        d1 = self._dir(parent_old)
+        d2 = self._dir(parent_new)
+        self._check_name(name_new)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or (
+                flags & RENAME_NOREPLACE and flags & RENAME_EXCHANGE):
+            raise _err(errno.EINVAL)
+        s = self._child(d1, name_old)
+        if s is None:
+            raise _err(errno.ENOENT, name_old)
+        t = self._child(d2, name_new)
+        if flags & RENAME_EXCHANGE:
+            if t is None:
+                raise _err(errno.ENOENT, name_new)
+            self._exchange(d1, name_old, s, d2, name_new, t)
+            return
+        if t is not None and flags & RENAME_NOREPLACE:
+            raise _err(errno.EEXIST, name_new)
+        if d2.nlink == 0:
+            raise _err(errno.ENOENT, "directory was removed")
+        if s is t:
+            return
+        if s.kind is Kind.DIR:
+            if self._is_ancestor(s, d2):
+                raise _err(errno.EINVAL, "directory moved into itself")
+            if t is not None:
+                if t.kind is not Kind.DIR:
+                    raise _err(errno.ENOTDIR, name_new)
+                if not self._is_empty(t):
+                    raise _err(errno.ENOTEMPTY, name_new)
+        elif t is not None and t.kind is Kind.DIR:
+            raise _err(errno.EISDIR, name_new)
+        now = self.clock()
+        self._copy_up(s)
+        from_lower = self._clear_name(d1, name_old, now)
+        if from_lower and s.kind is not Kind.DIR:
+            s.lower_links -= 1
+        if t is not None:
+            t_lower = name_new not in (d2.entries or {})
+            self._set_name(d2, name_new, s, now)
+            if t.kind is Kind.DIR:
+                d2.nlink -= 1
+            self._lose_name(t, t_lower, now)
+        else:
+            self._set_name(d2, name_new, s, now)
+        if s.kind is Kind.DIR:
+            d1.nlink -= 1
+            d2.nlink += 1
+            s.parent = d2.ino
+        s.ctime_ns = now
+
+    def _exchange(self, d1: Node, n1: bytes, s: Node, d2: Node, n2: bytes, t: Node) -> None:
+        if s is t:
+            return
+        if s.kind is Kind.DIR and self._is_ancestor(s, d2):
+            raise _err(errno.EINVAL, "directory moved into itself")
+        if t.kind is Kind.DIR and self._is_ancestor(t, d1):
+            raise _err(errno.EINVAL, "directory moved into itself")
+        now = self.clock()
+        self._copy_up(s)
+        self._copy_up(t)
+        s_lower = n1 not in (d1.entries or {})
+        t_lower = n2 not in (d2.entries or {})
+        self._set_name(d1, n1, t, now)
+        self._set_name(d2, n2, s, now)
+        for n, was_lower in ((s, s_lower), (t, t_lower)):
+            if was_lower and n.kind is not Kind.DIR:
+                n.lower_links -= 1
+            n.ctime_ns = now
+        if d1 is not d2:
+            if s.kind is Kind.DIR:
+                d1.nlink -= 1
+                d2.nlink += 1
+                s.parent = d2.ino
+            if t.kind is Kind.DIR:
+                d2.nlink -= 1
+                d1.nlink += 1
+                t.parent = d1.ino
+
+    def link(self, ino: int, parent: int, name: bytes) -> Node:
+        """A new name ``name`` in ``parent`` for ``ino`` (also a lower file)."""
+        self._mut()
+        n = self._node(ino)
+        d = self._dir(parent)
+        self._check_name(name)
+        if n.kind is Kind.DIR:
+            raise _err(errno.EPERM, "hard link to a directory")
+        if d.nlink == 0:
+            raise _err(errno.ENOENT, "directory was removed")
+        if n.nlink == 0:
+            raise _err(errno.ENOENT, "inode was removed")
+        if self._exists(d, name):
+            raise _err(errno.EEXIST, name)
+        now = self.clock()
+        self._copy_up(n)
+        self._set_name(d, name, n, now)
+        n.nlink += 1
+        n.ctime_ns = now
+        n.nlookup += 1
+        return n
+
+    # -- attributes ----------------------------------------------------------------------
+
+    def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, size: int | None = None,
+                atime_ns: int | None = None, mtime_ns: int | None = None,
+                ctime_ns: int | None = None) -> Node:
+        """chmod/chown/truncate/utimens; copies no data of a lower file (truncate down only
+        shortens its lower range). Kills setuid/setgid as Linux does on chown and
+        truncate."""
+        self._mut()
+        n = self._node(ino)
+        now = self.clock()
+        if size is not None:
+            if n.kind is Kind.DIR:
+                raise _err(errno.EISDIR)
+            if n.kind is not Kind.FILE:
+                raise _err(errno.EINVAL)
+            if size < 0:
+                raise _err(errno.EINVAL)
+        self._copy_up(n)
+        if size is not None:
+            self._truncate(n, size)
+            n.mtime_ns = now
+            if mode is None:
+                self._kill_priv(n)
+        if uid is not None or gid is not None:
+            if n.kind is not Kind.DIR and mode is None and (
+                    (uid is not None and uid != n.uid) or (gid is not None and gid != n.gid)):
+                self._kill_priv(n)
+            if uid is not None:
+                n.uid = uid
+            if gid is not None:
+                n.gid = gid
+        if mode is not None:
+            n.mode = mode & 0o7777
+        if atime_ns is not None:
+            n.atime_ns = atime_ns
+        if mtime_ns is not None:
+            n.mtime_ns = mtime_ns
+        n.ctime_ns = now if ctime_ns is None else ctime_ns
+        return n
+
+    @staticmethod
+    def _kill_priv(n: Node) -> None:
+        if n.mode & stat.S_ISUID:
+            n.mode &= ~stat.S_ISUID
+        if n.mode & (stat.S_ISGID | stat.S_IXGRP) == stat.S_ISGID | stat.S_IXGRP:
+            n.mode &= ~stat.S_ISGID
+
+    def _truncate(self, n: Node, size: int) -> None:
+        if size < n.size:
+            if size < n.lower_len:
+                n.lower_len = size
+                keep = -(-size // self.cs)
+                n.lower_chunks = n.lower_chunks[:keep]
+                n.present = {i for i in n.present if i < keep}
+            if n.has_data:
+                fd = self._fd(n)
+                assert fd is not None
+                if os.fstat(fd).st_size > size:
+                    os.ftruncate(fd, size)
+                self._close_idle_fd(n)
+        n.size = size
+        self._dirty_data.add(n.ino)
+
+    # -- xattrs --------------------------------------------------------------------------
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        v = self._node(ino).xattrs.get(name)
+        if v is None:
+            raise _err(errno.ENODATA, name)
+        return v
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        return sorted(self._node(ino).xattrs)
+
+    def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        """Only ``user.`` attributes are kept (others: ENOTSUP)."""
+        self._mut()
+        n = self._node(ino)
+        if not name.startswith(b"user.") or len(name) <= 5:
+            raise _err(errno.ENOTSUP, name)
+        if len(name) > XATTR_NAME_MAX:
+            raise _err(errno.ERANGE, name)
+        if len(value) > XATTR_SIZE_MAX:
+            raise _err(errno.E2BIG, name)
+        if flags & XATTR_CREATE and name in n.xattrs:
+            raise _err(errno.EEXIST, name)
+        if flags & XATTR_REPLACE and name not in n.xattrs:
+            raise _err(errno.ENODATA, name)
+        self._copy_up(n)
+        n.xattrs[name] = bytes(value)
+        n.ctime_ns = self.clock()
+        self._dirty_xattr.add(n.ino)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        self._mut()
+        n = self._node(ino)
+        if name not in n.xattrs:
+            raise _err(errno.ENODATA, name)
+        self._copy_up(n)
+        del n.xattrs[name]
+        n.ctime_ns = self.clock()
+        self._dirty_xattr.add(n.ino)
+
+    # -- files ---------------------------------------------------------------------------
+
+    def _fd(self, n: Node, create: bool = False) -> int | None:
+        """The data file's descriptor (kept open while the node has handles)."""
+        if n.fd is not None:
+            return n.fd
+        if not n.has_data and not create:
+            return None
+        assert self.upper is not None
+        path = (self.upper.data_path_create(n.ino) if create
+                else self.upper.data_path(n.ino))
+        n.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        n.has_data = True
+        return n.fd
+
+    def _close_idle_fd(self, n: Node) -> None:
+        if n.nopen == 0:
+            self._close_fd(n)
+
+    @staticmethod
+    def _close_fd(n: Node) -> None:
+        if n.fd is not None:
+            os.close(n.fd)
+            n.fd = None
+
+    def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+               gid: int) -> tuple[int, Node]:
+        """open(2) with O_CREAT: a new file, or (without O_EXCL) the existing one."""
+        d = self._dir(parent)
+        n = self._child(d, name)
+        if n is not None:
+            if flags & os.O_EXCL:
+                raise _err(errno.EEXIST, name)
+            if n.kind is Kind.DIR:
+                raise _err(errno.EISDIR, name)
+            fh = self.open(n.ino, flags)
+            n.nlookup += 1
+            return fh, n
+        n = self._make(parent, name, Kind.FILE, mode, uid, gid)
+        return self._open(n, flags), n
+
+    def open(self, ino: int, flags: int) -> int:
+        """Open ``ino``; returns a file handle. O_TRUNC truncates (FUSE passes it here)."""
+        n = self._node(ino)
+        h_writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+        if h_writable:
+            self._mut()
+            if n.kind is Kind.DIR:
+                raise _err(errno.EISDIR)
+        if flags & os.O_TRUNC and h_writable and n.kind is Kind.FILE:
+            self.setattr(ino, size=0)
+        return self._open(n, flags)
+
+    def _open(self, n: Node, flags: int) -> int:
+        fh = self._next_fh
+        self._next_fh = fh + 1
+        self.handles[fh] = Handle(n, flags)
+        n.nopen += 1
+        return fh
+
+    def handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if h is None:
+            raise _err(errno.EBADF)
+        return h
+
+    def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        n = h.node
+        n.nopen -= 1
+        if n.nopen == 0:
+            self._close_fd(n)
+        self._maybe_forget(n)
+
+    def lower_chunks_needed(self, fh: int, off: int, size: int) -> list[bytes]:
+        """Lower chunks a read or write of ``[off, off+size)`` will need that are neither
+        cached nor cheap: the adapter loads them in a worker thread first."""
+        h = self.handles.get(fh)
+        if h is None or size <= 0:
+            return []
+        n = h.node
+        end = min(off + size, max(n.lower_len, 0))
+        if off >= end:
+            return []
+        out = []
+        for i in range(off // self.cs, (end - 1) // self.cs + 1):
+            if i not in n.present and i < len(n.lower_chunks):
+                cid = n.lower_chunks[i]
+                if self.lower.cached(cid) is None and not self.lower.is_small(cid):
+                    out.append(cid)
+        return out
+
+    def read(self, fh: int, off: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``off``; short only at end of file; holes are zeros."""
+        n = self.handle(fh).node
+        if n.kind is not Kind.FILE:
+            raise _err(errno.EINVAL)
+        end = min(off + size, n.size)
+        if off >= end:
+            return b""
+        cs = self.cs
+        if n.lower_len <= off or (not n.lower_chunks):
+            return self._pread(n, off, end - off)
+        parts = []
+        pos = off
+        while pos < end:
+            i = pos // cs
+            cend = min(end, (i + 1) * cs)
+            if pos < n.lower_len and i not in n.present:
+                lend = min(cend, n.lower_len)
+                base = i * cs
+                parts.append(self.lower.chunk(n.lower_chunks[i])[pos - base:lend - base])
+                if lend < cend:
+                    parts.append(self._pread(n, lend, cend - lend))
+            else:
+                parts.append(self._pread(n, pos, cend - pos))
+            pos = cend
+        return b"".join(parts)
+
+    def _pread(self, n: Node, off: int, size: int) -> bytes:
+        fd = self._fd(n)
+        if fd is None:
+            return bytes(size)
+        data = os.pread(fd, size, off)
+        self._close_idle_fd(n)
+        if len(data) < size:
+            data += bytes(size - len(data))
+        return data
+
+    def write(self, fh: int, off: int, data: bytes) -> int:
+        """Write all of ``data`` at ``off`` (at the end with O_APPEND); returns len(data).
+        The first write into a lower chunk copies that chunk up."""
+        h = self.handle(fh)
+        if not h.writable:
+            raise _err(errno.EBADF)
+        self._mut()
+        n = h.node
+        if h.flags & os.O_APPEND:
+            off = n.size
+        self._copy_up(n)
+        fd = self._fd(n, create=True)
+        assert fd is not None
+        end = off + len(data)
+        cs = self.cs
+        if data and off < n.lower_len:
+            for i in range(off // cs, (min(end, n.lower_len) - 1) // cs + 1):
+                if i in n.present:
+                    continue
+                lo = i * cs
+                hi = min((i + 1) * cs, n.lower_len)
+                if off > lo or end < hi:
+                    chunk = self.lower.chunk(n.lower_chunks[i])
+                    os.pwrite(fd, chunk[:hi - lo], lo)
+                n.present.add(i)
+        if data:
+            os.pwrite(fd, data, off)
+        if end > n.size:
+            n.size = end
+        n.mtime_ns = n.ctime_ns = self.clock()
+        if n.mode & (stat.S_ISUID | stat.S_ISGID):
+            self._kill_priv(n)
+        self._close_idle_fd(n)
+        self._dirty_data.add(n.ino)
+        return len(data)
+
+    def sync_fd(self, fh: int) -> int | None:
+        """A new descriptor of ``fh``'s data file for fsync (the caller closes it), or None
+        if the file has no data file."""
+        n = self.handle(fh).node
+        self._dirty_data.discard(n.ino)
+        if not n.has_data or self.upper is None:
+            return None
+        return os.open(self.upper.data_path(n.ino), os.O_RDONLY | os.O_CLOEXEC)
+
+    def take_unsynced(self) -> list[str]:
+        """Paths of data files written since they were last synced (clears the list)."""
+        if self.upper is None:
+            return []
+        out = [self.upper.data_path(i) for i in self._dirty_data
+               if (n := self.nodes.get(i)) is not None and n.has_data]
+        self._dirty_data.clear()
+        return out
+
+    # -- directories ---------------------------------------------------------------------
+
+    def opendir(self, ino: int) -> int:
+        d = self._dir(ino)
+        fh = self._next_fh
+        self._next_fh = fh + 1
+        self.dirs[fh] = DirHandle(d)
+        d.nopen += 1
+        return fh
+
+    def releasedir(self, fh: int) -> None:
+        h = self.dirs.pop(fh, None)
+        if h is not None:
+            h.node.nopen -= 1
+            self._maybe_forget(h.node)
+
+    def readdir(self, fh: int, start: int) -> Iterator[tuple[bytes, Node, int]]:
+        """Yield (name, node, cookie) from after cookie ``start`` (0: from the beginning).
+        Entries that exist throughout a listing come exactly once. The caller counts a
+        lookup (``remember``) for each entry it hands to the kernel, except "." and ".."."""
+        h = self.dirs.get(fh)
+        if h is None:
+            raise _err(errno.EBADF)
+        d = h.node
+        if start == 0:
+            h.refresh()
+        if d.nlink == 0:
+            return
+        if start < 1:
+            yield b".", d, 1
+        if start < 2:
+            yield b"..", self.nodes.get(d.parent, d), 2
+        if start < UPPER_BASE and d.lower_tree is not None:
+            entries = self.lower.tree(d.lower_tree).entries
+            for i in range(max(0, start - 2), len(entries)):
+                e = entries[i]
+                ents = d.entries
+                if ents is not None and e.name in ents:
+                    continue
+                yield e.name, self._lower_node(d, e.name, e), i + 3
+        ents = d.entries
+        if ents is None:
+            return
+        k = bisect_right(h.cookies, start - UPPER_BASE) if start >= UPPER_BASE else 0
+        for j in range(k, len(h.cookies)):
+            c = h.cookies[j]
+            name = h.names[j]
+            v = ents.get(name)
+            if v is None or v[1] != c or v[0] == 0:
+                continue
+            yield name, self.nodes[v[0]], UPPER_BASE + c
+
+    def statfs(self) -> dict[str, int]:
+        """statvfs(3) figures: the state directory's file system, or none for read-only."""
+        out = {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0,
+               "f_bavail": 0, "f_files": len(self.nodes), "f_ffree": 0, "f_favail": 0,
+               "f_namemax": NAME_MAX}
+        if self.upper is not None:
+            st = os.statvfs(self.upper.state_dir)
+            out.update(f_blocks=st.f_blocks * st.f_frsize // 4096,
+                       f_bfree=st.f_bfree * st.f_frsize // 4096,
+                       f_bavail=st.f_bavail * st.f_frsize // 4096,
+                       f_files=st.f_files + len(self.nodes), f_ffree=st.f_ffree,
+                       f_favail=st.f_favail)
+        return out
+
+    def access(self, ino: int, mode: int, uid: int, gids: set[int]) -> bool:
+        """access(2) against the node's mode (the kernel does this itself under
+        ``default_permissions``; kept for callers without it)."""
+        n = self._node(ino)
+        if mode & os.W_OK and self.readonly:
+            return False
+        if uid == 0:
+            return not mode & os.X_OK or n.kind is Kind.DIR or bool(n.mode & 0o111)
+        if uid == n.uid:
+            bits = n.mode >> 6
+        elif n.gid in gids:
+            bits = n.mode >> 3
+        else:
+            bits = n.mode
+        want = (4 if mode & os.R_OK else 0) | (2 if mode & os.W_OK else 0) | (
+            1 if mode & os.X_OK else 0)
+        return bits & want == want
+
+    # -- persistence ---------------------------------------------------------------------
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._dirty_ino or self._dirty_dent or self._dirty_xattr
+                    or self._unlink_after)
+
+    def collect(self) -> Batch:
+        """Take the changes since the last batch, as rows (cheap; on the request thread)."""
+        b = Batch()
+        nodes = self.nodes
+        for ino in self._dirty_ino:
+            n = nodes.get(ino)
+            if n is not None and n.upper:
+                b.inodes.append((
+                    n.ino, int(n.kind), n.mode, n.uid, n.gid, n.nlink, n.lower_links, n.size,
+                    n.atime_ns, n.mtime_ns, n.ctime_ns,
+                    n.parent if n.kind is Kind.DIR else 0,
+                    n.lower_tree if n.kind is Kind.DIR else None,
+                    b"".join(n.lower_chunks) or None, n.lower_len, bitmap(n.present),
+                    n.target or None, n.origin))
+            else:
+                b.deleted.append(ino)
+        for parent, name in self._dirty_dent:
+            d = nodes.get(parent)
+            v = d.entries.get(name) if d is not None and d.entries is not None else None
+            if v is None:
+                b.dentries_gone.append((parent, name))
+            else:
+                b.dentries.append((parent, name, v[0], v[1]))
+        for ino in self._dirty_xattr:
+            n = nodes.get(ino)
+            if n is not None and n.upper:
+                b.xattrs[ino] = sorted(n.xattrs.items())
+        b.meta = {"next_ino": str(self.next_ino), "next_cookie": str(self.next_cookie)}
+        b.unlink_after = self._unlink_after
+        self._unlink_after = []
+        self._dirty_ino = set()
+        self._dirty_dent = set()
+        self._dirty_xattr = set()
+        return b
+
+    def commit(self, durable: bool = False) -> None:
+        """Write the changes since the last batch (synchronously; the daemon instead runs
+        ``collect`` here and ``Upper.write`` in a worker). ``durable`` first syncs every
+        data file written since its last sync."""
+        if self.upper is None:
+            return
+        if durable:
+            for path in self.take_unsynced():
+                sync_path(path)
+        self.upper.write(self.collect(), durable)
+
+    def close(self) -> None:
+        """Persist everything durably and close the upper (clean unmount)."""
+        for fh in list(self.handles):
+            self.release(fh)
+        for fh in list(self.dirs):
+            self.releasedir(fh)
+        for n in list(self.nodes.values()):
+            n.nlookup = 0
+            self._maybe_forget(n)
+        if self.upper is not None:
+            self.commit(durable=True)
+            self.upper.close()
+
+
+def sync_path(path: str) -> None:
+    """fdatasync the file at ``path`` (gone already: nothing to do)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,620 @@
+"""The upper layer: a session's writable layer, kept in its state directory.
+
+Layout of a state directory ``<state>`` (mode 0700)::
+
+    <state>/lock               flock'ed exclusively by the daemon serving the upper
+    <state>/upper.sqlite       the tables below (WAL)
+    <state>/data/<xx>/<ino>    content of changed files, at the file's own offsets (sparse)
+    <state>/daemon.log         the mount daemon's log
+
+The overlay keeps the whole upper in memory while mounted; this file is its write-behind
+copy, written in batches (``write``): at a timer, at ``fsync``/``fsyncdir`` (durably, with
+every earlier change) and at unmount. Nothing reads it while mounted.
+
+How the overlay's concepts map to rows: an *inode* changed or created in the mount has an
+``inodes`` row; a *dentry* added in an upper directory is a ``dentries`` row; a *whiteout*
+is a ``dentries`` row with ino 0, hiding the lower entry of that name; an *opaque
+directory* is a directory row whose ``lower_tree`` is NULL, so nothing of lower shows
+through it. A lower directory moved by rename keeps its ``lower_tree`` and its children keep
+resolving lazily through it: moving it writes three rows however large it is. Copy-up is
+per chunk: bit ``i`` of ``present`` says chunk ``i`` lives in the data file; chunks below
+``lower_len`` without their bit still read from lower.
+
+Invariants, each checked by ``check`` under the stable name in brackets:
+
+- [meta] meta holds format, base (a Ref), chunk_size, next_ino and next_cookie.
+- [root] a row for inode 1 is a directory, its own parent, showing the base's root tree.
+- [ino-range] an allocated inode number (below 2^62) is below next_ino.
+- [kind-fields] a row carries the fields of its kind only: directories no chunks or data,
+  files no tree or target, symlinks a target as long as their size; ``lower_chunks`` has
+  exactly ``ceil(lower_len / chunk_size)`` ids and ``lower_len <= size``.
+- [dentry-parent] every dentry sits in a directory that has a row.
+- [dentry-target] every non-whiteout dentry names an inode that has a row.
+- [whiteout-lower] a whiteout sits in a directory with a lower tree, and (checked when the
+  store is at hand) names an entry of that tree.
+- [dir-one-name] a directory is named by at most one dentry, and its ``parent`` is the
+  directory holding that dentry.
+- [dir-reachable] following ``parent`` from a linked directory reaches the root, no cycle.
+- [nlink-file] a non-directory's nlink is its ``lower_links`` plus the dentries naming it.
+- [nlink-dir] a linked directory's nlink is 2 plus its subdirectories (upper dentries,
+  plus unshadowed lower ones when the store is at hand).
+- [cookie] readdir cookies of dentries are distinct and below next_cookie.
+- [xattr-owner] every xattr belongs to an inode row and is in the ``user.`` namespace.
+- [data-owner] every data file belongs to a regular-file row.
+- [data-size] no data file is longer than its file's size.
+- [present-range] ``present`` marks only chunks below ``ceil(lower_len / chunk_size)``.
+- [origin-unique] no two rows, and no two pins, share a lower identity or an inode number.
+
+Crash windows (``kill -9`` of the daemon or power loss; ``fsync`` means fsync/fsyncdir):
+
+| window                                        | after remount                          |
+| --------------------------------------------- | -------------------------------------- |
+| between two batch commits                     | state of the last commit; data written |
+|                                               | since is in the data files but rows    |
+|                                               | (size, presence) are older: the file   |
+|                                               | reads as of the last commit's size     |
+| data written, copy-up bit not yet committed   | chunk reads from lower again (the data |
+|                                               | file's bytes there are ignored)        |
+| data file longer than the committed size      | cut to the size at open (recovery)     |
+| inode freed in memory, delete not committed   | data files are unlinked only after the |
+|                                               | commit that deletes their row, so the  |
+|                                               | old file is intact                     |
+| nlink 0 rows (unlinked while open)            | deleted at open with their data files  |
+| data files without a row (created, no commit) | deleted at open                        |
+| after fsync returned                          | everything up to it: data file synced  |
+|                                               | first, then one synchronous commit     |
+| power loss after a batch commit of copy-up    | a committed ``present`` bit may meet   |
+| bits whose data was never fsynced             | a chunk that reads zeros (kill -9 of   |
+|                                               | the daemon alone cannot cause this)    |
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from store.errors import InvalidRefError
+from store.ref import Ref
+
+from .errors import BaseMismatchError, NoBaseError, StateLockedError, UpperFormatError
+from .inodes import DERIVED_BIT, ROOT_INO
+
+FORMAT = "1"
+DB_NAME = "upper.sqlite"
+DATA_DIR = "data"
+LOG_NAME = "daemon.log"
+LOCK_NAME = "lock"
+
+# table -> (column -> comment): the documentation of the schema.
+TABLES: dict[str, dict[str, str]] = {
+    "meta": {
+        "key": "format, base (Ref text of the lower), store (store root), chunk_size, "
+               "next_ino (next allocated inode number), next_cookie (next readdir cookie).",
+        "value": "text value.",
+    },
+    "inodes": {
+        "ino": "inode number (primary key): 1 root, < 2^62 allocated, >= 2^62 derived.",
+        "kind": "store.tree.Kind: 1 dir, 2 file, 3 symlink, 4 fifo, 5 socket.",
+        "mode": "permission bits (07777).",
+        "uid": "owner uid.",
+        "gid": "owner gid.",
+        "nlink": "exact link count; 0 while unlinked but still open or looked up.",
+        "lower_links": "non-directories: names of this inode still visible from lower.",
+        "size": "bytes (files), target length (symlinks), 0 otherwise.",
+        "atime_ns": "access time, ns.",
+        "mtime_ns": "modification time, ns.",
+        "ctime_ns": "status change time, ns; kept across remounts for git's index.",
+        "parent": "directories: the parent directory's inode (root: 1); else 0.",
+        "lower_tree": "directories: 32-byte id of the tree whose entries show through; "
+                      "NULL for an opaque or new directory.",
+        "lower_chunks": "files: concatenated 32-byte chunk ids of the lower content.",
+        "lower_len": "files: bytes [0, lower_len) may come from lower_chunks.",
+        "present": "files: bitmap, bit i set = chunk i is in the data file; NULL if none.",
+        "target": "symlinks: the target bytes.",
+        "origin": "lower identity (see inodes.origin_key) of an inode copied up from lower; "
+                  "NULL for inodes created in the mount and for the root.",
+    },
+    "dentries": {
+        "parent": "directory inode holding the name.",
+        "name": "the name (bytes).",
+        "ino": "inode named; 0 = whiteout (hides the lower entry of that name).",
+        "cookie": "readdir cookie, increasing in order of creation; 0 for whiteouts.",
+    },
+    "xattrs": {
+        "ino": "inode.",
+        "name": "attribute name (bytes, user.*).",
+        "value": "attribute value (bytes).",
+    },
+    "pins": {
+        "origin": "lower identity (primary key) whose inode number is fixed here.",
+        "ino": "the inode number it gets.",
+        "ctime_ns": "the ctime it shows while unchanged.",
+    },
+}
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS inodes (
+  ino INTEGER PRIMARY KEY, kind INTEGER NOT NULL, mode INTEGER NOT NULL,
+  uid INTEGER NOT NULL, gid INTEGER NOT NULL, nlink INTEGER NOT NULL,
+  lower_links INTEGER NOT NULL, size INTEGER NOT NULL, atime_ns INTEGER NOT NULL,
+  mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, parent INTEGER NOT NULL,
+  lower_tree BLOB, lower_chunks BLOB, lower_len INTEGER NOT NULL, present BLOB,
+  target BLOB, origin BLOB);
+CREATE TABLE IF NOT EXISTS dentries (
+  parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
+  cookie INTEGER NOT NULL, PRIMARY KEY (parent, name)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS xattrs (
+  ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
+  PRIMARY KEY (ino, name)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS pins (
+  origin BLOB PRIMARY KEY, ino INTEGER NOT NULL, ctime_ns INTEGER NOT NULL) WITHOUT ROWID;
+"""
+
+INODE_COLUMNS = ("ino", "kind", "mode", "uid", "gid", "nlink", "lower_links", "size",
+                 "atime_ns", "mtime_ns", "ctime_ns", "parent", "lower_tree", "lower_chunks",
+                 "lower_len", "present", "target", "origin")
+_INSERT_INODE = (f"INSERT OR REPLACE INTO inodes({', '.join(INODE_COLUMNS)}) "
+                 f"VALUES ({', '.join('?' * len(INODE_COLUMNS))})")
+
+InodeRow = tuple  # the INODE_COLUMNS, in order
+
+
+def bitmap(bits: set[int]) -> bytes | None:
+    """Encode a set of chunk indexes as a little-endian bitmap (None when empty)."""
+    if not bits:
+        return None
+    out = bytearray(max(bits) // 8 + 1)
+    for i in bits:
+        out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def unbitmap(b: bytes | None) -> set[int]:
+    if not b:
+        return set()
+    return {i * 8 + j for i, byte in enumerate(b) if byte for j in range(8) if byte >> j & 1}
+
+
+@dataclass
+class Batch:
+    """Changes to write in one transaction, collected from the overlay's memory."""
+
+    inodes: list[InodeRow] = field(default_factory=list)
+    deleted: list[int] = field(default_factory=list)
+    dentries: list[tuple[int, bytes, int, int]] = field(default_factory=list)
+    dentries_gone: list[tuple[int, bytes]] = field(default_factory=list)
+    xattrs: dict[int, list[tuple[bytes, bytes]]] = field(default_factory=dict)
+    pins: list[tuple[bytes, int, int]] = field(default_factory=list)
+    pins_gone: list[bytes] = field(default_factory=list)
+    meta: dict[str, str] = field(default_factory=dict)
+    unlink_after: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.inodes or self.deleted or self.dentries or self.dentries_gone
+                    or self.xattrs or self.pins or self.pins_gone or self.unlink_after)
+
+
+@dataclass
+class Loaded:
+    """The whole upper, as read at open."""
+
+    meta: dict[str, str]
+    inodes: list[sqlite3.Row]
+    dentries: list[tuple[int, bytes, int, int]]  # ordered by parent, cookie
+    xattrs: list[tuple[int, bytes, bytes]]
+    pins: list[tuple[bytes, int, int]]
+
+
+def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
+    if readonly:
+        c = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None,
+                            check_same_thread=False)
+    else:
+        c = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    c.execute("PRAGMA busy_timeout=10000")
+    return c
+
+
+class Upper:
+    """An open, locked state directory. Use ``Upper.open``.
+
+    ``write`` may run in a worker thread, one call at a time; nothing else touches the
+    connection while the overlay runs.
+    """
+
+    def __init__(self, state_dir: str, conn: sqlite3.Connection, lock_fd: int,
+                 base: Ref, chunk_size: int) -> None:
+        self.state_dir = state_dir
+        self.conn = conn
+        self._lock_fd: int | None = lock_fd
+        self.base = base
+        self.chunk_size = chunk_size
+        self.data_dir = os.path.join(state_dir, DATA_DIR)
+        self._subdirs: set[str] = set()
+
+    @classmethod
+    def open(cls, state_dir: str, *, store_root: str, chunk_size: int,
+             ref: Ref | None) -> Upper:
+        """Open (creating if needed) and lock ``state_dir``, then recover it (see the crash
+        table). ``ref`` None means: use the recorded base.
+
+        Raises StateLockedError, NoBaseError, BaseMismatchError, UpperFormatError.
+        """
+        state_dir = os.path.abspath(state_dir)
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        lock_fd = os.open(os.path.join(state_dir, LOCK_NAME),
+                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise StateLockedError(state_dir) from None
+        try:
+            conn = _connect(os.path.join(state_dir, DB_NAME))
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(_DDL)
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            if meta.get("format", FORMAT) != FORMAT:
+                raise UpperFormatError(state_dir, f"unknown upper format {meta['format']!r}")
+            if "base" in meta:
+                try:
+                    base = Ref.parse(meta["base"])
+                except InvalidRefError:
+                    raise UpperFormatError(state_dir, "recorded base is not a Ref") from None
+                if ref is not None and ref != base:
+                    raise BaseMismatchError(state_dir, str(base), str(ref))
+                if int(meta.get("chunk_size", chunk_size)) != chunk_size:
+                    raise UpperFormatError(state_dir, f"made for chunk size "
+                                           f"{meta['chunk_size']}, the store has {chunk_size}")
+            else:
+                if ref is None:
+                    raise NoBaseError(state_dir)
+                base = ref
+                conn.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [
+                    ("format", FORMAT), ("base", str(ref)), ("store", store_root),
+                    ("chunk_size", str(chunk_size)), ("next_ino", "2"),
+                    ("next_cookie", "1")])
+            os.makedirs(os.path.join(state_dir, DATA_DIR), mode=0o700, exist_ok=True)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        up = cls(state_dir, conn, lock_fd, base, chunk_size)
+        up.recover()
+        return up
+
+    # -- paths ---------------------------------------------------------------------------
+
+    def data_path(self, ino: int) -> str:
+        return os.path.join(self.data_dir, f"{ino & 0xFF:02x}", str(ino))
+
+    def data_path_create(self, ino: int) -> str:
+        sub = os.path.join(self.data_dir, f"{ino & 0xFF:02x}")
+        if sub not in self._subdirs:
+            os.makedirs(sub, mode=0o700, exist_ok=True)
+            self._subdirs.add(sub)
+        return os.path.join(sub, str(ino))
+
+    # -- open / load ----------------------------------------------------------------------
+
+    def recover(self) -> dict[str, int]:
+        """Finish what a crash interrupted: drop unlinked inodes and orphan dentries,
+        remove data files without a row and cut data files to their file's size."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        gone = [r[0] for r in c.execute("SELECT ino FROM inodes WHERE nlink = 0")]
+        c.executemany("DELETE FROM inodes WHERE ino=?", [(i,) for i in gone])
+        c.executemany("DELETE FROM xattrs WHERE ino=?", [(i,) for i in gone])
+        orphans = c.execute("DELETE FROM dentries WHERE parent NOT IN "
+                            "(SELECT ino FROM inodes WHERE kind=1)").rowcount
+        c.execute("COMMIT")
+        sizes = dict(c.execute("SELECT ino, size FROM inodes WHERE kind=2").fetchall())
+        removed = cut = 0
+        for ino, path in iter_data_files(self.data_dir):
+            if ino not in sizes:
+                os.unlink(path)
+                removed += 1
+            elif os.stat(path).st_size > sizes[ino]:
+                os.truncate(path, sizes[ino])
+                cut += 1
+        return {"inodes": len(gone), "dentries": orphans, "data_removed": removed,
+                "data_cut": cut}
+
+    def load(self) -> Loaded:
+        c = self.conn
+        c.row_factory = sqlite3.Row
+        try:
+            inodes = c.execute("SELECT * FROM inodes").fetchall()
+        finally:
+            c.row_factory = None
+        return Loaded(
+            meta=dict(c.execute("SELECT key, value FROM meta").fetchall()),
+            inodes=inodes,
+            dentries=c.execute("SELECT parent, name, ino, cookie FROM dentries "
+                               "ORDER BY parent, cookie").fetchall(),
+            xattrs=c.execute("SELECT ino, name, value FROM xattrs").fetchall(),
+            pins=c.execute("SELECT origin, ino, ctime_ns FROM pins").fetchall())
+
+    # -- write ---------------------------------------------------------------------------
+
+    def write(self, b: Batch, durable: bool = False) -> None:
+        """Apply ``b`` in one transaction (synchronous when ``durable``), then unlink the
+        data files it freed. Data files must be synced by the caller before a durable
+        write that depends on them."""
+        c = self.conn
+        if durable:
+            c.execute("PRAGMA synchronous=FULL")
+        try:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                if b.deleted:
+                    dl = [(i,) for i in b.deleted]
+                    c.executemany("DELETE FROM inodes WHERE ino=?", dl)
+                    c.executemany("DELETE FROM xattrs WHERE ino=?", dl)
+                    c.executemany("DELETE FROM dentries WHERE parent=?", dl)
+                if b.inodes:
+                    c.executemany(_INSERT_INODE, b.inodes)
+                if b.dentries_gone:
+                    c.executemany("DELETE FROM dentries WHERE parent=? AND name=?",
+                                  b.dentries_gone)
+                if b.dentries:
+                    c.executemany("INSERT OR REPLACE INTO dentries(parent, name, ino, cookie) "
+                                  "VALUES (?, ?, ?, ?)", b.dentries)
+                for ino, pairs in b.xattrs.items():
+                    c.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+                    c.executemany("INSERT INTO xattrs(ino, name, value) VALUES (?, ?, ?)",
+                                  [(ino, k, v) for k, v in pairs])
+                if b.pins_gone:
+                    c.executemany("DELETE FROM pins WHERE origin=?", [(o,) for o in b.pins_gone])
+                if b.pins:
+                    c.executemany("INSERT OR REPLACE INTO pins(origin, ino, ctime_ns) "
+                                  "VALUES (?, ?, ?)", b.pins)
+                if b.meta:
+                    c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                                  list(b.meta.items()))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        finally:
+            if durable:
+                c.execute("PRAGMA synchronous=NORMAL")
+        for path in b.unlink_after:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Close the database and release the lock (idempotent)."""
+        if self._lock_fd is None:
+            return
+        self.conn.close()
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+
+def iter_data_files(data_dir: str) -> Iterator[tuple[int, str]]:
+    """Yield (ino, path) of every data file under ``data_dir``; odd names yield ino -1."""
+    try:
+        subs = sorted(os.listdir(data_dir))
+    except FileNotFoundError:
+        return
+    for sub in subs:
+        d = os.path.join(data_dir, sub)
+        if not os.path.isdir(d):
+            yield -1, d
+            continue
+        for name in sorted(os.listdir(d)):
+            try:
+                ino = int(name)
+            except ValueError:
+                ino = -1
+            if str(ino) != name or f"{ino & 0xFF:02x}" != sub:
+                ino = -1
+            yield ino, os.path.join(d, name)
+
+
+# -- check -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken invariant: ``name`` is its stable name (see the module docstring)."""
+
+    name: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"[{self.name}] {self.detail}"
+
+
+def check(state_dir: str, store: object | None = None) -> list[Problem]:
+    """Check every documented invariant of the upper in ``state_dir``; return the broken
+    ones (empty when sound). ``store`` (a ``store.objects.Store``) enables the checks that
+    need the lower trees. Reads only; safe while the daemon is down or between commits.
+    """
+    out: list[Problem] = []
+
+    def bad(name: str, detail: str) -> None:
+        out.append(Problem(name, detail))
+
+    path = os.path.join(state_dir, DB_NAME)
+    if not os.path.exists(path):
+        return [Problem("meta", f"{path} does not exist")]
+    c = _connect(path, readonly=True)
+    try:
+        meta = dict(c.execute("SELECT key, value FROM meta").fetchall())
+        c.row_factory = sqlite3.Row
+        rows = {r["ino"]: r for r in c.execute("SELECT * FROM inodes")}
+        c.row_factory = None
+        dents = c.execute("SELECT parent, name, ino, cookie FROM dentries").fetchall()
+        xattrs = c.execute("SELECT ino, name FROM xattrs").fetchall()
+        pins = c.execute("SELECT origin, ino FROM pins").fetchall()
+    finally:
+        c.close()
+
+    # [meta]
+    base: Ref | None = None
+    cs = 1 << 20
+    next_ino = next_cookie = 1 << 63
+    for key in ("format", "base", "chunk_size", "next_ino", "next_cookie"):
+        if key not in meta:
+            bad("meta", f"meta has no {key!r}")
+    try:
+        if "base" in meta:
+            base = Ref.parse(meta["base"])
+        cs = int(meta.get("chunk_size", cs))
+        next_ino = int(meta.get("next_ino", next_ino))
+        next_cookie = int(meta.get("next_cookie", next_cookie))
+        if meta.get("format", FORMAT) != FORMAT:
+            bad("meta", f"unknown format {meta['format']!r}")
+    except (InvalidRefError, ValueError) as e:
+        bad("meta", f"unreadable meta: {e}")
+
+    # [root]
+    root = rows.get(ROOT_INO)
+    if root is not None:
+        if root["kind"] != 1 or root["parent"] != ROOT_INO:
+            bad("root", "inode 1 is not a directory that is its own parent")
+        elif base is not None and root["lower_tree"] not in (None, base.tree_id):
+            bad("root", "inode 1 shows another tree than the base's root")
+
+    # [ino-range], [kind-fields], [present-range]
+    for ino, r in rows.items():
+        if ino <= 0 or (ino < DERIVED_BIT and ino != ROOT_INO and ino >= next_ino):
+            bad("ino-range", f"inode {ino} is not below next_ino {next_ino}")
+        kind = r["kind"]
+        chunks = r["lower_chunks"] or b""
+        why = None
+        if kind not in (1, 2, 3, 4, 5):
+            why = f"unknown kind {kind}"
+        elif r["mode"] & ~0o7777:
+            why = "mode has bits outside 07777"
+        elif kind == 1 and (chunks or r["lower_len"] or r["present"] or r["target"]):
+            why = "directory with file or symlink fields"
+        elif kind != 1 and r["lower_tree"] is not None:
+            why = "non-directory with a lower tree"
+        elif kind != 2 and (chunks or r["lower_len"] or r["present"]):
+            why = "non-file with content fields"
+        elif kind == 3 and len(r["target"] or b"") != r["size"]:
+            why = "symlink size differs from its target length"
+        elif kind != 3 and r["target"]:
+            why = "non-symlink with a target"
+        elif len(chunks) % 32 or len(chunks) // 32 != -(-r["lower_len"] // cs):
+            why = "lower_chunks does not cover exactly lower_len bytes"
+        elif r["lower_len"] > r["size"] or r["lower_len"] < 0:
+            why = "lower_len outside [0, size]"
+        if why:
+            bad("kind-fields", f"inode {ino}: {why}")
+        if kind == 2:
+            limit = -(-r["lower_len"] // cs)
+            if any(i >= limit for i in unbitmap(r["present"])):
+                bad("present-range", f"inode {ino} marks chunks beyond its lower content")
+
+    # [dentry-parent], [dentry-target], [whiteout-lower], [cookie]
+    names_of: dict[int, list[tuple[int, bytes]]] = {}
+    cookies: dict[int, tuple[int, bytes]] = {}
+    for parent, name, ino, cookie in dents:
+        pr = rows.get(parent)
+        if pr is None or pr["kind"] != 1:
+            bad("dentry-parent", f"dentry {name!r} sits in {parent}, not a directory row")
+            continue
+        if ino == 0:
+            if pr["lower_tree"] is None:
+                bad("whiteout-lower", f"whiteout {name!r} in opaque directory {parent}")
+            elif store is not None and store.get_tree(pr["lower_tree"]).get(name) is None:  # type: ignore[attr-defined]
+                bad("whiteout-lower", f"whiteout {name!r} in {parent} hides nothing")
+            continue
+        if ino not in rows:
+            bad("dentry-target", f"dentry {name!r} in {parent} names missing inode {ino}")
+            continue
+        names_of.setdefault(ino, []).append((parent, name))
+        if cookie <= 0 or cookie >= next_cookie or cookie in cookies:
+            bad("cookie", f"dentry {name!r} in {parent} has cookie {cookie}")
+        cookies[cookie] = (parent, name)
+
+    # [dir-one-name], [dir-reachable], [nlink-file], [nlink-dir]
+    subdirs: dict[int, int] = {}
+    for ino, r in rows.items():
+        names = names_of.get(ino, [])
+        if r["kind"] == 1:
+            if len(names) > 1:
+                bad("dir-one-name", f"directory {ino} has {len(names)} names")
+            elif names and names[0][0] != r["parent"]:
+                bad("dir-one-name", f"directory {ino} is named in {names[0][0]} "
+                                    f"but its parent is {r['parent']}")
+            for p, _ in names:
+                subdirs[p] = subdirs.get(p, 0) + 1
+        elif r["nlink"] != r["lower_links"] + len(names):
+            bad("nlink-file", f"inode {ino} has nlink {r['nlink']}, but {r['lower_links']} "
+                              f"lower names and {len(names)} dentries")
+    for ino, r in rows.items():
+        if r["kind"] != 1 or r["nlink"] == 0 or ino == ROOT_INO:
+            continue
+        seen = {ino}
+        p = r["parent"]
+        while p != ROOT_INO:
+            if p in seen:
+                bad("dir-reachable", f"directory {ino}: parent cycle through {p}")
+                break
+            seen.add(p)
+            pr = rows.get(p)
+            if pr is None:
+                break  # a directory unchanged since the base: reachable through lower
+            if pr["kind"] != 1 or pr["nlink"] == 0:
+                bad("dir-reachable", f"directory {ino}: ancestor {p} is not a linked dir")
+                break
+            p = pr["parent"]
+    for ino, r in rows.items():
+        if r["kind"] != 1 or r["nlink"] == 0:
+            continue
+        want = 2 + subdirs.get(ino, 0)
+        if store is not None and r["lower_tree"] is not None:
+            shadowed = {n for p, n, _i, _c in dents if p == ino}
+            tree = store.get_tree(r["lower_tree"])  # type: ignore[attr-defined]
+            want += sum(1 for e in tree.entries if e.kind == 1 and e.name not in shadowed)
+            if r["nlink"] != want:
+                bad("nlink-dir", f"directory {ino} has nlink {r['nlink']}, want {want}")
+        elif r["lower_tree"] is None and r["nlink"] != want:
+            bad("nlink-dir", f"directory {ino} has nlink {r['nlink']}, want {want}")
+        elif r["nlink"] < want:
+            bad("nlink-dir", f"directory {ino} has nlink {r['nlink']}, want >= {want}")
+
+    # [xattr-owner]
+    for ino, name in xattrs:
+        if ino not in rows:
+            bad("xattr-owner", f"xattr {name!r} of inode {ino}, which has no row")
+        elif not bytes(name).startswith(b"user."):
+            bad("xattr-owner", f"xattr {name!r} of inode {ino} is not user.*")
+
+    # [data-owner], [data-size]
+    for ino, dpath in iter_data_files(os.path.join(state_dir, DATA_DIR)):
+        r = rows.get(ino)
+        if r is None or r["kind"] != 2:
+            bad("data-owner", f"data file {dpath} belongs to no file row")
+        elif os.stat(dpath).st_size > r["size"]:
+            bad("data-size", f"data file of inode {ino} is longer than size {r['size']}")
+
+    # [origin-unique]
+    origins: dict[bytes, int] = {}
+    for ino, r in rows.items():
+        o = r["origin"]
+        if o is not None:
+            if o in origins:
+                bad("origin-unique", f"inodes {origins[o]} and {ino} share a lower identity")
+            origins[o] = ino
+    pin_inos: dict[int, bytes] = {}
+    for origin, ino in pins:
+        if ino in pin_inos:
+            bad("origin-unique", f"two pins give inode {ino}")
+        pin_inos[ino] = origin
+    return out
+
+
+def describe(problems: list[Problem]) -> str:
+    return "\n".join(str(p) for p in problems)
+
