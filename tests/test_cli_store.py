@@ -204,6 +204,7 @@ def test_user_errors_are_one_line_with_their_exit_code(store: Path, tree: Path,
     assert_one_line_error(rw(store, "diff", ref, "HEAD", code=3), "invalid ref")
     assert_one_line_error(rw(store, "ls", ref, "no/such/dir", code=4), "no/such/dir")
     assert_one_line_error(rw(store, "cat", ref, "missing.txt", code=4), "missing.txt")
+    assert_one_line_error(rw(store, "cat", ref, "src", code=1), "src")
     assert_one_line_error(rw(store, "ls", MISSING_REF, code=4))
     assert_one_line_error(rw(store, "forget", MISSING_REF, code=4), "not in the snapshot list")
     assert_one_line_error(rw(store, "snapshot", str(tmp_path / "nope"), code=1), "nope")
