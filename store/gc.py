@@ -12,7 +12,9 @@ exclusively for its whole run. So while GC runs no writer is mid-flight: every o
 writer decided to reuse is already reachable from something listed, and every pack in the
 backend without an index row is a leftover of a crash (writers put packs before they
 index them), never a pack a live writer is about to index. A writer that starts after GC
-sees the shrunken index and writes again what it needs.
+sees the shrunken index and writes again what it needs. (So never call ``gc`` from a
+thread whose process holds an open Writer: the exclusive lock would wait for it forever.)
+``verify`` holds the lock shared, so GC never deletes a pack under it.
 
 Fails closed (``GCError(op, key, cause)``, nothing deleted) when: the index was rebuilt and
 not yet verified (``unverified_rebuild``); a registered state directory cannot be read; a

@@ -74,12 +74,13 @@ class JournalRecord:
 class History:
     """What the backend's history objects say.
 
-    ``snapshots``: the replayed list, Ref text -> record; ``last_op``: Ref text -> (key of
-    the last record naming it, its op); ``journal``: every journal event object;
-    ``bad``: (key, reason) of records that could not be parsed.
+    ``snapshots``: the replayed list, Ref text -> record; ``adds``: every add record by its
+    key; ``last_op``: Ref text -> (key of the last record naming it, its op); ``journal``:
+    every journal event object; ``bad``: (key, reason) of records that could not be parsed.
     """
 
     snapshots: dict[str, SnapshotRecord] = field(default_factory=dict)
+    adds: dict[str, SnapshotRecord] = field(default_factory=dict)
     last_op: dict[str, tuple[str, str]] = field(default_factory=dict)
     journal: list[JournalRecord] = field(default_factory=list)
     bad: list[tuple[str, str]] = field(default_factory=list)
@@ -118,8 +119,8 @@ def read_history(backend: BlobBackend) -> History:
                 origin = rec.get("origin")
                 if not isinstance(origin, str):
                     raise ValueError("add record without an origin")
-                h.snapshots[ref] = SnapshotRecord(ref, _int(rec.get("time_ns")), origin,
-                                                  _opt_str(rec.get("label")), key)
+                h.snapshots[ref] = h.adds[key] = SnapshotRecord(
+                    ref, _int(rec.get("time_ns")), origin, _opt_str(rec.get("label")), key)
             elif op == "forget":
                 h.snapshots.pop(ref, None)
             else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import blake3
 
@@ -66,31 +66,69 @@ class _Report:
 _ObjRow = tuple[bytes, int, int, int, int, int, int]  # id kind off len codec inner rawlen
 
 
-def verify(store: Store, *, full: bool = True, progress: Progress | None = None) -> list[Problem]:
-    """Check ``store`` and return its problems, in check order (empty when healthy)."""
-    rep = _Report()
-    history = read_history(store.backend)
-    catch_up(store, history)
+@dataclass
+class _Index:
+    """The index as one read transaction saw it: consistent with the write order (objects
+    are committed before anything lists them)."""
+
+    kinds: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # id -> (kind, length)
+    by_pack: dict[str, list[_ObjRow]] = field(default_factory=lambda: defaultdict(list))
+    packs: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (size, count)
+    snapshots: list[tuple[str, int, str, str | None, str]] = field(default_factory=list)
+    journal: list[tuple[str, int, int, int, str, str, str | None, str | None, str]] = field(
+        default_factory=list)
+    named: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _load(store: Store) -> _Index:
+    idx = _Index()
     c = store.conn
-    kinds: dict[bytes, tuple[int, int]] = {}  # id -> (kind, raw_length)
-    by_pack: dict[str, list[_ObjRow]] = defaultdict(list)
-    for oid, kind, pack, off, ln, codec, inner, raw in c.execute(
-            "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, raw_length "
-            "FROM objects"):
-        kinds[oid] = (kind, raw)
-        by_pack[pack].append((oid, kind, off, ln, codec, inner, raw))
-    packs = {k: (size, n) for k, size, n in c.execute("SELECT key, size, objects FROM packs")}
-    _check_packs(store, rep, packs, by_pack, kinds, full, progress)
-    _check_reachable(store, rep, kinds)
-    _check_history(store, rep, history)
+    c.execute("BEGIN")
+    try:
+        for oid, kind, pack, off, ln, codec, inner, raw in c.execute(
+                "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, raw_length "
+                "FROM objects"):
+            idx.kinds[oid] = (kind, raw)
+            idx.by_pack[pack].append((oid, kind, off, ln, codec, inner, raw))
+        idx.packs = {k: (size, n) for k, size, n in
+                     c.execute("SELECT key, size, objects FROM packs")}
+        idx.snapshots = c.execute("SELECT ref, time_ns, origin, label, key "
+                                  "FROM snapshots").fetchall()
+        idx.journal = c.execute("SELECT session, seq, time_ns, epoch, event, ref, trigger_, "
+                                "consistency, key FROM journal ORDER BY session, seq").fetchall()
+        idx.named = c.execute("SELECT name, ref FROM named_refs").fetchall()
+    finally:
+        c.execute("COMMIT")
+    return idx
+
+
+def verify(store: Store, *, full: bool = True, progress: Progress | None = None) -> list[Problem]:
+    """Check ``store`` and return its problems, in check order (empty when healthy).
+
+    Holds ``gc.lock`` shared, so GC cannot delete packs under it while snapshots may still
+    run; what they add after the index was read is simply not checked this time.
+    """
+    rep = _Report()
+    fd = store.lock(exclusive=False)
+    assert fd is not None
+    try:
+        before = read_history(store.backend)
+        catch_up(store, before)
+        idx = _load(store)
+        after = read_history(store.backend)  # every row read above has its record by now
+        _check_packs(store, rep, idx, full, progress)
+        _check_reachable(store, rep, idx)
+        _check_history(rep, idx, before, after)
+    finally:
+        store.unlock(fd)
     if full and not rep.problems:
         store.set_config(UNVERIFIED, None)
     return rep.problems
 
 
-def _check_packs(store: Store, rep: _Report, packs: dict[str, tuple[int, int]],
-                 by_pack: dict[str, list[_ObjRow]], kinds: dict[bytes, tuple[int, int]],
-                 full: bool, progress: Progress | None) -> None:
+def _check_packs(store: Store, rep: _Report, idx: _Index, full: bool,
+                 progress: Progress | None) -> None:
+    packs, by_pack, kinds = idx.packs, idx.by_pack, idx.kinds
     total = sum(size for size, _ in packs.values())
     done = 0
     for key in sorted(set(packs) | set(by_pack)):
@@ -168,14 +206,14 @@ def _check_hashes(rep: _Report, key: str, data: bytes, rows: list[_ObjRow], full
             rep.add("object-hash", oid.hex(), f"stored bytes in {key} do not hash to the id")
 
 
-def _roots(store: Store, rep: _Report, kinds: dict[bytes, tuple[int, int]]) -> list[ObjectId]:
-    c = store.conn
+def _roots(rep: _Report, idx: _Index) -> list[ObjectId]:
+    kinds = idx.kinds
     roots: list[ObjectId] = []
-    sources = [("snapshot-root", "SELECT ref, ref FROM snapshots"),
-               ("journal-ref", "SELECT ref, key FROM journal"),
-               ("named-ref", "SELECT ref, name FROM named_refs")]
-    for invariant, sql in sources:
-        for text, where in c.execute(sql).fetchall():
+    sources = [("snapshot-root", [(r[0], r[0]) for r in idx.snapshots]),
+               ("journal-ref", [(r[5], r[8]) for r in idx.journal]),
+               ("named-ref", [(r[1], r[0]) for r in idx.named])]
+    for invariant, pairs in sources:
+        for text, where in pairs:
             try:
                 ref = Ref.parse(text)
             except StoreError as e:
@@ -190,9 +228,10 @@ def _roots(store: Store, rep: _Report, kinds: dict[bytes, tuple[int, int]]) -> l
     return roots
 
 
-def _check_reachable(store: Store, rep: _Report, kinds: dict[bytes, tuple[int, int]]) -> None:
+def _check_reachable(store: Store, rep: _Report, idx: _Index) -> None:
+    kinds = idx.kinds
     seen: set[bytes] = set()
-    stack = _roots(store, rep, kinds)
+    stack = _roots(rep, idx)
     while stack:
         tid = stack.pop()
         if tid in seen:
@@ -235,35 +274,42 @@ def _check_reachable(store: Store, rep: _Report, kinds: dict[bytes, tuple[int, i
                             f"size {ent.size} but its chunks hold {total} bytes")
 
 
-def _check_history(store: Store, rep: _Report, h: History) -> None:
-    c = store.conn
-    for key, why in h.bad:
+def _check_history(rep: _Report, idx: _Index, before: History, after: History) -> None:
+    """``before`` was read (and caught up) before the index was read, ``after`` after it:
+    a row must have its record in ``after``; a record in ``before`` must have its row unless
+    a newer record came in between."""
+    for key, why in after.bad:
         rep.add("history-object", key, f"history object does not parse: {why}")
-    for ref, time_ns, origin, label, key in c.execute(
-            "SELECT ref, time_ns, origin, label, key FROM snapshots").fetchall():
-        s = h.snapshots.get(ref)
-        if s is None:
-            rep.add("history-object", ref, "listed in the index but not by the backend's "
-                                           "snapshot-list records")
-        elif (s.time_ns, s.origin, s.label, s.key) != (time_ns, origin, label, key):
-            rep.add("history-object", ref, f"index row differs from its record {s.key}")
-    for ref in h.snapshots.keys() - {r[0] for r in c.execute("SELECT ref FROM snapshots")}:
-        rep.add("history-object", ref, "listed by the backend's records but not in the index")
-    records = {(j.session, j.seq): j for j in h.journal}
-    rows = c.execute("SELECT session, seq, time_ns, epoch, event, ref, trigger_, consistency, "
-                     "key FROM journal ORDER BY session, seq").fetchall()
+    listed = set()
+    for ref, time_ns, origin, label, key in idx.snapshots:
+        listed.add(ref)
+        rec = after.adds.get(key)
+        last = before.last_op.get(ref)
+        if rec is None:
+            rep.add("history-object", ref, f"index row names record {key}, which is missing")
+        elif (rec.ref, rec.time_ns, rec.origin, rec.label) != (ref, time_ns, origin, label):
+            rep.add("history-object", ref, f"index row differs from its record {key}")
+        elif last is not None and last[1] == "forget" and last[0] > key:
+            rep.add("history-object", ref, f"listed in the index but forgotten by {last[0]}")
+    for ref in before.snapshots.keys() - listed:
+        if after.last_op.get(ref) == before.last_op.get(ref):
+            rep.add("history-object", ref,
+                    "listed by the backend's records but not in the index")
+    records = {(j.session, j.seq): j for j in after.journal}
+    rows = set()
     seqs: dict[str, list[int]] = defaultdict(list)
-    for row in rows:
+    for row in idx.journal:
+        rows.add((row[0], row[1]))
         seqs[row[0]].append(row[1])
-        j = records.pop((row[0], row[1]), None)
+        j = records.get((row[0], row[1]))
         if j is None:
             rep.add("history-object", f"journal/{row[0]}/{row[1]}",
                     "journal row has no backend object")
         elif j.row() != tuple(row):
             rep.add("history-object", j.key, "journal row differs from its backend object")
-    for j in records.values():
-        rep.add("history-object", j.key, "journal object has no index row")
+    for j in before.journal:
+        if (j.session, j.seq) not in rows:
+            rep.add("history-object", j.key, "journal object has no index row")
     for session, ss in seqs.items():
         if ss != list(range(1, len(ss) + 1)):
             rep.add("journal-seq", session, f"seqs are not 1..{len(ss)} without gaps")
-

@@ -299,7 +299,7 @@ print("done", flush=True)
 """
 
 
-def test_concurrent_snapshot_in_another_process_loses_nothing(tmp_path: object) -> None:
+def test_concurrent_snapshot_in_another_process_loses_nothing_and_verifies(tmp_path: object) -> None:
     from store.materialize import materialize
     from store.snapshot import compute_ref, snapshot
 
@@ -316,6 +316,7 @@ def test_concurrent_snapshot_in_another_process_loses_nothing(tmp_path: object) 
     try:
         while child.poll() is None or runs < 3:
             gc(s)
+            assert verify(s) == []  # verify, too, sees a consistent store while writers run
             runs += 1
         out, err = child.communicate(timeout=120)
     finally:
