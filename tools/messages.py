@@ -93,3 +93,32 @@ BASH_START_FAILED = "could not start the command: {reason}"
 
 # --- session calls (checkpoint, log, diff, restore) ---------------------------------------
 SESSION_FAILED = "{call} failed: {reason}"
+
+# --- tool descriptions (what an MCP client shows the model) ---------------------------------
+SERVER_INSTRUCTIONS = ("Tools bound to one workspace. Paths are relative to the workspace "
+                       "root (absolute paths must lie inside it). Read a file before you "
+                       "change it.")
+DESCRIBE_READFILE = ("Read a text file: numbered lines (cat -n style) from `offset` (1-based), "
+                     "at most `limit` lines (default 2000), long lines cut at 2000 characters. "
+                     "A file must be read before WriteFile or EditFile may change it.")
+DESCRIBE_WRITEFILE = ("Create a file, or replace a whole file that you have read and that has "
+                      "not changed since. Parent directories are created; the mode is kept.")
+DESCRIBE_EDITFILE = ("Replace the exact text `old` by `new` in a file you have read. `old` "
+                     "must occur exactly once unless `replace_all` is set. Answers with a "
+                     "short diff.")
+DESCRIBE_GLOB = ("List files whose path matches a glob (`**` for any number of directories, "
+                 "`{a,b}` alternatives) under `path`, newest first, at most 500.")
+DESCRIBE_GREP = ("Search file contents for a regular expression under `path` (a directory "
+                 "or a file). output_mode: files_with_matches (default), content (lines, "
+                 "with `before`/`after`/`context` lines), or count. `glob` filters files "
+                 "(e.g. `*.py`, `!tests/**`). .gitignore is honoured; at most `head_limit` "
+                 "lines are shown.")
+DESCRIBE_BASH = ("Run a bash command in the workspace root and return its output (stdout and "
+                 "stderr, 32 KiB kept: head and tail) and exit code. `timeout` in seconds "
+                 "(default 120, at most 600); every process the command started is killed "
+                 "when it ends or times out.")
+DESCRIBE_CHECKPOINT = "Checkpoint the workspace; answers with the new snapshot's ref."
+DESCRIBE_LOG = "Show the workspace's history of checkpoints and restores."
+DESCRIBE_DIFF = ("List paths added, removed or modified between two refs (default: the last "
+                 "checkpoint and the live workspace).")
+DESCRIBE_RESTORE = "Restore the workspace to a ref (the current state is checkpointed first)."
