@@ -290,8 +290,9 @@ class Store:
         self._history_put(key, {"session": session, "seq": seq, "time_ns": now, "epoch": epoch,
                                 "event": event, "ref": str(ref), "trigger": trigger,
                                 "consistency": consistency})
+        # OR IGNORE: verify/gc may have applied the durable record already (rebuild.catch_up).
         self.conn.execute(
-            "INSERT INTO journal(session, seq, time_ns, epoch, event, ref, trigger_, "
+            "INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, ref, trigger_, "
             "consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (session, seq, now, epoch, event, str(ref), trigger, consistency, key))
         return seq
