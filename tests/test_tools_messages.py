@@ -1,0 +1,103 @@
+"""Golden texts: every message template and cap of the agent tools, pinned.
+
+The texts are part of the tools' interface (models read them). A change here must be on
+purpose; a new template must be added here too (the key sets must match).
+"""
+
+from __future__ import annotations
+
+from tools import messages as M
+
+GOLDEN = {
+    'BASH_BAD_TIMEOUT': 'timeout must be between 1 and {maximum} seconds (got {value})',
+    'BASH_DEFAULT_TIMEOUT_S': 120,
+    'BASH_EMPTY': 'command must not be empty',
+    'BASH_EXIT': '[exit code: {code}]',
+    'BASH_KILLED': '[killed by signal {signal}]',
+    'BASH_MAX_TIMEOUT_S': 600,
+    'BASH_NO_OUTPUT': '(no output)',
+    'BASH_OMITTED': '\n[... {omitted} bytes of output omitted ...]\n',
+    'BASH_OUTPUT_CAP': 32768,
+    'BASH_START_FAILED': 'could not start the command: {reason}',
+    'BASH_TIMEOUT': '[timed out after {seconds:g} s: the command and every process it started were killed]',
+    'BASH_UNCONFINED': '[note: ran unconfined (no sandbox available here): the command could read and write outside the workspace]',
+    'DESCRIBE_BASH': 'Run a bash command in the workspace root and return its output (stdout and stderr, 32 KiB kept: head and tail) and exit code. `timeout` in seconds (default 120, at most 600); every process the command started is killed when it ends or times out.',
+    'DESCRIBE_CHECKPOINT': "Checkpoint the workspace; answers with the new snapshot's ref.",
+    'DESCRIBE_DIFF': 'List paths added, removed or modified between two refs (default: the last checkpoint and the live workspace).',
+    'DESCRIBE_EDITFILE': 'Replace the exact text `old` by `new` in a file you have read. `old` must occur exactly once unless `replace_all` is set. Answers with a short diff.',
+    'DESCRIBE_GLOB': 'List files whose path matches a glob (`**` for any number of directories, `{a,b}` alternatives) under `path`, newest first, at most 500.',
+    'DESCRIBE_GREP': 'Search file contents for a regular expression under `path` (a directory or a file). output_mode: files_with_matches (default), content (lines, with `before`/`after`/`context` lines), or count. `glob` filters files (e.g. `*.py`, `!tests/**`). .gitignore is honoured; at most `head_limit` lines are shown.',
+    'DESCRIBE_LOG': "Show the workspace's history of checkpoints and restores.",
+    'DESCRIBE_READFILE': 'Read a text file: numbered lines (cat -n style) from `offset` (1-based), at most `limit` lines (default 2000), long lines cut at 2000 characters. A file must be read before WriteFile or EditFile may change it.',
+    'DESCRIBE_RESTORE': 'Restore the workspace to a ref (the current state is checkpointed first).',
+    'DESCRIBE_WRITEFILE': 'Create a file, or replace a whole file that you have read and that has not changed since. Parent directories are created; the mode is kept.',
+    'EDIT_CLOSEST_LINE': '{number:>6}\t{text}',
+    'EDIT_DIFF_CUT': '[... diff cut: {omitted} more lines]',
+    'EDIT_DIFF_MAX_LINES': 60,
+    'EDIT_DONE': 'edited {path}: {count} replacement{s}',
+    'EDIT_EMPTY_OLD': 'old must not be empty; use WriteFile to create or replace a whole file',
+    'EDIT_MULTIPLE': '{path}: old text occurs {count} times (lines {lines}); include more context to make it unique, or set replace_all',
+    'EDIT_NOT_TEXT': '{path}: not UTF-8 text; cannot edit it',
+    'EDIT_NO_MATCH': '{path}: old text not found. Closest lines:\n{closest}',
+    'EDIT_NO_MATCH_NONE': '{path}: old text not found, and no line resembles its first line',
+    'EDIT_SAME': 'old and new are identical; nothing to change',
+    'ERROR_PREFIX': 'error: ',
+    'GLOB_BAD_PATTERN': 'invalid glob pattern {pattern!r}: {reason}',
+    'GLOB_CAPPED': '[showing the newest {shown} of {total} matches; narrow the pattern or path]',
+    'GLOB_MAX_RESULTS': 500,
+    'GLOB_NONE': 'no files match {pattern!r} under {path}',
+    'GREP_BAD_MODE': 'output_mode must be one of files_with_matches, content, count (got {mode!r})',
+    'GREP_BAD_NUMBER': '{name} must be >= {minimum} (got {value})',
+    'GREP_BAD_PATTERN': 'invalid regular expression {pattern!r}: {reason}',
+    'GREP_CAPPED': '[showing {shown} of {total} {unit}; narrow the search or raise head_limit]',
+    'GREP_FAILED': 'search failed: {reason}',
+    'GREP_HEAD_LIMIT': 200,
+    'GREP_LINE_CHARS': 65536,
+    'GREP_LINE_CUT': ' [... line cut at {chars} characters]',
+    'GREP_NONE': 'no matches for {pattern!r} under {path}',
+    'GREP_TIMEOUT': '[search stopped after {seconds:g} s; results are incomplete]',
+    'GREP_TIMEOUT_S': 30.0,
+    'PATH_CHANGED': '{path}: changed while being opened; try again',
+    'PATH_ESCAPE': '{path}: outside the workspace root; use a path inside it',
+    'PATH_INVALID': '{path}: invalid path ({reason})',
+    'PATH_IS_DIR': '{path}: is a directory',
+    'PATH_LOOP': '{path}: too many levels of symbolic links',
+    'PATH_NOT_DIR': '{path}: not a directory',
+    'PATH_NOT_FOUND': '{path}: no such file or directory',
+    'PATH_NOT_REGULAR': '{path}: not a regular file',
+    'PATH_OS_ERROR': '{path}: {reason}',
+    'READ_BAD_ARGS': 'offset must be >= 1 and limit >= 1 (got offset={offset}, limit={limit})',
+    'READ_BINARY': '{path}: binary file ({size} bytes); not shown',
+    'READ_DEFAULT_LIMIT': 2000,
+    'READ_EMPTY': '{path}: empty file',
+    'READ_LINE_CHARS': 2000,
+    'READ_LINE_CUT': ' [... line cut at {chars} characters]',
+    'READ_MORE': '[lines {first}-{last} of {total}; continue with offset={next}]',
+    'READ_PAST_END': '{path}: offset {offset} is past the end of the file ({total} lines)',
+    'SERVER_INSTRUCTIONS': 'Tools bound to one workspace. Paths are relative to the workspace root (absolute paths must lie inside it). Read a file before you change it.',
+    'SESSION_FAILED': '{call} failed: {reason}',
+    'STALE_CHANGED': '{path}: changed since it was last read; read it again with ReadFile before changing it',
+    'STALE_CREATED': '{path}: was created by someone else meanwhile; read it with ReadFile before changing it',
+    'STALE_NOT_READ': '{path}: exists but has not been read; read it with ReadFile before changing it',
+    'WRITE_CREATED': 'created {path} ({lines} lines, {size} bytes)',
+    'WRITE_UPDATED': 'wrote {path} ({lines} lines, {size} bytes)',
+}
+
+
+def test_every_message_and_cap_is_pinned() -> None:
+    current = {k: getattr(M, k) for k in dir(M) if k.isupper()}
+    assert sorted(current) == sorted(GOLDEN)
+    for key, value in GOLDEN.items():
+        assert current[key] == value, key
+
+
+def test_templates_take_their_fields() -> None:
+    assert M.READ_MORE.format(first=1, last=2000, total=2500, next=2001) == (
+        "[lines 1-2000 of 2500; continue with offset=2001]")
+    assert M.GLOB_CAPPED.format(shown=500, total=900) == (
+        "[showing the newest 500 of 900 matches; narrow the pattern or path]")
+    assert M.GREP_TIMEOUT.format(seconds=30.0) == (
+        "[search stopped after 30 s; results are incomplete]")
+    assert M.BASH_TIMEOUT.format(seconds=120) == (
+        "[timed out after 120 s: the command and every process it started were killed]")
+    assert M.BASH_OMITTED.format(omitted=5) == "\n[... 5 bytes of output omitted ...]\n"
