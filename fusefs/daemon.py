@@ -1,0 +1,227 @@
+"""The mount daemon: one process serving one mount (pyfuse3 allows one per process).
+
+``serve(config, ready)`` opens the store and (for a session mount) locks and loads the
+state directory, mounts, reports readiness through ``ready``, serves until the mount is
+unmounted or SIGINT/SIGTERM arrives, then persists everything durably, unmounts and
+returns an exit code. SIGUSR1 (and the exit) writes request counts per operation and the
+CPU time to ``config.stats_path`` (default: ``stats.json`` next to the log). The log goes to ``config.log_path`` (session mounts: ``daemon.log`` in the
+state directory) or stderr.
+
+It must never touch its own mount point from the serving thread (PYFUSE3.md trap 10).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import MountError
+from .mounts import remove_record, start_time, write_record
+
+if TYPE_CHECKING:
+    from store.objects import Store
+
+    from .overlay import Overlay
+
+log = logging.getLogger("rewindfs.daemon")
+
+Ready = Callable[[str | None], None]
+"""``ready(None)`` once the mount serves; ``ready("one-line error")`` if it never will."""
+
+
+@dataclass
+class MountConfig:
+    """What to serve where. ``ref`` is Ref text (None: the state directory's base)."""
+
+    store_root: str
+    mountpoint: str
+    ref: str | None = None
+    state_dir: str | None = None
+    readonly: bool = False
+    allow_other: bool = False
+    log_path: str | None = None
+    stats_path: str | None = None
+    debug: bool = False
+
+
+def _setup_logging(path: str | None, debug: bool) -> None:
+    handler: logging.Handler
+    if path:
+        handler = logging.FileHandler(path)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
+    """Open store, upper and overlay; raises FuseFSError or a store error."""
+    from store.errors import ObjectNotFoundError
+    from store.objects import Store
+    from store.ref import Ref
+
+    from .lower import Lower
+    from .overlay import Overlay
+    from .upper import Upper
+
+    if not os.path.isdir(cfg.store_root) or not os.path.exists(
+            os.path.join(cfg.store_root, "index.sqlite")):
+        raise MountError(cfg.mountpoint, f"no store at {cfg.store_root}")
+    store = Store(cfg.store_root)
+    ref = Ref.parse(cfg.ref) if cfg.ref is not None else None
+    upper = None
+    try:
+        if cfg.state_dir is not None:
+            upper = Upper.open(cfg.state_dir, store_root=store.root,
+                               chunk_size=store.chunk_size, ref=ref)
+            ref = upper.base
+        if ref is None:
+            raise MountError(cfg.mountpoint, "a read-only mount needs a Ref")
+        try:
+            store.get_tree(ref.tree_id)
+        except ObjectNotFoundError:
+            raise MountError(cfg.mountpoint, f"{ref} is not in the store") from None
+        return store, Overlay(Lower(store, ref), upper)
+    except BaseException:
+        if upper is not None:
+            upper.close()
+        raise
+
+
+def serve(cfg: MountConfig, ready: Ready) -> int:
+    """Run the daemon for ``cfg`` in this process; returns the exit code (0 clean)."""
+    import pyfuse3
+    import trio
+
+    from .operations import Operations
+
+    cfg.mountpoint = os.path.abspath(cfg.mountpoint)
+    if cfg.log_path is None and cfg.state_dir is not None:
+        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        cfg.log_path = os.path.join(cfg.state_dir, "daemon.log")
+    _setup_logging(cfg.log_path, cfg.debug)
+    _raise_fd_limit()
+    try:
+        store, ov = _open(cfg)
+    except Exception as e:
+        log.error("cannot mount %s: %s", cfg.mountpoint, e)
+        ready(str(e))
+        return int(getattr(e, "exit_code", 9))
+    ops = Operations(ov)
+    options = {"default_permissions", "fsname=rewindfs", "subtype=rewindfs", "noatime"}
+    if ov.readonly:
+        options.add("ro")
+    if cfg.allow_other:
+        options.add("allow_other")
+    try:
+        pyfuse3.init(ops, cfg.mountpoint, options)
+    except Exception as e:
+        ov.close()
+        msg = f"cannot mount at {cfg.mountpoint}: {e}"
+        log.error("%s", msg)
+        ready(msg)
+        return 9
+
+    stats_path = cfg.stats_path or (
+        os.path.join(os.path.dirname(cfg.log_path), "stats.json") if cfg.log_path else None)
+    stopping = False
+
+    def write_stats() -> None:
+        if stats_path is None:
+            return
+        tmp = f"{stats_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(ops.stats(), pid=os.getpid()), f, sort_keys=True)
+        os.replace(tmp, stats_path)
+
+    async def signals() -> None:
+        nonlocal stopping
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as it:
+            async for sig in it:
+                if sig == signal.SIGUSR1:
+                    try:
+                        write_stats()
+                    except OSError as e:
+                        log.error("cannot write stats: %s", e)
+                    continue
+                log.info("signal %d: unmounting", sig)
+                stopping = True
+                pyfuse3.terminate()
+                return
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(signals)
+            nursery.start_soon(ops.commit_loop)
+            started = start_time(os.getpid())
+            write_record(cfg.mountpoint, {
+                "pid": os.getpid(), "started": started, "mountpoint": cfg.mountpoint,
+                "ref": str(ov.lower.ref), "state": cfg.state_dir, "log": cfg.log_path,
+                "readonly": ov.readonly})
+            log.info("serving %s at %s%s", ov.lower.ref, cfg.mountpoint,
+                     f" with state {cfg.state_dir}" if cfg.state_dir else " read-only")
+            ready(None)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    code = 0
+    try:
+        trio.run(main)
+    except BaseException as e:  # the loop itself failed: persist what we can, then leave
+        log.error("serving loop ended: %s: %s", type(e).__name__, e)
+        stopping = True
+        code = 9
+    try:
+        ov.close()
+    except Exception as e:
+        log.error("persisting the upper at unmount failed: %s: %s", type(e).__name__, e)
+        code = 9
+    try:
+        pyfuse3.close(unmount=stopping)
+    except Exception as e:
+        log.error("unmount failed: %s", e)
+        code = 9
+    remove_record(cfg.mountpoint, os.getpid())
+    try:
+        write_stats()
+    except OSError:
+        pass
+    store.close()
+    log.info("unmounted %s (%d requests)", cfg.mountpoint, sum(ops.counts.values()))
+    return code
+
+
+def fd_ready(fd: int | None) -> Ready:
+    """A ``ready`` that writes ``ok`` or ``error: ...`` to ``fd`` once, then closes it."""
+    done = False
+
+    def ready(err: str | None) -> None:
+        nonlocal done
+        if done or fd is None:
+            return
+        done = True
+        msg = "ok\n" if err is None else "error: " + " ".join(err.split()) + "\n"
+        try:
+            os.write(fd, msg.encode())
+            os.close(fd)
+        except OSError:
+            pass
+
+    return ready
+

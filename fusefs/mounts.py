@@ -1,0 +1,100 @@
+"""Where running mount daemons are recorded, and how the system's mount table is read.
+
+A daemon writes one small JSON record per mount point into the runtime directory
+(``$XDG_RUNTIME_DIR/rewindfs/mounts``, else ``/tmp/rewindfs-<uid>/mounts``, mode 0700) once
+it serves, and removes it when it exits; ``rewindfs umount`` reads it to wait for the daemon
+to finish persisting. Light on imports: the CLI uses it without loading FUSE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+
+def runtime_dir() -> str:
+    """The per-user runtime directory of rewindfs (created 0700)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    d = os.path.join(base, "rewindfs") if base else f"/tmp/rewindfs-{os.getuid()}"
+    os.makedirs(os.path.join(d, "mounts"), mode=0o700, exist_ok=True)
+    return d
+
+
+def record_path(mountpoint: str, suffix: str = ".json") -> str:
+    key = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:24]
+    return os.path.join(runtime_dir(), "mounts", key + suffix)
+
+
+def write_record(mountpoint: str, data: dict[str, Any]) -> str:
+    path = record_path(mountpoint)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def read_record(mountpoint: str) -> dict[str, Any] | None:
+    try:
+        with open(record_path(mountpoint)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def remove_record(mountpoint: str, pid: int) -> None:
+    """Remove the record of ``mountpoint`` if it is ``pid``'s."""
+    rec = read_record(mountpoint)
+    if rec is not None and rec.get("pid") == pid:
+        try:
+            os.unlink(record_path(mountpoint))
+        except FileNotFoundError:
+            pass
+
+
+def start_time(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of process ``pid``, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return int(raw.rpartition(")")[2].split()[19])
+
+
+def alive(pid: int, started: int | None) -> bool:
+    """True if process ``pid`` runs and (when known) started at ``started``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return False
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped by its parent
+        return False
+    return started is None or int(fields[19]) == started
+
+
+def _unescape(s: str) -> str:
+    """Undo the octal escapes (``\\040`` for a space) of /proc/self/mountinfo."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
+
+
+def fstype(mountpoint: str) -> str | None:
+    """The file system type mounted exactly at ``mountpoint`` (the last mount), or None."""
+    want = os.path.abspath(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            parts = left.split()
+            if len(parts) > 4 and _unescape(parts[4]) == want:
+                found = right.split()[0] if right else ""
+    return found
+
+
+def is_mounted(mountpoint: str) -> bool:
+    return fstype(mountpoint) is not None

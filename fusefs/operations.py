@@ -1,0 +1,345 @@
+"""The pyfuse3 adapter: translates FUSE requests into ``Overlay`` calls and back.
+
+Owns only what the protocol needs: ``EntryAttributes`` and timeouts, file handles as
+returned by the overlay, readdirplus lookup counting, moving blocking work (big chunk
+reads, fsync, upper commits) to worker threads, and the single error boundary: ``OSError``
+becomes its errno, ``FUSEError`` passes, anything else is logged in one line and answered
+with EIO, so no request can end the daemon (PYFUSE3.md traps 1, 2). ``forget`` never
+raises at all.
+
+All overlay calls run on the trio thread; between two ``await``s they are atomic.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import time
+import traceback
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import pyfuse3
+import trio
+from pyfuse3 import (
+    EntryAttributes,
+    FileHandleT,
+    FileInfo,
+    FileNameT,
+    FlagT,
+    FUSEError,
+    InodeT,
+    ModeT,
+    ReaddirToken,
+    RequestContext,
+    SetattrFields,
+    StatvfsData,
+    XAttrNameT,
+)
+
+from .inodes import Node
+from .overlay import Overlay, sync_path
+from .upper import Batch
+
+log = logging.getLogger("rewindfs.fuse")
+
+# Every change passes through this daemon, so the kernel may cache names and attributes
+# for long; what a restore changes is invalidated explicitly (CONTRACT 2.7).
+TIMEOUT_S = 3600.0
+BLKSIZE = 128 << 10  # st_blksize: the I/O size tools pick; FUSE moves 128 KiB per request
+COMMIT_INTERVAL_S = 1.0
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _boundary(fn: F) -> F:
+    """Wrap a handler: count it, map OSError to its errno, anything else to EIO + a log."""
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    async def handler(self: Operations, *args: Any) -> Any:
+        self.counts[op] += 1
+        try:
+            return await fn(self, *args)
+        except FUSEError:
+            raise
+        except OSError as e:
+            raise FUSEError(e.errno or errno.EIO) from None
+        except Exception as e:  # the boundary: a request never kills the daemon
+            self.log_unexpected(op, e)
+            raise FUSEError(errno.EIO) from None
+
+    return cast(F, handler)
+
+
+class Operations(pyfuse3.Operations):
+    """pyfuse3 operations over ``overlay``; ``timeout`` (s) for entries and attributes."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S) -> None:
+        super().__init__()
+        self.ov = overlay
+        self.timeout = timeout
+        self.counts: Counter[str] = Counter()
+        self.errors = 0
+        self._commit_lock = trio.Lock()
+        self._failed: list[Batch] = []
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def log_unexpected(self, op: str, e: BaseException) -> None:
+        self.errors += 1
+        where = ""
+        tb = traceback.extract_tb(e.__traceback__)
+        if tb:
+            f = tb[-1]
+            where = f" at {os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+        log.error("%s failed: %s: %s%s; answered EIO", op, type(e).__name__, e, where)
+
+    def attrs(self, n: Node) -> EntryAttributes:
+        a = EntryAttributes()
+        a.st_ino = InodeT(n.ino)
+        a.generation = 0
+        a.entry_timeout = self.timeout
+        a.attr_timeout = self.timeout
+        a.st_mode = ModeT(n.st_mode)
+        a.st_nlink = n.nlink
+        a.st_uid = n.uid
+        a.st_gid = n.gid
+        a.st_rdev = 0
+        a.st_size = n.size
+        a.st_blksize = BLKSIZE
+        a.st_blocks = n.st_blocks
+        a.st_atime_ns = n.atime_ns
+        a.st_mtime_ns = n.mtime_ns
+        a.st_ctime_ns = n.ctime_ns
+        return a
+
+    def _entry(self, n: Node | None) -> EntryAttributes:
+        if n is None:  # a cached negative lookup (PYFUSE3.md trap 18)
+            a = EntryAttributes()
+            a.st_ino = InodeT(0)
+            a.entry_timeout = self.timeout
+            return a
+        return self.attrs(n)
+
+    async def _load_chunks(self, fh: int, off: int, size: int) -> None:
+        need = self.ov.lower_chunks_needed(fh, off, size)
+        if need:
+            await trio.to_thread.run_sync(self.ov.lower.load_chunks, need)
+
+    async def commit(self, durable: bool = False) -> None:
+        """Write the overlay's changes to the upper in a worker thread; ``durable`` first
+        syncs data files written since their last sync and commits synchronously."""
+        upper = self.ov.upper
+        if upper is None:
+            return
+        async with self._commit_lock:
+            if not durable and not self.ov.dirty and not self._failed:
+                return
+            paths = self.ov.take_unsynced() if durable else []
+            batches = self._failed + [self.ov.collect()]
+            self._failed = []
+
+            def work() -> None:
+                for p in paths:
+                    sync_path(p)
+                for i, b in enumerate(batches):
+                    try:
+                        upper.write(b, durable and i == len(batches) - 1)
+                    except BaseException:
+                        self._failed = batches[i:]
+                        raise
+
+            await trio.to_thread.run_sync(work)
+
+    async def commit_loop(self, interval: float = COMMIT_INTERVAL_S) -> None:
+        """Batch commits between fsyncs (CONTRACT 2.5): every ``interval`` seconds."""
+        while True:
+            await trio.sleep(interval)
+            try:
+                await self.commit()
+            except Exception as e:
+                self.log_unexpected("commit", e)
+
+    def stats(self) -> dict[str, Any]:
+        """Requests served per operation, and the daemon's CPU time (s)."""
+        t = os.times()
+        return {"requests": dict(self.counts), "total": sum(self.counts.values()),
+                "cpu_s": t.user + t.system, "errors": self.errors, "time": time.time()}
+
+    # -- names -----------------------------------------------------------------------------
+
+    @_boundary
+    async def lookup(self, parent_inode: InodeT, name: FileNameT,
+                     ctx: RequestContext) -> EntryAttributes:
+        return self._entry(self.ov.lookup(parent_inode, name))
+
+    async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
+        self.counts["forget"] += 1
+        for ino, n in inode_list:
+            try:
+                self.ov.forget(ino, n)
+            except Exception as e:  # forget must not raise (pyfuse3 docs)
+                self.log_unexpected("forget", e)
+
+    @_boundary
+    async def getattr(self, inode: InodeT, ctx: RequestContext) -> EntryAttributes:
+        return self.attrs(self.ov.getattr(inode))
+
+    @_boundary
+    async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields,
+                      fh: FileHandleT | None, ctx: RequestContext) -> EntryAttributes:
+        n = self.ov.setattr(
+            inode,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            ctime_ns=attr.st_ctime_ns if fields.update_ctime else None)
+        return self.attrs(n)
+
+    @_boundary
+    async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
+        return FileNameT(self.ov.readlink(inode))
+
+    @_boundary
+    async def mknod(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int,
+                    ctx: RequestContext) -> EntryAttributes:
+        return self.attrs(self.ov.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+
+    @_boundary
+    async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT,
+                    ctx: RequestContext) -> EntryAttributes:
+        return self.attrs(self.ov.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_boundary
+    async def symlink(self, parent_inode: InodeT, name: FileNameT, target: FileNameT,
+                      ctx: RequestContext) -> EntryAttributes:
+        return self.attrs(self.ov.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_boundary
+    async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
+        self.ov.unlink(parent_inode, name)
+
+    @_boundary
+    async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
+        self.ov.rmdir(parent_inode, name)
+
+    @_boundary
+    async def rename(self, parent_inode_old: InodeT, name_old: FileNameT,
+                     parent_inode_new: InodeT, name_new: FileNameT, flags: FlagT,
+                     ctx: RequestContext) -> None:
+        self.ov.rename(parent_inode_old, bytes(name_old), parent_inode_new, bytes(name_new),
+                       flags)
+
+    @_boundary
+    async def link(self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT,
+                   ctx: RequestContext) -> EntryAttributes:
+        return self.attrs(self.ov.link(inode, new_parent_inode, new_name))
+
+    # -- files -----------------------------------------------------------------------------
+
+    @_boundary
+    async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
+        return FileInfo(fh=FileHandleT(self.ov.open(inode, flags)), keep_cache=True)
+
+    @_boundary
+    async def create(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+        fh, n = self.ov.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        return FileInfo(fh=FileHandleT(fh), keep_cache=True), self.attrs(n)
+
+    @_boundary
+    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
+        await self._load_chunks(fh, off, size)
+        return self.ov.read(fh, off, size)
+
+    @_boundary
+    async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
+        await self._load_chunks(fh, off, len(buf))
+        return self.ov.write(fh, off, buf)
+
+    @_boundary
+    async def flush(self, fh: FileHandleT) -> None:
+        return None  # durability is promised at fsync (CONTRACT 2.5), not at close
+
+    @_boundary
+    async def release(self, fh: FileHandleT) -> None:
+        self.ov.release(fh)
+
+    @_boundary
+    async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
+        fd = self.ov.sync_fd(fh)
+        if fd is not None:
+            def sync() -> None:
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            await trio.to_thread.run_sync(sync)
+        await self.commit(durable=True)
+
+    # -- directories -------------------------------------------------------------------
+
+    @_boundary
+    async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
+        return FileHandleT(self.ov.opendir(inode))
+
+    @_boundary
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:
+        ov = self.ov
+        for name, n, cookie in ov.readdir(fh, start_id):
+            dot = name in (b".", b"..")
+            if not pyfuse3.readdir_reply(token, FileNameT(name), self.attrs(n), cookie):
+                if not dot:
+                    ov.release_unused(n)
+                break
+            if not dot:  # readdirplus counts a lookup per accepted entry (trap 5)
+                ov.remember(n)
+
+    @_boundary
+    async def releasedir(self, fh: FileHandleT) -> None:
+        self.ov.releasedir(fh)
+
+    @_boundary
+    async def fsyncdir(self, fh: FileHandleT, datasync: bool) -> None:
+        await self.commit(durable=True)
+
+    # -- the rest --------------------------------------------------------------------------
+
+    @_boundary
+    async def statfs(self, ctx: RequestContext) -> StatvfsData:
+        s = StatvfsData()
+        for k, v in self.ov.statfs().items():
+            setattr(s, k, v)
+        return s
+
+    @_boundary
+    async def access(self, inode: InodeT, mode: ModeT, ctx: RequestContext) -> bool:
+        groups = pyfuse3.get_sup_groups(ctx.pid) | {ctx.gid}
+        return self.ov.access(inode, mode, ctx.uid, groups)
+
+    @_boundary
+    async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes,
+                       ctx: RequestContext) -> None:
+        self.ov.setxattr(inode, name, value)
+
+    @_boundary
+    async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
+        return self.ov.getxattr(inode, name)
+
+    @_boundary
+    async def listxattr(self, inode: InodeT, ctx: RequestContext) -> Sequence[XAttrNameT]:
+        return [XAttrNameT(n) for n in self.ov.listxattr(inode)]
+
+    @_boundary
+    async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
+        self.ov.removexattr(inode, name)

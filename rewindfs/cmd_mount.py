@@ -1,0 +1,194 @@
+"""Mount subcommands: ``mount`` (read-only snapshot or read-write session) and ``umount``.
+
+``rewindfs mount --ro REF MNT`` serves a snapshot read-only; ``rewindfs mount REF MNT
+--state DIR`` serves a session overlay whose upper lives in DIR; ``rewindfs mount MNT
+--state DIR`` remounts DIR on the base it records. By default the command starts the
+daemon in the background and returns once the mount serves (exit 0) or with a one-line
+error (exit 9, or the error's own code); ``--foreground`` makes this process the daemon.
+``rewindfs umount MNT`` unmounts and waits until the daemon has persisted everything.
+FUSE modules are imported inside handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from rewindfs.cli import add_json, emit
+
+EXIT_MOUNT = 9
+READY_TIMEOUT_S = 120.0
+
+
+class UsageError(Exception):
+    """The arguments do not describe a mount (exit code 2)."""
+
+    exit_code = 2
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("mount", help="mount a snapshot (--ro) or a session overlay (--state)",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("targets", nargs="+", metavar="[REF] MNT",
+                   help="Ref to serve (optional with --state: the recorded base) and the "
+                        "mount point")
+    p.add_argument("--ro", action="store_true", help="serve REF read-only (EROFS on changes)")
+    p.add_argument("--state", metavar="DIR",
+                   help="session state directory holding the upper layer (locked while "
+                        "mounted)")
+    p.add_argument("--foreground", action="store_true",
+                   help="run the daemon in this process until unmounted")
+    p.add_argument("--allow-other", action="store_true",
+                   help="let other users (still subject to permissions) use the mount")
+    p.add_argument("--log", metavar="FILE",
+                   help="daemon log (default: DIR/daemon.log, or the runtime directory for "
+                        "read-only mounts; stderr with --foreground)")
+    p.add_argument("--debug", action="store_true", help="log at debug level")
+    p.add_argument("--stats-file", metavar="FILE", help=argparse.SUPPRESS)
+    p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    add_json(p)
+    p.set_defaults(handler=cmd_mount)
+
+    p = sub.add_parser("umount", help="unmount and wait for the daemon to persist and exit")
+    p.add_argument("mountpoint", metavar="MNT")
+    p.add_argument("--lazy", action="store_true",
+                   help="detach even while busy (fusermount3 -uz)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the daemon to exit (default 60)")
+    add_json(p)
+    p.set_defaults(handler=cmd_umount)
+
+
+def _parse_targets(args: argparse.Namespace) -> tuple[str | None, str]:
+    t = args.targets
+    if len(t) > 2:
+        raise UsageError("mount takes [REF] MNT")
+    ref, mnt = (t[0], t[1]) if len(t) == 2 else (None, t[0])
+    if args.ro and args.state:
+        raise UsageError("--ro serves a snapshot without a state directory; drop --state")
+    if args.ro and ref is None:
+        raise UsageError("--ro needs a REF")
+    if not args.ro and not args.state:
+        raise UsageError("a read-write mount needs --state DIR (or use --ro)")
+    return ref, os.path.abspath(mnt)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from fusefs.errors import MountError
+    from fusefs.mounts import is_mounted, record_path
+
+    ref, mnt = _parse_targets(args)
+    if ref is not None:
+        from store.ref import Ref
+
+        Ref.parse(ref)  # InvalidRefError (exit 3) before anything starts
+    if not os.path.isdir(mnt):
+        raise MountError(mnt, "mount point is not a directory")
+    if is_mounted(mnt):
+        raise MountError(mnt, "something is already mounted there")
+    store = os.path.abspath(args.store)
+    state = os.path.abspath(args.state) if args.state else None
+    log_path = os.path.abspath(args.log) if args.log else None
+    stats_path = os.path.abspath(args.stats_file) if args.stats_file else None
+
+    if args.foreground:
+        from fusefs.daemon import MountConfig, fd_ready, serve
+
+        cfg = MountConfig(store_root=store, mountpoint=mnt, ref=ref, state_dir=state,
+                          readonly=args.ro, allow_other=args.allow_other, log_path=log_path,
+                          stats_path=stats_path, debug=args.debug)
+        return serve(cfg, fd_ready(args.ready_fd))
+
+    if log_path is None:
+        if state is not None:
+            os.makedirs(state, mode=0o700, exist_ok=True)
+            log_path = os.path.join(state, "daemon.log")
+        else:
+            log_path = record_path(mnt, ".log")
+    argv = [sys.executable, "-m", "rewindfs", "--store", store, "mount", *(
+        [ref] if ref is not None else []), mnt, "--foreground", "--log", log_path]
+    if args.ro:
+        argv.append("--ro")
+    if state is not None:
+        argv += ["--state", state]
+    if args.allow_other:
+        argv.append("--allow-other")
+    if args.debug:
+        argv.append("--debug")
+    if stats_path is not None:
+        argv += ["--stats-file", stats_path]
+    r, w = os.pipe()
+    argv += ["--ready-fd", str(w)]
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(argv, pass_fds=(w,), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=logf,
+                                start_new_session=True, close_fds=True)
+    os.close(w)
+    msg = _read_ready(r, proc)
+    if msg != "ok":
+        raise MountError(mnt, msg.removeprefix("error: "))
+    emit(args, {"mountpoint": mnt, "pid": proc.pid, "ref": ref, "state": state,
+                "log": log_path}, f"mounted at {mnt} (pid {proc.pid})")
+    return 0
+
+
+def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
+    """The daemon's one-line readiness report, or why there is none."""
+    buf = b""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                proc.kill()
+                return f"daemon did not report ready within {READY_TIMEOUT_S:.0f} s"
+            rl, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if not rl:
+                continue
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    finally:
+        os.close(fd)
+    text = buf.decode(errors="replace").strip()
+    if text:
+        return text
+    try:
+        rc = proc.wait(5)
+    except subprocess.TimeoutExpired:
+        rc = None
+    return f"daemon exited with {rc} before mounting (see its log)"
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from fusefs.errors import MountError
+    from fusefs.mounts import alive, is_mounted, read_record
+
+    mnt = os.path.abspath(args.mountpoint)
+    if not is_mounted(mnt):
+        raise MountError(mnt, "not mounted")
+    rec = read_record(mnt)
+    r = subprocess.run(["fusermount3", "-uz" if args.lazy else "-u", mnt],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["fusermount3 failed"])[-1]
+        raise MountError(mnt, why.removeprefix("fusermount3: "))
+    waited = 0.0
+    if rec is not None and isinstance(rec.get("pid"), int):
+        pid, started = rec["pid"], rec.get("started")
+        t0 = time.monotonic()
+        while alive(pid, started):
+            if time.monotonic() - t0 > args.timeout:
+                raise MountError(mnt, f"daemon {pid} still running {args.timeout:.0f} s "
+                                      "after unmount")
+            time.sleep(0.02)
+        waited = time.monotonic() - t0
+    emit(args, {"mountpoint": mnt, "elapsed_ms": round(waited * 1000, 1)},
+         f"unmounted {mnt}")
+    return 0
