@@ -84,3 +84,70 @@ def test_kill_snapshot_at_random_points(tmp_path: object) -> None:
         assert set(s.backend.list("packs/")) == indexed, f"seed {seed}, iteration {it}"
         assert verify(s) == [], f"seed {seed}, iteration {it}"
         assert set(earlier) <= {i.ref for i in s.list_snapshots()}
+
+
+_AT_POINT = r"""
+import os, signal, sys
+from store.objects import Store
+from store.snapshot import snapshot
+
+root, tree, point = sys.argv[1], sys.argv[2], sys.argv[3]
+store = Store(root)
+
+
+def die(*_args, **_kw):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if point == "packs-put":  # the commit's barrier: packs are in the backend, not indexed
+    store.backend.sync = die
+elif point == "indexed":  # objects indexed, the snapshot-list record not yet written
+    Store._history_put = die
+elif point == "record-durable":  # the record is durable, its index row not yet written
+    put = Store._history_put
+
+    def put_then_die(self, key, record):
+        put(self, key, record)
+        die()
+
+    Store._history_put = put_then_die
+snapshot(store, tree)
+print("not killed", flush=True)
+"""
+
+
+def test_kill_at_each_commit_step(tmp_path: object) -> None:
+    """The three windows of the write order, each hit exactly once."""
+    base = str(tmp_path)
+    root = os.path.join(base, "store")
+    s = Store(root, chunk_size=64 << 10)
+    rnd = random.Random(5)
+    kept = os.path.join(base, "kept")
+    _fill(kept, rnd, 8)
+    earlier = snapshot(s, kept)
+    busy = os.path.join(base, "busy")
+    for n, point in enumerate(["packs-put", "indexed", "record-durable"]):
+        _fill(busy, rnd, 20)
+        child = subprocess.run([sys.executable, "-c", _AT_POINT, root, busy, point], cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+        assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+        s = Store(root)
+        packs = set(s.backend.list("packs/"))
+        indexed = {r[0] for r in s.conn.execute("SELECT key FROM packs")}
+        assert verify(s) == [], point
+        materialize(s, earlier, os.path.join(base, f"out-{n}"))
+        listed = {i.ref for i in s.list_snapshots()}
+        rep = gc(s)
+        if point == "packs-put":
+            assert len(packs - indexed) == rep.leftover_packs == 1
+        elif point == "indexed":
+            assert listed == {earlier} and rep.objects_deleted > 0
+        else:  # the durable record lists the snapshot: verify caught the index up
+            busy_ref = compute_ref(busy, chunk_size=s.chunk_size)
+            assert listed == {earlier, busy_ref}
+            materialize(s, busy_ref, os.path.join(base, "busy-out"))
+            assert compute_ref(os.path.join(base, "busy-out"), chunk_size=s.chunk_size) \
+                == busy_ref
+        assert set(s.backend.list("packs/")) == {r[0] for r in
+                                                 s.conn.execute("SELECT key FROM packs")}
+        assert verify(s) == [], point
