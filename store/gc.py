@@ -213,6 +213,9 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
         raise
 
     for key in dead_packs + sparse + leftovers:
+        if not PACK_KEY.fullmatch(key):
+            rep.unknown_keys.append(key)  # an index row named it; not a key GC may delete
+            continue
         try:
             store.backend.delete(key)
         except BlobNotFoundError:
