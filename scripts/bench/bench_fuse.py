@@ -1,0 +1,434 @@
+"""FUSE benchmark: a read-write session mount against tmpfs, ext4 and fuse-overlayfs.
+
+Usage (from the repository root, as root: cold runs drop the kernel caches)::
+
+    .venv/bin/python scripts/bench/bench_fuse.py [--runs 3] [--json FILE] [--only NAMES]
+
+The lower tree is the pinned Django sdist unpacked (see ``common.py``), committed into a git
+repository inside it, plus one 256 MiB file of random bytes. Each contender serves that
+tree at a directory ``R``:
+
+- ``tmpfs``: a private tmpfs with a copy of the tree;
+- ``ext4``: a copy on the local disk (``agent-data/bench/tmp`` is on ext4 here);
+- ``fuse-overlayfs``: lower = the prepared tree, upper and work directories on the disk;
+- ``rewindfs``: ``rewindfs mount REF R --state S --foreground`` over a snapshot of the tree.
+
+Workloads, each the median of ``--runs`` runs (``--heavy-runs`` for the cold ones and
+untar + rm -rf, to keep the whole run within a few minutes): ``grep -r`` cold (mount fresh, caches
+dropped) and warm; ``find -type f | xargs stat`` warm; ``git status`` warm; unpacking the
+tree's tarball into ``R`` (create-heavy) and ``rm -rf`` of it; sequential read of the 256 MiB
+file cold and warm; 2,000 random 4 KiB reads of it, cold. For the FUSE contenders it also
+reports the daemon's CPU time (from /proc), and for rewindfs the FUSE requests each workload
+caused and the CPU time per request, when the daemon exposes its counters (``--stats-file``:
+written on SIGUSR1). The exit status is 0 even when a goal is missed: this measures, it
+does not judge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "tests"))
+
+import common  # noqa: E402
+import fusehelpers as fh  # noqa: E402
+from common import DJANGO, log, markdown_table, rmtree, sh  # noqa: E402
+
+BIG = 256 << 20
+RANDOM_READS = 2000
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+GIT = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost",
+       "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@localhost",
+       "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+       # the unpacked sdist keeps its archive's owner: trust it
+       "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory", "GIT_CONFIG_VALUE_0": "*"}
+
+WORKLOADS = [
+    ("grep_cold", "grep -r, cold"),
+    ("grep_warm", "grep -r, warm"),
+    ("stat_warm", "find -type f + xargs stat, warm"),
+    ("git_status", "git status, warm"),
+    ("untar", "untar the tree"),
+    ("rm_rf", "rm -rf of it"),
+    ("seq_cold", "256 MiB sequential read, cold"),
+    ("seq_warm", "256 MiB sequential read, warm"),
+    ("rand_cold", f"{RANDOM_READS} random 4 KiB reads, cold"),
+]
+
+RANDOM_READER = """
+import os, random, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+size = os.fstat(fd).st_size
+rnd = random.Random(1234)
+for _ in range(int(sys.argv[2])):
+    off = rnd.randrange(size // 4096) * 4096
+    if len(os.pread(fd, 4096, off)) != 4096:
+        sys.exit("short read")
+"""
+
+
+def can_drop_caches() -> bool:
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# -- contenders ---------------------------------------------------------------------------------
+
+class Contender:
+    """Serves the prepared tree at ``self.root``; ``cold()`` empties every cache it can."""
+
+    name = ""
+
+    def __init__(self, work: Path, lower: Path) -> None:
+        self.work = work
+        self.lower = lower
+        self.root = work / "root"
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def cold(self) -> None:
+        if can_drop_caches():
+            fh.drop_caches()
+
+    def teardown(self) -> None:
+        pass
+
+    def daemon_pid(self) -> int | None:
+        return None
+
+    def requests(self) -> dict[str, int] | None:
+        return None
+
+
+class Tmpfs(Contender):
+    name = "tmpfs"
+
+    def setup(self) -> None:
+        self.root.mkdir(parents=True)
+        sh(["mount", "-t", "tmpfs", "-o", "size=4g,mode=0755", "tmpfs", str(self.root)])
+        sh(["cp", "-a", f"{self.lower}/.", str(self.root)])
+
+    def teardown(self) -> None:
+        subprocess.run(["umount", "-l", str(self.root)], check=False)
+
+
+class Ext4(Contender):
+    name = "ext4"
+
+    def setup(self) -> None:
+        sh(["cp", "-a", str(self.lower), str(self.root)])
+
+
+class FuseOverlayfs(Contender):
+    name = "fuse-overlayfs"
+
+    def setup(self) -> None:
+        for sub in ("upper", "workdir", "root"):
+            (self.work / sub).mkdir(parents=True)
+        opts = f"lowerdir={self.lower},upperdir={self.work / 'upper'},workdir={self.work / 'workdir'}"
+        self.daemon = fh.Daemon(store=self.work, mnt=self.root, log=self.work / "daemon.log",
+                                command=["fuse-overlayfs", "-f", "-o", opts, str(self.root)])
+        fh.start(self.daemon)
+
+    def cold(self) -> None:
+        fh.stop(self.daemon)
+        fh.start(self.daemon)
+        super().cold()
+
+    def teardown(self) -> None:
+        fh.stop(self.daemon)
+
+    def daemon_pid(self) -> int | None:
+        return self.daemon.pid
+
+
+class Rewindfs(Contender):
+    name = "rewindfs"
+
+    def __init__(self, work: Path, lower: Path, store: Path, ref: str) -> None:
+        super().__init__(work, lower)
+        self.store, self.ref = store, ref
+        self.stats = work / "stats.json"
+
+    def setup(self) -> None:
+        self.root.mkdir(parents=True)
+        extra = ["--stats-file", str(self.stats)] if stats_option() else []
+        self.daemon = fh.Daemon(store=self.store, mnt=self.root, ref=self.ref,
+                                state=self.work / "state", log=self.work / "daemon.log",
+                                extra=extra)
+        fh.start(self.daemon)
+
+    def cold(self) -> None:
+        fh.stop(self.daemon)
+        fh.start(self.daemon, with_ref=False)
+        super().cold()
+
+    def teardown(self) -> None:
+        fh.stop(self.daemon)
+
+    def daemon_pid(self) -> int | None:
+        return self.daemon.pid
+
+    def requests(self) -> dict[str, int] | None:
+        """The daemon's per-operation request counts so far (None when not exposed)."""
+        if not self.daemon.extra:
+            return None
+        before = self.stats.stat().st_mtime_ns if self.stats.exists() else 0
+        os.kill(self.daemon.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if self.stats.exists() and self.stats.stat().st_mtime_ns != before:
+                try:
+                    return dict(json.loads(self.stats.read_text())["requests"])
+                except (ValueError, KeyError):
+                    pass
+            time.sleep(0.01)
+        return None
+
+
+_STATS: bool | None = None
+
+
+def stats_option() -> bool:
+    """Whether ``rewindfs mount`` offers ``--stats-file``."""
+    global _STATS
+    if _STATS is None:
+        r = subprocess.run([sys.executable, "-m", "rewindfs", "mount", "--help"],
+                           capture_output=True, text=True, cwd=common.REPO)
+        _STATS = "--stats-file" in r.stdout
+    return _STATS
+
+
+# -- preparation -----------------------------------------------------------------------------
+
+def prepare(tmp: Path) -> tuple[Path, Path, int]:
+    """The lower tree (Django + its git repository + big.bin) and the tree's tarball."""
+    tree = common.unpacked_tree(*DJANGO)
+    lower = tmp / "lower"
+    lower.mkdir()
+    log("bench_fuse: preparing the lower tree (copy, git commit, 256 MiB file)")
+    sh(["cp", "-a", str(tree), str(lower / "tree")])
+    env = dict(GIT, HOME=str(tmp))
+    sh("git init -q && git add -A && git commit -q -m bench", cwd=lower / "tree", env=env)
+    with open(lower / "big.bin", "wb") as f:
+        rnd = random.Random(42)
+        for _ in range(BIG >> 20):
+            f.write(rnd.randbytes(1 << 20))
+    tarball = tmp / "tree.tar"
+    sh(["tar", "-cf", str(tarball), "-C", str(tree.parent), tree.name])
+    files, _ = common.tree_size(tree)
+    return lower, tarball, files
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+def sample(c: Contender, fn: Callable[[], None]) -> dict[str, Any]:
+    """One timed call of ``fn`` on ``c``: seconds, the daemon's CPU seconds and the FUSE
+    requests it caused (by operation) where known."""
+    pid = c.daemon_pid()
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    req0 = c.requests()
+    t0 = time.perf_counter()
+    fn()
+    rec: dict[str, Any] = {"s": time.perf_counter() - t0}
+    req1 = c.requests()
+    if pid:
+        rec["cpu_s"] = cpu_seconds(pid) - cpu0
+    if req0 is not None and req1 is not None:
+        rec["by_op"] = {k: req1[k] - req0.get(k, 0) for k in req1 if req1[k] != req0.get(k, 0)}
+        rec["requests"] = sum(rec["by_op"].values())
+    return rec
+
+
+def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median sample (by time), with every run's seconds."""
+    mid = sorted(samples, key=lambda x: x["s"])[len(samples) // 2]
+    return {**mid, "runs": [x["s"] for x in samples]}
+
+
+def command(cmd: str | list[str], cwd: Path | None = None, env: dict[str, str] | None = None,
+            ok: tuple[int, ...] = (0,)) -> Callable[[], None]:
+    """A callable running ``cmd`` (a shell line if a str); RuntimeError on other exit codes."""
+    def go() -> None:
+        p = subprocess.run(cmd, shell=isinstance(cmd, str), cwd=cwd, env=env,
+                           capture_output=True)
+        if p.returncode not in ok:
+            raise RuntimeError(f"{cmd!r} exited {p.returncode}: {p.stderr[-500:]!r}")
+    return go
+
+
+def measure(c: Contender, runs: int, heavy_runs: int, tarball: Path
+            ) -> dict[str, dict[str, Any]]:
+    """Every workload on contender ``c``, as ``summarize`` gives them: ``runs`` runs of the
+    warm ones, ``heavy_runs`` of the cold ones and of untar + rm -rf."""
+    out: dict[str, dict[str, Any]] = {}
+    r = c.root
+
+    def run(key: str, fn: Callable[[], None], cold: bool = False) -> None:
+        samples = []
+        for _ in range(heavy_runs if cold else runs):
+            if cold:
+                c.cold()
+            samples.append(sample(c, fn))
+        out[key] = summarize(samples)
+        log(f"bench_fuse: {c.name:15s} {key:10s} {out[key]['s']:.3f} s")
+
+    grep = command(["grep", "-r", "-l", "-I", "SECRET_KEY", "tree"], cwd=r, ok=(0, 1))
+    run("grep_cold", grep, cold=True)
+    grep()
+    run("grep_warm", grep)
+    stat_all = command("find tree -type f -print0 | xargs -0 stat > /dev/null", cwd=r)
+    stat_all()
+    run("stat_warm", stat_all)
+    status = command(["git", "status", "--porcelain"], cwd=r / "tree",
+                     env={**os.environ, **GIT, "HOME": str(c.work)})
+    status()
+    run("git_status", status)
+    read_big = command(["dd", f"if={r / 'big.bin'}", "of=/dev/null", "bs=1M"])
+    run("seq_cold", read_big, cold=True)
+    run("seq_warm", read_big)
+    run("rand_cold", command([sys.executable, "-c", RANDOM_READER, str(r / "big.bin"),
+                              str(RANDOM_READS)]), cold=True)
+    untar_dir = r / "untar"
+    untar = command(f"mkdir '{untar_dir}' && tar -xf '{tarball}' -C '{untar_dir}'")
+    rm = command(["rm", "-rf", str(untar_dir)])
+    made, removed = [], []
+    for _ in range(heavy_runs):
+        made.append(sample(c, untar))
+        removed.append(sample(c, rm))
+    out["untar"], out["rm_rf"] = summarize(made), summarize(removed)
+    for key in ("untar", "rm_rf"):
+        log(f"bench_fuse: {c.name:15s} {key:10s} {out[key]['s']:.3f} s")
+    return out
+
+
+def report(res: dict[str, dict[str, dict[str, Any]]], files: int) -> str:
+    names = [n for n in ("tmpfs", "ext4", "fuse-overlayfs", "rewindfs") if n in res]
+    rows = []
+    for key, label in WORKLOADS:
+        row: list[Any] = [label]
+        for n in names:
+            row.append(res[n][key]["s"] if key in res[n] else "-")
+        rw = res.get("rewindfs", {}).get(key)
+        for peer in ("tmpfs", "ext4", "fuse-overlayfs"):
+            p = res.get(peer, {}).get(key)
+            row.append(f"{rw['s'] / p['s']:.1f}x" if rw and p and p["s"] > 0 else "-")
+        if rw and "requests" in rw:
+            row.append(rw["requests"])
+            row.append(f"{rw['cpu_s'] / rw['requests'] * 1e6:.0f}"
+                       if rw.get("requests") else "-")
+        else:
+            row += ["-", "-"]
+        row.append(f"{rw['cpu_s']:.2f}" if rw and "cpu_s" in rw else "-")
+        fo = res.get("fuse-overlayfs", {}).get(key)
+        row.append(f"{fo['cpu_s']:.2f}" if fo and "cpu_s" in fo else "-")
+        rows.append(row)
+    header = (["workload"] + [f"{n} s" for n in names]
+              + ["rewindfs/tmpfs", "rewindfs/ext4", "rewindfs/fuse-overlayfs",
+                 "FUSE requests", "CPU us/request", "rewindfs CPU s", "fuse-overlayfs CPU s"])
+    text = [f"Tree: Django {DJANGO[1]} sdist ({files} files) + its .git + a 256 MiB file",
+            markdown_table(header, rows), "", "Goals:"]
+    text += goals(res)
+    return "\n".join(text)
+
+
+def goals(res: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    rw = res.get("rewindfs")
+    if rw is None:
+        return ["(rewindfs not measured)"]
+
+    def ratio(key: str, peer: str) -> float | None:
+        p = res.get(peer, {}).get(key)
+        return rw[key]["s"] / p["s"] if p and key in rw and p["s"] > 0 else None
+
+    out = []
+    fo = res.get("fuse-overlayfs")
+    if fo:
+        slower = [k for k, _ in WORKLOADS if k in rw and k in fo and rw[k]["s"] > fo[k]["s"]]
+        out.append(f"- no workload slower than fuse-overlayfs: "
+                   f"{'met' if not slower else 'missed on ' + ', '.join(slower)}")
+    for key, peer, limit, what in [("untar", "ext4", 5, "untar within 5x of ext4"),
+                                   ("rm_rf", "ext4", 2, "rm -rf within 2x of ext4"),
+                                   ("grep_warm", "tmpfs", 12, "warm grep within 12x of tmpfs"),
+                                   ("git_status", "tmpfs", 4,
+                                    "warm git status within 4x of tmpfs")]:
+        x = ratio(key, peer)
+        if x is not None:
+            out.append(f"- {what}: {x:.1f}x, {'met' if x <= limit else 'missed'}")
+    x = ratio("seq_cold", "ext4")
+    if x is not None:
+        speed = 1 / x
+        out.append(f"- cold sequential read at least half of ext4's speed: {speed:.2f} of "
+                   f"ext4, {'met' if speed >= 0.5 else 'missed'}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3, help="runs of each warm workload")
+    ap.add_argument("--heavy-runs", type=int, default=1,
+                    help="runs of each cold workload and of untar + rm -rf")
+    ap.add_argument("--json", help="also write every figure to this file")
+    ap.add_argument("--only", default="tmpfs,ext4,fuse-overlayfs,rewindfs",
+                    help="comma-separated contenders to run")
+    args = ap.parse_args(argv)
+    only = args.only.split(",")
+    if not can_drop_caches():
+        log("bench_fuse: not root: 'cold' runs cannot drop the kernel caches")
+    res: dict[str, dict[str, dict[str, Any]]] = {}
+    with common.scratch("fuse-") as tmp:
+        lower, tarball, files = prepare(tmp)
+        contenders: list[Contender] = []
+        if "tmpfs" in only:
+            contenders.append(Tmpfs(tmp / "tmpfs", lower))
+        if "ext4" in only:
+            contenders.append(Ext4(tmp / "ext4", lower))
+        if "fuse-overlayfs" in only:
+            contenders.append(FuseOverlayfs(tmp / "fuse-overlayfs", lower))
+        if "rewindfs" in only:
+            store = tmp / "store"
+            log("bench_fuse: snapshot of the lower tree")
+            ref = fh.snapshot(store, lower)
+            contenders.append(Rewindfs(tmp / "rewindfs", lower, store, ref))
+        try:
+            for c in contenders:
+                c.work.mkdir(parents=True, exist_ok=True)
+                log(f"bench_fuse: {c.name}")
+                c.setup()
+                try:
+                    res[c.name] = measure(c, args.runs, args.heavy_runs, tarball)
+                finally:
+                    c.teardown()
+        finally:
+            fh.kill_all_live()
+            fh.unmount_leftovers([str(tmp)])
+            for c in contenders:
+                if c.work.exists():
+                    rmtree(c.work)
+    print(report(res, files))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
