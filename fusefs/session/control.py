@@ -1,0 +1,98 @@
+"""The control socket of a session host (CONTRACT 4.0): how the CLI reaches a live session.
+
+A host process (``host.py`` for no-FUSE sessions) serves a Unix stream socket, mode 0600,
+in ``$XDG_RUNTIME_DIR/rewindfs/`` (else ``/tmp/rewindfs-<uid>/``, mode 0700) named
+``<session id>.sock``; its path is recorded in the session's state directory as ``control``.
+Protocol: one JSON object per line each way. Requests ``{"op": ..., ...}``: ``status``,
+``checkpoint {trigger}``, ``restore {ref, discard, timeout_s}``, ``turn_done``,
+``step_done``, ``shutdown``. Replies ``{"ok": true, ...}`` or ``{"ok": false, "error":
+<class name>, "kind": <kind or null>, "message": ..., "exit_code": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+from .errors import SessionError
+
+CONTROL_FILE = "control"
+
+
+class HostError(SessionError):
+    """A session host refused or failed a request; ``error`` and ``kind`` name the typed
+    error it raised, ``exit_code`` is that error's."""
+
+    def __init__(self, error: str, kind: str | None, message: str, exit_code: int) -> None:
+        self.error = error
+        self.kind = kind
+        self.exit_code = exit_code
+        super().__init__(message)
+
+
+def socket_dir() -> str:
+    """The directory for control sockets (created 0700)."""
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run and os.path.isdir(run):
+        d = os.path.join(run, "rewindfs")
+    else:
+        d = f"/tmp/rewindfs-{os.getuid()}"
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise SessionError(f"control socket directory {d} is not private to this user")
+    return d
+
+
+def error_reply(e: BaseException) -> dict[str, Any]:
+    return {"ok": False, "error": type(e).__name__, "kind": getattr(e, "kind", None),
+            "message": str(e), "exit_code": int(getattr(e, "exit_code", 1) or 1)}
+
+
+def raise_reply(reply: dict[str, Any]) -> dict[str, Any]:
+    """Return ``reply`` if it is a success, else raise it as HostError."""
+    if reply.get("ok"):
+        return reply
+    raise HostError(str(reply.get("error")), reply.get("kind"), str(reply.get("message")),
+                    int(reply.get("exit_code") or 1))
+
+
+def control_path(state_dir: str) -> str | None:
+    """The control socket recorded for a session, or None."""
+    try:
+        with open(os.path.join(state_dir, CONTROL_FILE)) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def request(path: str, req: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+    """Send one request and return the reply (raises OSError if nobody serves ``path``)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        s.sendall(json.dumps(req).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            data = s.recv(65536)
+            if not data:
+                break
+            buf += data
+    if not buf:
+        raise ConnectionResetError(f"{path}: the session host closed the connection")
+    out: dict[str, Any] = json.loads(buf)
+    return out
+
+
+def live_host(state_dir: str) -> str | None:
+    """The control socket of the session's live host, or None if none answers."""
+    path = control_path(state_dir)
+    if path is None:
+        return None
+    try:
+        request(path, {"op": "status"}, timeout_s=30)
+    except (OSError, ValueError):
+        return None
+    return path

@@ -1,0 +1,206 @@
+"""A session host: the process that owns one no-FUSE session for the CLI (CONTRACT 4.0).
+
+``rewindfs session new`` (and ``resume``, ``fork``) starts ``python -m fusefs.session.host``
+detached; the host opens the session (leases, seed, recovery), records its control socket
+in the state directory, reports ``{"ok": true, "id", "root"}`` (or the typed error) on the
+file descriptor given by ``--ready-fd`` and then serves the control socket (``control.py``)
+until a ``shutdown`` request or SIGTERM/SIGINT, when it shuts the session down in the
+contract's order. A FUSE session's host is its mount daemon, which serves the same protocol.
+
+The workspace is described by a spec, recorded as ``host.json`` in the state directory so
+that ``resume`` can start a host with the same configuration::
+
+    {"store", "placement", "path", "policy", "required", "ttl", "idle_s"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socketserver
+import sys
+import threading
+from typing import Any
+
+from store.ref import Ref
+
+from .config import WorkspaceConfig, define
+from .control import CONTROL_FILE, error_reply, socket_dir
+from .placement import exclusive_workspace, session_workspaces, shared_workspace
+from .policy import SnapshotPolicy
+from .registry import write_json_atomic
+
+SPEC_FILE = "host.json"
+log = logging.getLogger("rewindfs.session")
+
+
+def config_from_spec(spec: dict[str, Any]) -> WorkspaceConfig:
+    """Build and validate the workspace configuration a spec describes."""
+    from store.lease import Leaser
+    from store.objects import Store
+
+    st = Store(spec["store"])
+    mode = spec["placement"]
+    if mode == "per-session":
+        p = session_workspaces(st, spec["path"])
+    elif mode == "exclusive":
+        p = exclusive_workspace(st, spec["path"], Leaser(st))
+    elif mode == "shared":
+        p = shared_workspace(st, spec["path"])
+    else:
+        raise ValueError(f"unknown placement {mode!r}")
+    policy = SnapshotPolicy(spec.get("policy") or "manual",
+                            "required" if spec.get("required") else "best_effort",
+                            idle_s=float(spec.get("idle_s", 5.0)))
+    return define(p, policy=policy, backend="fallback", lease_ttl_s=float(spec.get("ttl", 30)))
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        line = self.rfile.readline()
+        try:
+            req = json.loads(line)
+            reply = self.server.host.dispatch(req)
+        except Exception as e:
+            reply = error_reply(e)
+        self.wfile.write(json.dumps(reply).encode() + b"\n")
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    host: Host
+
+
+class Host:
+    """Serves one open ``Session`` on a control socket."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.done = threading.Event()
+        self.sock_path = os.path.join(socket_dir(), f"{session.id}.sock")
+
+    def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
+        s = self.session
+        op = req.get("op")
+        if op == "status":
+            ev = s.log()
+            return {"ok": True, "id": s.id, "root": s.root, "pid": os.getpid(),
+                    "epoch": s.epoch, "fault": s.fault,
+                    "ref": str(ev[-1].ref) if ev else None}
+        if op == "checkpoint":
+            trigger = req.get("trigger") or "manual"
+            handle = s._h("checkpoint")
+            ref = handle.checkpoint(trigger, req.get("timeout_s"))
+            return {"ok": True, "ref": str(ref)}
+        if op == "restore":
+            pre = s.restore(Ref.parse(req.get("ref")), bool(req.get("discard")),
+                            req.get("timeout_s"))
+            return {"ok": True, "ref": req.get("ref"), "pre_restore": str(pre) if pre else None}
+        if op == "turn_done":
+            s.turn_done()
+            return {"ok": True}
+        if op == "step_done":
+            s.step_done()
+            return {"ok": True}
+        if op == "shutdown":
+            self.done.set()
+            return {"ok": True}
+        raise ValueError(f"unknown control request {op!r}")
+
+    def serve(self) -> None:
+        try:
+            os.unlink(self.sock_path)
+        except FileNotFoundError:
+            pass
+        old = os.umask(0o177)
+        try:
+            server = _Server(self.sock_path, _Handler)
+        finally:
+            os.umask(old)
+        os.chmod(self.sock_path, 0o600)
+        server.host = self
+        t = threading.Thread(target=server.serve_forever, args=(0.05,), name="control",
+                             daemon=True)
+        t.start()
+        with open(os.path.join(self.session.record.state_dir, CONTROL_FILE) + ".tmp", "w") as f:
+            f.write(self.sock_path)
+        os.rename(os.path.join(self.session.record.state_dir, CONTROL_FILE) + ".tmp",
+                  os.path.join(self.session.record.state_dir, CONTROL_FILE))
+        self._t = t
+        self._server = server
+
+    def wait_and_stop(self) -> None:
+        while not self.done.wait(1.0):
+            pass
+        try:
+            self.session.shutdown()
+        finally:
+            try:
+                os.unlink(os.path.join(self.session.record.state_dir, CONTROL_FILE))
+            except FileNotFoundError:
+                pass
+            self._server.shutdown()
+            self._server.server_close()
+            try:
+                os.unlink(self.sock_path)
+            except FileNotFoundError:
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .api import Workspace
+
+    ap = argparse.ArgumentParser(prog="python -m fusefs.session.host")
+    ap.add_argument("--spec", required=True, help="workspace spec as JSON")
+    ap.add_argument("--ready-fd", type=int, required=True)
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--new", action="store_true")
+    g.add_argument("--resume", metavar="ID")
+    g.add_argument("--fork", metavar="ID_OR_REF")
+    ap.add_argument("--seed")
+    ap.add_argument("--parent")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ready = os.fdopen(args.ready_fd, "w")
+
+    def report(data: dict[str, Any]) -> None:
+        ready.write(json.dumps(data) + "\n")
+        ready.close()
+
+    try:
+        spec = json.loads(args.spec)
+        ws = Workspace(config_from_spec(spec))
+        if args.new:
+            if args.seed and args.parent:
+                s = ws.new_session(args.seed, parent=args.parent)
+            else:
+                s = ws.new_session(args.seed)
+        elif args.resume:
+            s = ws.resume_session(args.resume)
+        else:
+            s = ws.fork_session(args.fork)
+        write_json_atomic(os.path.join(s.record.state_dir, SPEC_FILE), spec)
+        logfd = os.open(os.path.join(s.record.state_dir, "host.log"),
+                        os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        os.dup2(logfd, 1)
+        os.dup2(logfd, 2)
+        os.close(logfd)
+        host = Host(s)
+        host.serve()
+    except BaseException as e:
+        report(error_reply(e))
+        return int(getattr(e, "exit_code", 1) or 1)
+    signal.signal(signal.SIGTERM, lambda *_: host.done.set())
+    signal.signal(signal.SIGINT, lambda *_: host.done.set())
+    report({"ok": True, "id": s.id, "root": s.root, "pid": os.getpid()})
+    host.wait_and_stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Session subcommands: ``session new|list|resume|fork|shutdown|checkpoint|restore`` and
+``log ID``.
+
+``session new``, ``resume`` and ``fork`` start a session host in the background (the mount
+daemon for FUSE sessions; ``fusefs.session.host`` for no-FUSE ones) and return once the
+session's root is usable, printing its id and root (``--json``: ``id``, ``root``, ``state``).
+The other commands talk to that host over its control socket. The workspace is validated
+here first, so a bad placement or policy fails before anything starts (exit code 10).
+Default placement ``per-session`` under ``./agent-data/workspaces``; default policy manual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from rewindfs.cli import add_json, emit
+
+POLICIES = {"manual": "manual", "on-idle": "on_idle", "on-turn-done": "on_turn_done",
+            "on-step-done": "on_step_done"}
+DEFAULT_BASE = os.path.join("agent-data", "workspaces")
+
+
+class UsageError(Exception):
+    """Command-line arguments that do not fit together (exit code 2)."""
+
+    exit_code = 2
+
+
+def _placement_args(p: argparse.ArgumentParser, defaults: bool) -> None:
+    p.add_argument("--placement", choices=("per-session", "exclusive", "shared"),
+                   default="per-session" if defaults else None,
+                   help="where the live root is (default: per-session)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--root", help="the fixed root (exclusive, shared)")
+    g.add_argument("--base", help="parent of per-session roots (default: "
+                                  f"./{DEFAULT_BASE})")
+    p.add_argument("--policy", choices=tuple(POLICIES), default="manual" if defaults else None,
+                   help="when to checkpoint by itself (default: manual)")
+    p.add_argument("--required", action="store_true", default=None,
+                   help="a failed policy checkpoint faults the session until a manual one")
+    p.add_argument("--idle", type=float, default=None, metavar="S",
+                   help="quiet period of on-idle in seconds (default 5)")
+    p.add_argument("--lease-ttl", type=float, default=None, metavar="S",
+                   help="lease time to live in seconds (default 30)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="run on a plain directory even where FUSE is available")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("session", help="agent sessions: new, list, resume, fork, shutdown")
+    ss = p.add_subparsers(dest="session_command", required=True, metavar="SUBCOMMAND")
+
+    n = ss.add_parser("new", help="start a session; print its id and root")
+    n.add_argument("--seed", metavar="REF|DIR", help="start from a Ref or a directory")
+    _placement_args(n, defaults=True)
+    add_json(n)
+    n.set_defaults(handler=cmd_new)
+
+    ls = ss.add_parser("list", help="list sessions, oldest first")
+    add_json(ls)
+    ls.set_defaults(handler=cmd_list)
+
+    r = ss.add_parser("resume", help="start the host of a stopped session again")
+    r.add_argument("id")
+    _placement_args(r, defaults=False)
+    add_json(r)
+    r.set_defaults(handler=cmd_resume)
+
+    f = ss.add_parser("fork", help="start a session from another session's state or a Ref")
+    f.add_argument("source", metavar="ID|REF")
+    _placement_args(f, defaults=False)
+    add_json(f)
+    f.set_defaults(handler=cmd_fork)
+
+    sd = ss.add_parser("shutdown", help="stop a session (no checkpoint is made)")
+    sd.add_argument("id")
+    add_json(sd)
+    sd.set_defaults(handler=cmd_shutdown)
+
+    c = ss.add_parser("checkpoint", help="checkpoint a running session; print the Ref")
+    c.add_argument("id")
+    add_json(c)
+    c.set_defaults(handler=cmd_checkpoint)
+
+    rs = ss.add_parser("restore", help="restore a running session to a Ref")
+    rs.add_argument("id")
+    rs.add_argument("ref")
+    rs.add_argument("--discard", action="store_true",
+                    help="do not checkpoint the current state first")
+    rs.add_argument("--timeout", type=float, default=None, metavar="S",
+                    help="how long to wait for writers (default: the policy timeout)")
+    add_json(rs)
+    rs.set_defaults(handler=cmd_restore)
+
+    lg = sub.add_parser("log", help="a session's journal, oldest first")
+    lg.add_argument("id")
+    add_json(lg)
+    lg.set_defaults(handler=cmd_log)
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def _state_base(store_path: str) -> str:
+    from fusefs.session.placement import canonical_path
+
+    return os.path.join(canonical_path(store_path), "sessions")
+
+
+def _registry(args: argparse.Namespace) -> Any:
+    from fusefs.session.registry import Registry
+
+    return Registry(_state_base(args.store))
+
+
+def _spec_from_args(args: argparse.Namespace, base: dict[str, Any] | None) -> dict[str, Any]:
+    """The workspace spec: ``base`` (a recorded spec) overridden by what was given."""
+    spec: dict[str, Any] = dict(base or {})
+    spec["store"] = os.path.abspath(args.store)
+    if args.placement is not None:
+        spec["placement"] = args.placement
+    spec.setdefault("placement", "per-session")
+    if args.root is not None or args.base is not None:
+        if spec["placement"] == "per-session" and args.root is not None:
+            raise UsageError("per-session placement takes --base, not --root")
+        if spec["placement"] != "per-session" and args.base is not None:
+            raise UsageError(f"{spec['placement']} placement takes --root, not --base")
+        spec["path"] = os.path.abspath(args.root or args.base)
+    elif args.placement is not None and base is not None and \
+            base.get("placement") != args.placement:
+        spec.pop("path", None)
+    if "path" not in spec:
+        if spec["placement"] != "per-session":
+            raise UsageError(f"{spec['placement']} placement needs --root")
+        spec["path"] = os.path.abspath(DEFAULT_BASE)
+    if args.policy is not None:
+        spec["policy"] = POLICIES[args.policy]
+    spec.setdefault("policy", "manual")
+    if args.required:
+        spec["required"] = True
+    if args.idle is not None:
+        spec["idle_s"] = args.idle
+    if args.lease_ttl is not None:
+        spec["ttl"] = args.lease_ttl
+    return spec
+
+
+def _recorded_spec(state_dir: str) -> dict[str, Any] | None:
+    from fusefs.session.host import SPEC_FILE
+
+    try:
+        with open(os.path.join(state_dir, SPEC_FILE)) as f:
+            out: dict[str, Any] = json.load(f)
+            return out
+    except FileNotFoundError:
+        return None
+
+
+def _spawn(spec: dict[str, Any], mode: list[str]) -> dict[str, Any]:
+    """Start a session host with ``mode`` arguments; return its ready report. The host runs
+    with ``-P`` so that a directory named like a package in the working directory (a store
+    called ``store``) cannot shadow the product's modules."""
+    from fusefs.session.control import raise_reply
+    from fusefs.session.host import config_from_spec
+
+    config_from_spec(spec)  # typed configuration errors before anything starts
+    r, w = os.pipe()
+    with tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "fusefs.session.host", "--spec", json.dumps(spec),
+                 "--ready-fd", str(w), *mode],
+                pass_fds=(w,), start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=err)
+        finally:
+            os.close(w)
+        with os.fdopen(r) as ready:
+            line = ready.readline()
+        if not line:
+            code = proc.wait()
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
+            raise RuntimeError(f"the session host exited with code {code}: "
+                               f"{tail[0] if tail else 'no message'}")
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.get("ok"):
+            proc.wait()
+        return raise_reply(reply)
+
+
+def _show(args: argparse.Namespace, reply: dict[str, Any]) -> int:
+    emit(args, {"id": reply["id"], "root": reply["root"], "state": "running"},
+         f"{reply['id']} {reply['root']}")
+    return 0
+
+
+def _live(args: argparse.Namespace, session_id: str) -> str | None:
+    from fusefs.session.control import live_host
+
+    rec = _registry(args).load(session_id)
+    return live_host(rec.state_dir)
+
+
+def _ask(args: argparse.Namespace, session_id: str, req: dict[str, Any]) -> dict[str, Any]:
+    from fusefs.session.control import raise_reply, request
+    from fusefs.session.errors import SessionClosedError
+
+    path = _live(args, session_id)
+    if path is None:
+        raise SessionClosedError(session_id)
+    return raise_reply(request(path, req))
+
+
+# -- handlers -----------------------------------------------------------------------------
+
+
+def cmd_new(args: argparse.Namespace) -> int:
+    spec = _spec_from_args(args, None)
+    mode = ["--new"] + (["--seed", args.seed] if args.seed else [])
+    return _show(args, _spawn(spec, mode))
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from fusefs.session.control import live_host
+
+    rows = []
+    for rec in _registry(args).list():
+        rows.append({"id": rec.id, "root": rec.root, "placement": rec.mode,
+                     "state": "running" if live_host(rec.state_dir) else "stopped",
+                     "parent": rec.parent})
+    if getattr(args, "json", False):
+        emit(args, rows)
+    else:
+        for r in rows:
+            print(f"{r['id']}  {r['state']:<8} {r['placement']:<12} {r['root']}")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    rec = _registry(args).load(args.id)
+    path = _live(args, args.id)
+    if path is not None:
+        return _show(args, {"id": rec.id, "root": rec.root})
+    base = _recorded_spec(rec.state_dir)
+    if base is None and rec.fingerprint:
+        mode, _, where = rec.fingerprint.partition(":")
+        base = {"placement": mode, "path": where}
+    spec = _spec_from_args(args, base)
+    return _show(args, _spawn(spec, ["--resume", args.id]))
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    src = args.source
+    if src.startswith("v1:"):
+        from store.ref import Ref
+
+        Ref.parse(src)
+        spec = _spec_from_args(args, None)
+        return _show(args, _spawn(spec, ["--new", "--seed", src, "--parent", src]))
+    rec = _registry(args).load(src)
+    spec = _spec_from_args(args, _recorded_spec(rec.state_dir))
+    if _live(args, src) is not None:
+        ref = _ask(args, src, {"op": "checkpoint", "trigger": "fork"})["ref"]
+        return _show(args, _spawn(spec, ["--new", "--seed", ref, "--parent", src]))
+    return _show(args, _spawn(spec, ["--fork", src]))
+
+
+def cmd_shutdown(args: argparse.Namespace) -> int:
+    from fusefs.session.control import raise_reply, request
+
+    path = _live(args, args.id)
+    if path is None:
+        emit(args, {"id": args.id, "state": "stopped"}, f"{args.id} is not running")
+        return 0
+    pid = int(raise_reply(request(path, {"op": "status"}))["pid"])
+    raise_reply(request(path, {"op": "shutdown"}))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    else:
+        raise RuntimeError(f"the host of {args.id} (pid {pid}) did not exit")
+    emit(args, {"id": args.id, "state": "stopped"}, f"{args.id} stopped")
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    ref = _ask(args, args.id, {"op": "checkpoint"})["ref"]
+    emit(args, {"id": args.id, "ref": ref,
+                "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}, ref)
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from store.ref import Ref
+
+    Ref.parse(args.ref)
+    t0 = time.monotonic()
+    reply = _ask(args, args.id, {"op": "restore", "ref": args.ref, "discard": args.discard,
+                                 "timeout_s": args.timeout})
+    emit(args, {"id": args.id, "ref": args.ref, "pre_restore": reply.get("pre_restore"),
+                "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}, args.ref)
+    return 0
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    from fusefs.session.journal import Journal, event_dict
+    from store.objects import Store
+
+    _registry(args).load(args.id)  # SessionNotFoundError for an unknown id
+    events = Journal(Store(args.store), args.id).events()
+    if getattr(args, "json", False):
+        emit(args, [event_dict(e) for e in events])
+        return 0
+    for e in events:
+        when = datetime.datetime.fromtimestamp(e.time_ns / 1e9).isoformat(timespec="seconds")
+        what = ("checkpoint " + f"{e.trigger}/{e.consistency}"
+                if e.event == "WorkspaceCheckpointed" else "restore")
+        print(f"{e.seq:>4}  {when}  {what:<26} epoch {e.epoch}  {e.ref}")
+    return 0
