@@ -170,3 +170,28 @@ def test_directory_swapped_for_outside_link_during_search(tmp_path: Path, engine
         stop.set()
         proc.join(30)
     assert found > 0
+
+
+@pytest.mark.skipif(len(ENGINES) < 2, reason="ripgrep cannot run confined here")
+@pytest.mark.parametrize("kwargs", [
+    {"output_mode": "content", "context": 2},
+    {"output_mode": "content", "before": 1, "head_limit": 7},
+    {"output_mode": "content", "after": 3, "line_numbers": False},
+    {"output_mode": "count", "ignore_case": True},
+    {"glob": "d*/**"},
+])
+def test_engines_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       kwargs: dict[str, object]) -> None:
+    files = {}
+    for i in range(12):
+        body = "".join(("Hit" if (j * 7 + i) % 5 == 0 else "miss") + f" {j}\n"
+                       for j in range(30))
+        files[f"d{i % 3}/f{i}.txt"] = body
+    make(tmp_path / "r", files)
+    w = Workspace(DirBinding(tmp_path / "r"))
+    answers = []
+    for eng in ("rg", "python"):
+        monkeypatch.setenv("REWINDFS_GREP_ENGINE", eng)
+        r = grep(w, "hit", **kwargs) if kwargs.get("ignore_case") else grep(w, "Hit", **kwargs)
+        answers.append((r.text, r.data["total"]))
+    assert answers[0] == answers[1]

@@ -45,11 +45,36 @@ IGNORE_FILES = (".gitignore", ".ignore", ".rgignore")   # later ones take preced
 @dataclass
 class FileHits:
     """Matches in one file: ``path`` (workspace-relative), ``count`` of matching lines and,
-    in content mode, ``lines`` as (line number, is_match, text)."""
+    in content mode, ``n_lines`` (output lines this file takes, its inner ``--`` separators
+    included) and either ``lines`` as (line number, is_match, text) or ``raw``, ripgrep's
+    unparsed block for the file (parsed only when shown)."""
 
     path: str
     count: int = 0
     lines: list[tuple[int, bool, str]] = field(default_factory=list)
+    raw: bytes | None = None
+    n_lines: int = 0
+
+    def content(self) -> list[tuple[int, bool, str]]:
+        if self.raw is not None:
+            self.lines = _parse_block(self.raw)
+            self.raw = None
+        return self.lines
+
+
+_LINE_HEAD = re.compile(rb"(\d+)([:-])")
+
+
+def _parse_block(body: bytes) -> list[tuple[int, bool, str]]:
+    """Lines ``N:text`` (match) and ``N-text`` (context) of one file's ripgrep block."""
+    out = []
+    for line in body.split(b"\n"):
+        m = _LINE_HEAD.match(line)
+        if m is None:
+            continue                        # a "--" separator
+        out.append((int(m.group(1)), m.group(2) == b":",
+                    line[m.end():].decode("utf-8", errors="replace")))
+    return out
 
 
 @dataclass
@@ -70,18 +95,23 @@ def _cut(text: str) -> str:
     return text
 
 
-def render(hits: list[FileHits], q: Query, line_numbers: bool) -> list[str]:
-    """Output lines for ``hits`` (sorted here by path)."""
+def render(hits: list[FileHits], q: Query, line_numbers: bool,
+           limit: int) -> tuple[list[str], int]:
+    """The first ``limit`` output lines for ``hits`` (sorted here by path) and the number
+    of lines the whole answer has."""
     hits = sorted(hits, key=lambda h: h.path)
     if q.mode == "files_with_matches":
-        return [h.path for h in hits]
+        return [h.path for h in hits[:limit]], len(hits)
     if q.mode == "count":
-        return [f"{h.path}:{h.count}" for h in hits]
-    out: list[str] = []
+        return [f"{h.path}:{h.count}" for h in hits[:limit]], len(hits)
     grouped = q.before > 0 or q.after > 0
+    total = sum(h.n_lines for h in hits) + (len(hits) - 1 if grouped and hits else 0)
+    out: list[str] = []
     for h in hits:
+        if len(out) >= limit:
+            break
         prev = None
-        for number, is_match, text in h.lines:
+        for number, is_match, text in h.content():
             if grouped and out and (prev is None or number != prev + 1):
                 out.append("--")
             sep = ":" if is_match else "-"
@@ -90,7 +120,7 @@ def render(hits: list[FileHits], q: Query, line_numbers: bool) -> list[str]:
             else:
                 out.append(f"{h.path}{sep}{_cut(text)}")
             prev = number
-    return out
+    return out[:limit], total
 
 
 # --- ripgrep engine ----------------------------------------------------------------------
@@ -109,49 +139,40 @@ def _rg_argv(rg: str, q: Query, target: str) -> list[str]:
     elif q.mode == "count":
         argv.append("-c")
     else:
-        argv += ["-n", "--no-heading", "--with-filename", "-B", str(q.before),
+        argv += ["-n", "--heading", "--with-filename", "-B", str(q.before),
                  "-A", str(q.after)]
     argv += ["-e", q.pattern, "--", target]
     return argv
 
 
 def _rg_parse(out: bytes, q: Query, prefix: str) -> list[FileHits]:
-    """Parse ``--null`` output; ``prefix`` turns rg's paths into workspace paths."""
+    """Parse ``--null`` output; ``prefix`` turns rg's paths into workspace paths. Content
+    mode uses ``--heading``: one block per file, ``path NUL`` then its lines, blocks
+    separated by an empty line (no content line is empty: each starts with its number)."""
     def wpath(p: bytes) -> str:
         s = p.decode("utf-8", errors="surrogateescape")
         if s.startswith("./"):
             s = s[2:]
         return prefix + s
 
-    hits: dict[bytes, FileHits] = {}
     if q.mode == "files_with_matches":
-        for p in out.split(b"\0"):
-            p = p.strip(b"\n")
-            if p:
-                hits.setdefault(p, FileHits(wpath(p), 1))
-        return list(hits.values())
-    for line in out.split(b"\n"):
-        p, nul, rest = line.partition(b"\0")
-        if not nul:
-            continue                      # a "--" separator, or a cut last line
-        h = hits.get(p)
-        if h is None:
-            h = hits[p] = FileHits(wpath(p))
-        if q.mode == "count":
-            try:
-                h.count = int(rest)
-            except ValueError:
-                pass
-            continue
-        m = re.match(rb"(\d+)([:-])", rest)
-        if m is None:
-            continue
-        is_match = m.group(2) == b":"
-        h.lines.append((int(m.group(1)), is_match,
-                        rest[m.end():].decode("utf-8", errors="replace")))
-        if is_match:
-            h.count += 1
-    return [h for h in hits.values() if h.count or h.lines]
+        paths = {p.strip(b"\n") for p in out.split(b"\0")}
+        return [FileHits(wpath(p), 1) for p in paths if p]
+    hits: list[FileHits] = []
+    if q.mode == "count":
+        for line in out.split(b"\n"):
+            p, nul, rest = line.partition(b"\0")
+            if nul and rest.isdigit():
+                hits.append(FileHits(wpath(p), int(rest)))
+        return hits
+    body_all = out.rstrip(b"\n")
+    if not body_all:
+        return hits
+    for block in body_all.split(b"\n\n"):
+        p, nul, body = block.partition(b"\0")
+        if nul:
+            hits.append(FileHits(wpath(p), raw=body, n_lines=body.count(b"\n") + 1))
+    return hits
 
 
 def _search_rg(rg: str, bw: str, ws: Workspace, q: Query, base_rel: str, is_dir: bool,
@@ -279,6 +300,8 @@ def _scan_file(fd: int, name: str, path: str, rx: re.Pattern[str], q: Query,
                 keep.setdefault(j, False)
             keep[i] = True
         h.lines = [(j + 1, keep[j], lines[j]) for j in sorted(keep)]
+        gaps = sum(1 for a, b in zip(h.lines, h.lines[1:], strict=False) if b[0] != a[0] + 1)
+        h.n_lines = len(h.lines) + (gaps if q.before or q.after else 0)
     return h
 
 
@@ -404,12 +427,10 @@ def grep(ws: Workspace, pattern: str, path: str = ".", glob: str | None = None,
         hits, timed_out, err = _search_py(ws, q, base_rel, is_dir, deadline)
     if err is not None:
         return error(NAME, err, kind="search", engine=used)
-    lines = render(hits, q, line_numbers)
-    total = len(lines)
-    if not lines and not timed_out:
+    shown, total = render(hits, q, line_numbers, head_limit)
+    if not shown and not timed_out:
         return ok(NAME, M.GREP_NONE.format(pattern=pattern, path=base_rel), engine=used,
                   total=0, files=0)
-    shown = lines[:head_limit]
     if total > head_limit:
         unit = "lines" if output_mode == "content" else "files"
         shown.append(M.GREP_CAPPED.format(shown=head_limit, total=total, unit=unit))
