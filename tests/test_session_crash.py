@@ -138,3 +138,16 @@ def test_killed_session_resumes_with_its_uncheckpointed_work(tmp_path: Path, mod
         # Undo the restore: the un-checkpointed file of before comes back.
         s.restore(log[3].ref)
         assert (root / "uncheckpointed").read_text() == "keep me\n"
+
+
+def test_interrupted_reconcile_of_a_shared_root_is_undone_by_the_next_session(
+        tmp_path: Path) -> None:
+    sid, a, b = crash(tmp_path, "shared", "reconcile:step:mid")
+    ws = workspace(tmp_path, "shared", "fallback", ttl=float(TTL))
+    with ws.new_session() as s:  # another session of the same shared root
+        assert s.root is not None
+        assert ref_of(s.root) == b, "rolled back to the state before the restore"
+        assert s.log()[0].ref == b, "and adopted as that"
+        assert scratch(s.root) == [] and logs_left(ws.config.state_base) == []
+    crashed = ws.log(sid)
+    assert (crashed[-1].trigger, crashed[-1].ref) == ("pre_restore", b)
