@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store.errors import InvalidRefError
@@ -27,6 +27,7 @@ def test_ref_of_object_id() -> None:
 
 
 @given(st.binary(min_size=32, max_size=32))
+@settings(deadline=None)
 def test_parse_roundtrip_any_digest(digest: bytes) -> None:
     from store.ref import ObjectId
 
@@ -67,6 +68,7 @@ def test_constructor_rejects_wrong_digest(digest: object) -> None:
 
 
 @given(st.text(max_size=80))
+@settings(deadline=None)
 def test_parse_never_raises_other_errors(text: str) -> None:
     try:
         r = Ref.parse(text)
