@@ -105,7 +105,9 @@ def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
 
 
 def serve(cfg: MountConfig, ready: Ready) -> int:
-    """Run the daemon for ``cfg`` in this process; returns the exit code (0 clean)."""
+    """Run the daemon for ``cfg`` in this process; returns the exit code (0 clean) once
+    unmounted. Raises (after ``ready(error)``) FuseFSError or a store error if the mount
+    cannot start."""
     import pyfuse3
     import trio
 
@@ -122,7 +124,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     except Exception as e:
         log.error("cannot mount %s: %s", cfg.mountpoint, e)
         ready(str(e))
-        return int(getattr(e, "exit_code", 9))
+        raise
     ops = Operations(ov)
     options = {"default_permissions", "fsname=rewindfs", "subtype=rewindfs", "noatime"}
     if ov.readonly:
@@ -133,10 +135,11 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         pyfuse3.init(ops, cfg.mountpoint, options)
     except Exception as e:
         ov.close()
-        msg = f"cannot mount at {cfg.mountpoint}: {e}"
-        log.error("%s", msg)
-        ready(msg)
-        return 9
+        store.close()
+        err = MountError(cfg.mountpoint, f"cannot mount: {e}")
+        log.error("%s", err)
+        ready(str(err))
+        raise err from None
 
     stats_path = cfg.stats_path or (
         os.path.join(os.path.dirname(cfg.log_path), "stats.json") if cfg.log_path else None)
