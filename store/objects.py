@@ -285,8 +285,19 @@ class Store:
         row = self.conn.execute("SELECT MAX(seq) FROM journal WHERE session=?",
                                 (session,)).fetchone()
         seq = (row[0] or 0) + 1
-        now = time.time_ns()
         key = f"journal/{session}/{seq:012d}.json"
+        while self.backend.exists(key):
+            # A crash after the durable record and before its index row: the event happened,
+            # so index it and append after it.
+            rec = json.loads(self.backend.get(key))
+            self.conn.execute(
+                "INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, ref, "
+                "trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (session, seq, rec["time_ns"], rec["epoch"], rec["event"], rec["ref"],
+                 rec.get("trigger"), rec.get("consistency"), key))
+            seq += 1
+            key = f"journal/{session}/{seq:012d}.json"
+        now = time.time_ns()
         self._history_put(key, {"session": session, "seq": seq, "time_ns": now, "epoch": epoch,
                                 "event": event, "ref": str(ref), "trigger": trigger,
                                 "consistency": consistency})
