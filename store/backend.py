@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterator
 from typing import Protocol
 
 from .errors import BlobConflictError, BlobNotFoundError, InvalidKeyError
@@ -174,7 +173,7 @@ class LocalDirBackend:
 
     def list(self, prefix: str = "") -> list[str]:
         out: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(self.root):
+        for dirpath, _dirnames, filenames in os.walk(self.root):
             rel = os.path.relpath(dirpath, self.root)
             base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             for name in filenames:

@@ -112,26 +112,26 @@ def create(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     db = sqlite_utils.Database(conn)
-    db["objects"].create(
+    db.table("objects").create(
         {"id": bytes, "kind": int, "pack": str, "rec_offset": int, "rec_length": int,
          "codec": int, "inner_offset": int, "raw_length": int},
         pk="id", not_null={"kind", "pack", "rec_offset", "rec_length", "codec",
                            "inner_offset", "raw_length"}, if_not_exists=True)
-    db["packs"].create({"key": str, "size": int, "objects": int}, pk="key", if_not_exists=True)
-    db["snapshots"].create({"ref": str, "time_ns": int, "origin": str, "label": str,
+    db.table("packs").create({"key": str, "size": int, "objects": int}, pk="key", if_not_exists=True)
+    db.table("snapshots").create({"ref": str, "time_ns": int, "origin": str, "label": str,
                             "key": str}, pk="ref", if_not_exists=True)
-    db["journal"].create({"session": str, "seq": int, "time_ns": int, "epoch": int,
+    db.table("journal").create({"session": str, "seq": int, "time_ns": int, "epoch": int,
                           "event": str, "ref": str, "trigger_": str, "consistency": str,
                           "key": str}, pk=("session", "seq"), if_not_exists=True)
-    db["named_refs"].create({"name": str, "ref": str}, pk="name", if_not_exists=True)
-    db["state_dirs"].create({"path": str}, pk="path", if_not_exists=True)
-    db["files_cache"].create({"path": bytes, "size": int, "mtime_ns": int, "ctime_ns": int,
+    db.table("named_refs").create({"name": str, "ref": str}, pk="name", if_not_exists=True)
+    db.table("state_dirs").create({"path": str}, pk="path", if_not_exists=True)
+    db.table("files_cache").create({"path": bytes, "size": int, "mtime_ns": int, "ctime_ns": int,
                               "inode": int, "chunks": bytes, "trusted_before_ns": int},
                              pk="path", if_not_exists=True)
-    db["config"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
-    db["leases"].create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
+    db.table("config").create({"key": str, "value": str}, pk="key", if_not_exists=True)
+    db.table("leases").create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
                         pk="name", if_not_exists=True)
-    db["objects"].create_index(["pack"], if_not_exists=True)
+    db.table("objects").create_index(["pack"], if_not_exists=True)
     conn.execute("INSERT OR IGNORE INTO config(key, value) VALUES ('schema_version', ?)",
                  (str(SCHEMA_VERSION),))
     conn.commit()

@@ -32,6 +32,7 @@ keep their ids.
 from __future__ import annotations
 
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -106,7 +107,7 @@ class Tree:
         i = self._by_name.get(name)
         return None if i is None else self.entries[i]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries)
 
     def __len__(self) -> int:
