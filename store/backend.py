@@ -210,3 +210,24 @@ class LocalDirBackend:
             finally:
                 os.close(fd)
 
+    def remove_stale_temps(self, older_than_s: float = 3600.0) -> int:
+        """Delete temporary files of puts interrupted by a crash; return how many.
+
+        Only files older than ``older_than_s`` go, so a put in flight is never disturbed.
+        """
+        import time
+
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                if ".tmp." not in name:
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    if os.lstat(path).st_mtime < cutoff:
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed

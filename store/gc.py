@@ -142,7 +142,11 @@ def gc(store: Store, *, extra_live: Iterable[Ref] = (),
     fd = store.lock(exclusive=True)
     assert fd is not None
     try:
-        return _gc_locked(store, list(extra_live), state_dirs_reader, repack_below)
+        report = _gc_locked(store, list(extra_live), state_dirs_reader, repack_below)
+        sweep = getattr(store.backend, "remove_stale_temps", None)
+        if sweep is not None:
+            sweep()
+        return report
     finally:
         store.unlock(fd)
 

@@ -124,3 +124,22 @@ def test_localdir_persists_across_instances(tmp_path: str) -> None:
     again = LocalDirBackend(root)
     assert again.list() == ["journal/s/1.json"]
     assert again.get("journal/s/1.json") == b"e"
+
+
+def test_local_backend_sweeps_only_stale_temp_files(tmp_path):
+    import os
+    import time
+
+    from store.backend import LocalDirBackend
+
+    b = LocalDirBackend(tmp_path / "b")
+    b.put("packs/x", b"1")
+    old = tmp_path / "b" / "packs" / "x.tmp.1.2"
+    fresh = tmp_path / "b" / "packs" / "y.tmp.1.2"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    past = time.time() - 7200
+    os.utime(old, (past, past))
+    assert b.remove_stale_temps() == 1
+    assert not old.exists() and fresh.exists()
+    assert b.get("packs/x") == b"1"
