@@ -258,11 +258,11 @@ class _Extractor:
                 if off + len(data) > e.size:
                     raise IntegrityError(str(self.ref), f"{os.fsdecode(rel)!r} has more "
                                          f"content than its size {e.size}")
-                if self.written + len(data) > self.max_bytes:
-                    raise ArchiveLimitError("bytes", self.max_bytes, self.written + len(data))
                 if chunker.is_zero(data):
                     off += len(data)
                     continue
+                if self.written + len(data) > self.max_bytes:
+                    raise ArchiveLimitError("bytes", self.max_bytes, self.written + len(data))
                 if pos != off:
                     os.lseek(fd, off, os.SEEK_SET)
                 view = memoryview(data)

@@ -201,6 +201,10 @@ class _Dir:
     # (index in entries, _Dir whose tree id is pending, or (dev, ino) of a linked file)
     late: list[tuple[int, object]] = field(default_factory=list)
     tree_id: ObjectId | None = None
+    # files cache rows of this directory's files by name, and which of their chunks the
+    # index holds; loaded with one query each when the first file is met
+    cache: dict[bytes, tuple[int, int, int, int, bytes, int]] | None = None
+    present: set[bytes] = field(default_factory=set)
 
 
 _HINT_DIR, _HINT_FILE, _HINT_OTHER = 1, 2, 3
@@ -425,11 +429,14 @@ class _Walker:
                 raise self.fail(rel, "changed while read (no longer a regular file)")
             key = (st.st_dev, st.st_ino)
             known = self.link_content.get(key) if st.st_nlink > 1 else None
-            if known is not None and known[:3] == (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            if known is not None:
+                if known[:3] != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                    raise self.fail(rel, "changed while read (a hard-linked file changed "
+                                    "between two of its names)")
                 chunks, xattrs = known[3], known[4]
             else:
                 xattrs = self._xattrs(fd, rel)
-                chunks = self._content(fd, st, rel)
+                chunks = self._content(d, name, fd, st, rel)
                 if st.st_nlink > 1:
                     self.link_content[key] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                                               chunks, xattrs)
@@ -447,28 +454,49 @@ class _Walker:
         if self.progress is not None:
             self.progress(r.files, r.bytes)
 
-    def _cached(self, st: os.stat_result, rel: bytes) -> tuple[ObjectId, ...] | None:
+    def _load_cache(self, d: _Dir) -> None:
+        """Read the files cache rows of ``d``'s files (one range query) and which of their
+        chunks are indexed (one query per 500 ids)."""
+        d.cache = {}
         if self.store is None or self.cache_prefix is None:
-            return None
-        row = self.store.conn.execute(
-            "SELECT size, mtime_ns, ctime_ns, inode, chunks, trusted_before_ns "
-            "FROM files_cache WHERE path=?", (self.cache_prefix + rel,)).fetchone()
+            return
+        base = self.cache_prefix + d.rel + b"/" if d.rel else self.cache_prefix
+        conn = self.store.conn
+        rows = conn.execute(
+            "SELECT path, size, mtime_ns, ctime_ns, inode, chunks, trusted_before_ns "
+            "FROM files_cache WHERE path > ? AND path < ? AND instr(substr(path, ?), x'2f') = 0",
+            (base, base[:-1] + b"0", len(base) + 1)).fetchall()
+        want: set[bytes] = set()
+        for path, size, mtime, ctime, ino, blob, horizon in rows:
+            if mtime < horizon and ctime < horizon:
+                d.cache[path[len(base):]] = (size, mtime, ctime, ino, blob, horizon)
+                want.update(blob[i:i + DIGEST_SIZE] for i in range(0, len(blob), DIGEST_SIZE))
+        ids = list(want)
+        for i in range(0, len(ids), 500):
+            batch = ids[i:i + 500]
+            q = "SELECT id FROM objects WHERE id IN (" + ",".join("?" * len(batch)) + ")"
+            d.present.update(r[0] for r in conn.execute(q, batch))
+
+    def _cached(self, d: _Dir, name: bytes, st: os.stat_result) -> tuple[ObjectId, ...] | None:
+        if d.cache is None:
+            self._load_cache(d)
+            assert d.cache is not None
+        row = d.cache.get(name)
         if row is None:
             return None
         size, mtime, ctime, ino, blob, horizon = row
         if (size, mtime, ctime, ino) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino):
             return None
-        if not (mtime < horizon and ctime < horizon):
-            return None
         if len(blob) != DIGEST_SIZE * chunker.chunk_count(size, self.cs):
             return None
         ids = [ObjectId(blob[i:i + DIGEST_SIZE]) for i in range(0, len(blob), DIGEST_SIZE)]
-        if not self.sink.have(ids):
+        if not all(c in d.present for c in ids) and not self.sink.have(ids):
             return None
         return tuple(ids)
 
-    def _content(self, fd: int, st: os.stat_result, rel: bytes) -> tuple[ObjectId, ...]:
-        cached = self._cached(st, rel)
+    def _content(self, d: _Dir, name: bytes, fd: int, st: os.stat_result,
+                 rel: bytes) -> tuple[ObjectId, ...]:
+        cached = self._cached(d, name, st)
         if cached is not None:
             return cached
         size = st.st_size
