@@ -48,7 +48,14 @@ def _compile_segment(seg: str) -> _Segment:
     if not any(c in seg for c in "*?["):
         return _Segment(seg, None, False)
     seg = re.sub(r"\*{2,}", "*", seg)
+    if seg == "*":
+        return _Segment(None, _any, False)
     return _Segment(None, re.compile(fnmatch.translate(seg), re.DOTALL).match, False)
+
+
+def _any(name: str) -> bool:
+    """Matcher of the segment ``*``: every name."""
+    return True
 
 
 class State:
@@ -120,14 +127,26 @@ class Matcher:
             st = self._states[key] = State(self, key)
         return st
 
+    def step_hit(self, state: State, hit: bool) -> State | None:
+        """Next state of a one-wildcard state (``state.one``) when it matches or not."""
+        key = (None, (hit,))
+        try:
+            return state._memo[key]
+        except KeyError:
+            pass
+        nxt = list(state.always) + ([state.wilds[0][1]] if hit else [])
+        result = self._state(nxt) if nxt else None
+        state._memo[key] = result
+        return result
+
     def step(self, state: State, name: str) -> State | None:
         lit: str | None
         hits: tuple[bool, ...]
         if state.one is not None:
-            lit, hits = None, (state.one(name) is not None,)
+            lit, hits = None, (state.one(name) not in (None, False),)
         else:
             lit = name if name in state.literals else None
-            hits = tuple(match(name) is not None for match, _ in state.wilds)
+            hits = tuple(match(name) not in (None, False) for match, _ in state.wilds)
         key = (lit, hits)
         try:
             return state._memo[key]
@@ -180,10 +199,18 @@ def _walk(m: Matcher, fd: int, prefix: str, state: State,
           out: list[tuple[int, str]]) -> None:
     """Collect (-mtime_ns, path) of matches under ``fd``; ``prefix`` ends with "/" or is
     empty (the root)."""
-    step = m.step
+    one = state.one
+    if one is not None:                     # one wildcard: two possible next states
+        yes, no = m.step_hit(state, True), m.step_hit(state, False)
+        always = yes if one is _any else None
     for entry in list_dir(fd):
         name = entry.name
-        nxt = step(state, name)
+        if one is None:
+            nxt = m.step(state, name)
+        elif always is not None:
+            nxt = always
+        else:
+            nxt = yes if one(name) is not None else no
         if nxt is None:
             continue
         try:
