@@ -78,7 +78,7 @@ def _content(store: Store, ref: Ref, entry: Entry, path: PathLike) -> Iterator[b
     cs = store.chunk_size
     for i, cid in enumerate(entry.chunks):
         want = chunker.chunk_length(i, entry.size, cs)
-        data = chunker.zeros(want) if want and cid == chunker.zero_chunk_id(want) else \
+        data = chunker.zeros(cs) if want == cs and cid == chunker.zero_chunk_id(cs) else \
             store.read_object(cid)
         total += len(data)
         yield data

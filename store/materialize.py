@@ -247,7 +247,7 @@ class _Extractor:
             pos = 0  # the file offset
             for i, cid in enumerate(e.chunks):
                 want = chunker.chunk_length(i, e.size, cs)
-                if want and cid == chunker.zero_chunk_id(want):
+                if want == cs and cid == chunker.zero_chunk_id(cs):
                     off += want
                     continue
                 try:
