@@ -27,7 +27,10 @@ How the walk stays safe and bounded:
 Files cache (table ``files_cache``, keyed by the absolute path as bytes): a row records the
 size, mtime, ctime and inode a file had when it was read and the chunk ids read. A later
 snapshot uses the row instead of reading the file only when all four match, both mtime and
-ctime are older than the row's ``trusted_before_ns``, and every chunk is still in the store.
+ctime are older than the row's ``trusted_before_ns``, and every chunk is still in the index
+(or pending in this snapshot's writer). The rows of one directory's files, and which of
+their chunks are indexed, are read with one query each when the directory's first file is
+met. A trusted file is still opened (for its fstat and its xattrs) but not read.
 ``trusted_before_ns`` is the recording snapshot's start on the kernel's coarse clock (the one
 file timestamps come from), rounded down to a whole second so that file systems with 1 s
 timestamps are covered too: a file written in the same timestamp tick as it was read can
