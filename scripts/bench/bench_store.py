@@ -57,7 +57,8 @@ def run(runs: int = 3, profile: str | None = None) -> dict[str, Any]:
     files, nbytes = common.tree_size(tree)
     log(f"bench_store: {tree.name}: {files} files, {nbytes / 1e6:.1f} MB; {runs} runs each")
     common.warm(tree)
-    r: dict[str, Any] = {"tree": tree.name, "files": files, "bytes": nbytes, "runs": runs}
+    r: dict[str, Any] = {"tree": tree.name, "files": files, "bytes": nbytes, "runs": runs,
+                         "load_before": os.getloadavg()[0], "cpus": os.cpu_count()}
 
     with common.scratch("store-") as tmp:
         tarzst = tmp / "tree.tar.zst"
@@ -132,6 +133,7 @@ def run(runs: int = 3, profile: str | None = None) -> dict[str, Any]:
             cProfile.runctx("snapshot(Store(store_root), tree)", globals(), names,
                             profile + ".re")
 
+    r["load_after"] = os.getloadavg()[0]
     r["snapshot_vs_git"] = r["snapshot_s"] / r["git_commit_s"]
     r["snapshot_vs_tar_zstd"] = r["snapshot_s"] / r["tar_zstd_s"]
     r["resnapshot_speedup"] = r["snapshot_s"] / r["resnapshot_s"]
@@ -168,7 +170,9 @@ def report(r: dict[str, Any]) -> str:
             "(materialize / this)"),
     ]
     out = [f"Tree: {r['tree']} sdist, {n:,} files, {b / 1e6:.1f} MB; warm cache; "
-           f"median of {r['runs']} runs.", "",
+           f"median of {r['runs']} runs; {r['cpus']} CPUs, load average {r['load_before']:.1f} "
+           f"before, {r['load_after']:.1f} after (figures are only comparable at low load).",
+           "",
            markdown_table(["operation", "seconds", "MB/s", "files/s", "ratio"], rows), "",
            markdown_table(["stored", "bytes", "ratio"], [
                ["rewindfs packs", f"{r['pack_bytes']:,}",
