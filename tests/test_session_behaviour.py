@@ -9,6 +9,7 @@ frees the root, faults and permits refuse what they must and change nothing.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -417,33 +418,47 @@ def test_idle_trigger_fires_after_a_quiet_period(tmp_path: Path, backend: str) -
         assert s.log()[-1].ref == ref_of(s.root)
 
 
+def _unsnapshottable(root: Path) -> Path:
+    """Put an entry into ``root`` that makes its snapshot fail closed: a device node (as
+    root) or an unreadable directory (otherwise)."""
+    if os.geteuid() == 0:
+        dev = root / "dev-null"
+        try:
+            os.mknod(dev, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("cannot create a device node here")
+        return dev
+    locked = root / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    return locked
+
+
 def test_required_failure_latches_until_a_manual_checkpoint(tmp_path: Path,
                                                             backend: str) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root reads unreadable directories")
     ws = workspace(tmp_path, "per-session", backend,
                    policy=SnapshotPolicy("on_turn_done", "required"))
     with ws.new_session() as s:
         assert s.root is not None
         seed = s.log()[0].ref
-        locked = Path(s.root) / "locked"
-        locked.mkdir()
-        locked.chmod(0)
-        try:
-            with pytest.raises(CheckpointError):
-                s.turn_done()
-            assert s.fault is not None
-            with pytest.raises(SessionFaultedError) as ei:
-                s.turn_done()
-            assert not ei.value.terminal
-            with pytest.raises(RestoreError) as ri:
-                s.restore(seed)
-            assert ri.value.kind == "faulted"
-            with pytest.raises(CheckpointError):
-                s.checkpoint()  # a failed manual checkpoint does not clear it
-            assert s.fault is not None
-        finally:
-            locked.chmod(0o755)
+        bad = _unsnapshottable(Path(s.root))
+        with pytest.raises(CheckpointError):
+            s.turn_done()
+        assert s.fault is not None
+        with pytest.raises(SessionFaultedError) as ei:
+            s.turn_done()
+        assert not ei.value.terminal
+        with pytest.raises(RestoreError) as ri:
+            s.restore(seed)
+        assert ri.value.kind == "faulted"
+        with pytest.raises(CheckpointError):
+            s.checkpoint()  # a failed manual checkpoint does not clear it
+        assert s.fault is not None
+        if bad.is_dir():
+            bad.chmod(0o755)
+            bad.rmdir()
+        else:
+            bad.unlink()
         s.checkpoint()
         assert s.fault is None
         s.turn_done()

@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from store.errors import InvalidRefError
 from store.objects import JournalEvent
 from store.ref import Ref
 
@@ -355,10 +354,3 @@ class Workspace:
                 other.shutdown()
         return self.new_session(ref, parent=sid)
 
-
-def parse_ref_or_none(text: str) -> Ref | None:
-    """``Ref.parse(text)`` or None if ``text`` is not a Ref."""
-    try:
-        return Ref.parse(text)
-    except InvalidRefError:
-        return None

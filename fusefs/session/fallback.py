@@ -21,6 +21,18 @@ are retried a few times when a concurrent writer changes a file while it is read
   the root, unique to the session: ``.<root name>.<id>.staging`` and ``.rollback``.
   Recovery rolls an uncommitted reconcile back; a committed one is journaled and cleaned.
 
+Crash windows (what start-up recovery finds and does; the journal is appended only after
+the commit, so before it the restore pointer still names the old tree):
+
+    window                                   on disk                  recovery
+    materializing staging                    staging, no log          remove staging
+    log staged .. first rename               root, staging, log       remove staging
+    first rename .. second rename            backup, staging, log     backup -> root
+    second rename .. journal append          root, backup, log        journal, remove backup
+    journal append .. clean-up               root, backup, log        remove backup
+    reconcile log planned .. committed       mixed root, scratch      roll the steps back
+    reconcile committed .. journal append    new root, scratch        journal, remove scratch
+
 Both refuse a root that is a symlink (symlink_root) or has a symlink above it
 (symlink_component). Crash tests set ``REWINDFS_CRASH_AT`` to a point name (``swap:staged``,
 ``swap:backup``, ``swap:committed``, ``swap:journaled``, ``reconcile:planned``,

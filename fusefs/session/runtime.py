@@ -398,13 +398,6 @@ class SessionCore:
                 self._release_leases()
                 self.state = CLOSED
 
-    def abandon(self) -> None:
-        """Stop the threads without releasing anything, as a crash would (tests)."""
-        self.state = CLOSED
-        self.policy.stop()
-        self._stop.set()
-
-
 def verify_complete(store: Any, ref: Ref) -> None:
     """Check that every tree and chunk reachable from ``ref`` is indexed in ``store``.
 
