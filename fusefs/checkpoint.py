@@ -1,0 +1,689 @@
+"""Checkpoint: freeze a live overlay's upper layer into the store and make it the new lower.
+
+Owns the three steps of CONTRACT 3.1 that touch data (the daemon's ``control`` module does
+the ordering, pausing and timing around them):
+
+1. ``plan`` (event-loop thread, atomic): walk the overlay from the root into the directories
+   that may have changed and nothing else, and copy what must be frozen into plain values: the
+   entries of each directory to encode, and for each changed file where its chunks come from.
+   Cost grows with the changed inodes and directories, not with the tree.
+2. ``build`` (worker thread): hash and store the changed chunks (reusing every lower chunk
+   that is still whole), then encode the planned directories bottom-up; every directory not
+   planned keeps its tree id, so unchanged subtrees are reused by id. ``Writer.commit`` makes
+   it durable with one barrier.
+3. ``rebase`` (event-loop thread, atomic) and ``reset_upper`` (worker): the frozen tree
+   becomes the lower; every frozen inode keeps its number and ctime through a pin (see
+   ``inodes.py``); the upper is emptied in one transaction that also records the new base.
+
+Which directories are walked: every directory with an upper row, and the directories on the
+path from the root to every inode with a row (followed through ``Node.parent`` in memory; if a
+link of that chain is not in memory the walk visits every directory, which is correct but
+costs the whole tree). Hard-link groups: a group's id is the hash of its members' paths
+(``store.snapshot.link_group_id``), so a change to one member (a new link, an unlink, a rename,
+new content) or the move of a directory holding members changes the id seen by every member.
+When that can have happened the walk also enters every subtree holding group members (known
+per tree id, computed once and cached) and recomputes every group from the paths found.
+
+Crash windows (``kill -9`` of the daemon; the upper's recorded base tells the state):
+
+| window                                    | after remount                                    |
+| ----------------------------------------- | ------------------------------------------------ |
+| before the store commit                   | old base + old upper: nothing lost; packs left   |
+|                                           | unreferenced (GC removes them)                   |
+| store committed, snapshot not yet listed  | old base + old upper (same content as the Ref)   |
+| listed, upper not yet reset               | old base + old upper (same content as the Ref)   |
+| upper reset committed                     | new base, empty upper; leftover data files are   |
+|                                           | removed by ``Upper.recover`` at open             |
+
+A test hook stops the daemon at a named point: ``REWINDFS_CRASH_AT=<point>`` makes
+``crash_point(point)`` send SIGKILL to its own process (points are listed in ``POINTS``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from store import chunker
+from store.objects import Store, Writer
+from store.ref import ObjectId, Ref
+from store.snapshot import link_group_id
+from store.tree import Entry, Kind
+
+from .inodes import ROOT_INO, Node, derive_ino, origin_key
+from .overlay import Overlay
+from .upper import INODE_COLUMNS, Upper, bitmap
+
+CRASH_ENV = "REWINDFS_CRASH_AT"
+POINTS = (
+    "checkpoint.committed",   # packs durable and indexed, snapshot not listed
+    "checkpoint.listed",      # snapshot listed, upper not reset
+    "checkpoint.reset",       # upper reset committed, data files not yet removed
+    "restore.paused",         # admission paused, nothing done yet
+    "restore.checkpointed",   # pre_restore checkpoint done
+    "restore.verified",       # target verified, nothing swapped
+    "restore.swapped",        # upper reset to the target committed, journal not appended
+    "restore.appended",       # journal appended, kernel caches not yet invalidated
+)
+
+
+def crash_point(name: str) -> None:
+    """Kill this process with SIGKILL if ``$REWINDFS_CRASH_AT`` names ``name`` (test hook)."""
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- the plan ------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class FileJob:
+    """Where the chunks of one changed file come from (a copy of the node's fields).
+
+    Chunk ``i`` covers bytes ``[i*cs, min((i+1)*cs, size))``: from lower chunk ``i`` for the
+    part below ``lower_len`` unless ``i`` is in ``present``, else from the data file (zeros
+    where the data file is short or absent)."""
+
+    size: int
+    lower_chunks: tuple[bytes, ...]
+    lower_len: int
+    present: frozenset[int]
+    data_path: str | None
+
+
+@dataclass(slots=True, eq=False)
+class DirPlan:
+    """One directory to encode: its entries, some still waiting for a child's tree id
+    (``subdirs``: entry index -> the child's DirPlan) or for chunks (``files``)."""
+
+    entries: list[Entry]
+    ino: int
+    subdirs: dict[int, DirPlan] = field(default_factory=dict)
+    files: dict[int, FileJob] = field(default_factory=dict)
+    tree_id: ObjectId | None = None
+
+
+@dataclass(slots=True)
+class Placement:
+    """An inode whose entry the checkpoint writes: ``node`` (None for a lower group member
+    not in memory; then ``ino``/``ctime_ns`` are its current number and ctime), the
+    directory inode ``parent`` and ``name`` holding it, and where its entry is planned."""
+
+    node: Node | None
+    ino: int
+    ctime_ns: int
+    parent: int
+    name: bytes
+    dirplan: DirPlan
+    index: int
+
+    @property
+    def entry(self) -> Entry:
+        return self.dirplan.entries[self.index]
+
+
+@dataclass
+class Plan:
+    """What ``build`` encodes and ``rebase`` applies. ``dirs`` is in post-order (a child
+    before its parent; the root last). ``unchanged``: nothing to write, the lower's Ref is
+    the checkpoint."""
+
+    base: Ref
+    dirs: list[DirPlan] = field(default_factory=list)
+    placements: list[Placement] = field(default_factory=list)
+    upper_inos: set[int] = field(default_factory=set)
+    unchanged: bool = False
+    full_walk: bool = False
+    groups: bool = False
+
+    @property
+    def root(self) -> DirPlan:
+        return self.dirs[-1]
+
+
+# Tree id -> True if the subtree holds a member of a hard-link group. A pure function of the
+# id, so one cache serves every overlay and every snapshot of the process.
+_BEARING: dict[bytes, bool] = {}
+
+
+def bearing(store: Store, tree_id: bytes) -> bool:
+    """True if the subtree ``tree_id`` holds a hard-linked file (cached per tree id)."""
+    known = _BEARING.get(tree_id)
+    if known is not None:
+        return known
+    # Iterative post-order so deep trees stay off the Python stack.
+    stack: list[tuple[bytes, bool]] = [(tree_id, False)]
+    while stack:
+        tid, expanded = stack.pop()
+        if tid in _BEARING:
+            continue
+        tree = store.get_tree(ObjectId(tid))
+        subs = [e.tree_id for e in tree.entries if e.kind is Kind.DIR and e.tree_id is not None]
+        if not expanded:
+            if any(e.link_group is not None for e in tree.entries):
+                _BEARING[tid] = True
+                continue
+            stack.append((tid, True))
+            stack.extend((s, False) for s in subs if s not in _BEARING)
+            continue
+        _BEARING[tid] = any(_BEARING.get(s, False) for s in subs)
+    return _BEARING[tree_id]
+
+
+def entry_of(n: Node, name: bytes) -> Entry:
+    """The entry of node ``n`` named ``name``. Complete for symlinks, fifos and sockets; a
+    file's chunks and a directory's tree id are filled in by ``build``."""
+    xattrs = tuple(sorted(n.xattrs.items()))
+    if n.kind is Kind.SYMLINK:
+        return Entry(name, n.kind, n.mode, n.uid, n.gid, n.mtime_ns, len(n.target),
+                     target=n.target, xattrs=xattrs)
+    if n.kind is Kind.FILE:
+        return Entry(name, n.kind, n.mode, n.uid, n.gid, n.mtime_ns, n.size, xattrs=xattrs)
+    if n.kind is Kind.DIR:
+        return Entry(name, n.kind, n.mode, n.uid, n.gid, n.mtime_ns,
+                     tree_id=ObjectId(bytes(32)), xattrs=xattrs)
+    return Entry(name, n.kind, n.mode, n.uid, n.gid, n.mtime_ns, xattrs=xattrs)
+
+
+def _dirty_dirs(ov: Overlay) -> tuple[set[int] | None, bool]:
+    """(inodes of the directories to walk, None meaning all; whether hard-link groups may
+    have changed)."""
+    nodes = ov.nodes
+    dirty: set[int] = set()
+    broken = False
+    groups = False
+    named: set[int] = set()  # inodes named by an upper dentry (created, linked or moved)
+    for n in nodes.values():
+        if n.upper and n.kind is Kind.DIR and n.nlink > 0 and n.entries:
+            named.update(ino for ino, _c in n.entries.values() if ino)
+
+    def mark(ino: int) -> None:
+        nonlocal broken
+        while ino not in dirty:
+            dirty.add(ino)
+            if ino == ROOT_INO:
+                return
+            d = nodes.get(ino)
+            if d is None or d.kind is not Kind.DIR:
+                broken = True
+                return
+            ino = d.parent
+
+    for n in list(nodes.values()):
+        if not n.upper or n.nlink == 0:
+            continue
+        if n.kind is Kind.DIR:
+            mark(n.ino)
+            if (n.ino in named and n.lower_tree is not None
+                    and bearing(ov.lower.store, n.lower_tree)):
+                groups = True  # a moved directory holding hard-link members
+            continue
+        o = n.origin
+        if o is not None and o[:1] == b"g":
+            groups = True  # its lower names are found by the group walk
+        elif n.kind is Kind.FILE and n.nlink > 1:
+            groups = True
+        if o is not None and o[:1] == b"p" and n.lower_links > 0:
+            mark(int.from_bytes(o[1:9], "little"))
+    return (None if broken else dirty), groups
+
+
+def number(ov: Overlay, parent: int, name: bytes, e: Entry) -> tuple[int, int]:
+    """(inode number, ctime) that lower entry ``e`` named ``name`` in directory ``parent``
+    has or would get on lookup, without making a node (the rule of ``inodes.py``)."""
+    o = origin_key(parent, name, e)
+    nodes = ov.nodes
+    known = ov.by_origin.get(o)
+    if known is not None:
+        return known, nodes[known].ctime_ns
+    pin = ov.pins.get(o)
+    if pin is not None:
+        other = nodes.get(pin[0])
+        if other is None or other.origin == o:
+            return pin
+    salt = 0
+    while True:
+        ino = derive_ino(o, salt)
+        other = nodes.get(ino)
+        if other is not None:
+            if other.origin == o:
+                return ino, other.ctime_ns
+        elif ov.pinned.get(ino, o) == o:
+            return ino, e.mtime_ns
+        salt += 1
+
+
+class _Planner:
+    """One walk of ``plan`` (see there)."""
+
+    def __init__(self, ov: Overlay, dirty: set[int] | None, groups: bool) -> None:
+        self.ov = ov
+        self.store = ov.lower.store
+        self.dirty = dirty
+        self.groups = groups
+        self.plan = Plan(ov.lower.ref, full_walk=dirty is None, groups=groups)
+        self.created: list[Node] = []
+        # hard-link identity (upper inode number, or lower origin) -> its names:
+        # (path, dirplan, entry index, parent inode, name)
+        self.members: dict[object, list[tuple[bytes, DirPlan, int, int, bytes]]] = {}
+        # identity -> (node in memory or None, inode number, ctime)
+        self.member_node: dict[object, tuple[Node | None, int, int]] = {}
+
+    def _want(self, ino: int, e: Entry) -> bool:
+        """Should the walk enter the unchanged lower directory ``e`` (inode ``ino``)?"""
+        if self.dirty is None or ino in self.dirty:
+            return True
+        return self.groups and e.tree_id is not None and bearing(self.store, e.tree_id)
+
+    def _dir_node(self, d: Node, name: bytes, e: Entry) -> Node:
+        before = len(self.ov.nodes)
+        c = self.ov._lower_node(d, name, e)
+        if len(self.ov.nodes) != before:
+            self.created.append(c)
+        return c
+
+    def _member(self, ident: object, node: tuple[Node | None, int, int], path: bytes,
+                dp: DirPlan, idx: int, parent: int, name: bytes) -> None:
+        self.members.setdefault(ident, []).append((path, dp, idx, parent, name))
+        self.member_node.setdefault(ident, node)
+
+    def _open(self, d: Node, path: bytes) -> tuple[DirPlan, list[tuple[int, Node, bytes]]]:
+        """Plan directory ``d`` at ``path``; return its DirPlan and the children to walk."""
+        ov = self.ov
+        dp = DirPlan([], d.ino)
+        walk: list[tuple[int, Node, bytes]] = []
+        ents = d.entries or {}
+        listing: list[tuple[bytes, Node | None, Entry | None]] = []
+        if d.lower_tree is not None:
+            listing += [(e.name, None, e) for e in ov.lower.tree(d.lower_tree).entries
+                        if e.name not in ents]
+        listing += [(name, ov.nodes[ino], None) for name, (ino, _c) in ents.items() if ino]
+        for name, n, e in listing:
+            cpath = path + b"/" + name if path else name
+            idx = len(dp.entries)
+            if n is None:
+                assert e is not None
+                o = origin_key(d.ino, name, e)
+                up = ov.by_origin.get(o)
+                if up is not None and ov.nodes[up].upper:
+                    n = ov.nodes[up]
+                else:
+                    dp.entries.append(e)
+                    if e.kind is Kind.DIR:
+                        ino, _ct = number(ov, d.ino, name, e)
+                        if self._want(ino, e):
+                            walk.append((idx, self._dir_node(d, name, e), cpath))
+                    elif self.groups and e.link_group is not None:
+                        ino, ct = number(ov, d.ino, name, e)
+                        self._member(o, (ov.nodes.get(ino), ino, ct), cpath, dp, idx, d.ino,
+                                     name)
+                    continue
+            dp.entries.append(entry_of(n, name))
+            self.plan.placements.append(Placement(n, n.ino, n.ctime_ns, d.ino, name, dp, idx))
+            if n.kind is Kind.DIR:
+                walk.append((idx, n, cpath))
+            elif n.kind is Kind.FILE:
+                upper = ov.upper
+                data = upper.data_path(n.ino) if (n.has_data and upper is not None) else None
+                dp.files[idx] = FileJob(n.size, tuple(n.lower_chunks), n.lower_len,
+                                        frozenset(n.present), data)
+                if self.groups and n.nlink > 1:
+                    self._member(n.ino, (n, n.ino, n.ctime_ns), cpath, dp, idx, d.ino, name)
+        return dp, walk
+
+    def run(self) -> Plan:
+        p = self.plan
+        root = self.ov.nodes[ROOT_INO]
+        dp, walk = self._open(root, b"")
+        # Iterative post-order: (DirPlan, children to walk, next position).
+        stack: list[tuple[DirPlan, list[tuple[int, Node, bytes]], int]] = [(dp, walk, 0)]
+        while stack:
+            dp, walk, pos = stack[-1]
+            if pos < len(walk):
+                stack[-1] = (dp, walk, pos + 1)
+                idx, c, cpath = walk[pos]
+                cdp, cwalk = self._open(c, cpath)
+                dp.subdirs[idx] = cdp
+                if not c.upper:  # a non-upper directory whose tree changes below it
+                    p.placements.append(Placement(c, c.ino, c.ctime_ns, dp.ino,
+                                                  dp.entries[idx].name, dp, idx))
+                stack.append((cdp, cwalk, 0))
+                continue
+            stack.pop()
+            p.dirs.append(dp)
+        if self.groups:
+            self._assign_groups()
+        for c in self.created:
+            self.ov.release_unused(c)
+        return p
+
+    def _assign_groups(self) -> None:
+        """Give every hard-linked file the id of its group in the new tree, and place the
+        lower members whose identity changes with it (they keep their numbers by a pin)."""
+        for ident, names in self.members.items():
+            gid = link_group_id([n[0] for n in names]) if len(names) > 1 else None
+            node, ino, ctime = self.member_node[ident]
+            for _path, dp, idx, parent, name in names:
+                old = dp.entries[idx]
+                dp.entries[idx] = replace(old, link_group=gid)
+                if isinstance(ident, bytes) and old.link_group != gid:
+                    self.plan.placements.append(
+                        Placement(node, ino, ctime, parent, name, dp, idx))
+
+
+def plan(ov: Overlay) -> Plan:
+    """Walk ``ov`` and plan the checkpoint (see the module docstring). Must run where no
+    request changes the overlay meanwhile (its event-loop thread, mutations paused)."""
+    dirty, groups = _dirty_dirs(ov)
+    if dirty is not None and not dirty and not groups:
+        return Plan(ov.lower.ref, unchanged=True)
+    p = _Planner(ov, dirty, groups).run()
+    p.upper_inos = {n.ino for n in ov.nodes.values() if n.upper}
+    return p
+
+
+# -- build (worker thread) ------------------------------------------------------------------
+
+def _pread(fd: int | None, off: int, size: int) -> bytes:
+    if fd is None or size <= 0:
+        return bytes(max(size, 0))
+    data = os.pread(fd, size, off)
+    return data + bytes(size - len(data)) if len(data) < size else data
+
+
+def file_chunks(job: FileJob, store: Store, w: Writer) -> tuple[ObjectId, ...]:
+    """The chunk ids of a changed file; chunks that differ from lower are read, hashed and
+    put into ``w``. A lower chunk still whole is reused without being read."""
+    cs = store.chunk_size
+    fd = None
+    if job.data_path is not None:
+        try:
+            fd = os.open(job.data_path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None
+    try:
+        out: list[ObjectId] = []
+        for i, (lo, ln) in enumerate(chunker.chunk_spans(job.size, cs)):
+            hi = lo + ln
+            from_lower = i < len(job.lower_chunks) and i not in job.present and lo < job.lower_len
+            if from_lower and hi <= job.lower_len:
+                cid = ObjectId(job.lower_chunks[i])
+                if ln == cs or store.locate(cid).raw_length == ln:
+                    out.append(cid)
+                    continue
+            if from_lower:
+                lend = min(hi, job.lower_len)
+                data = store.read_object(ObjectId(job.lower_chunks[i]))[:lend - lo]
+                if len(data) < lend - lo:
+                    data += bytes(lend - lo - len(data))
+                if lend < hi:
+                    data += _pread(fd, lend, hi - lend)
+            else:
+                data = _pread(fd, lo, ln)
+            out.append(w.put_chunk(data))
+        return tuple(out)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def build(p: Plan, store: Store, w: Writer) -> Ref:
+    """Store the planned chunks and trees through ``w`` (not committed) and return the Ref.
+    Safe in a worker thread: reads only the plan, the data files and the store."""
+    if p.unchanged:
+        return p.base
+    for dp in p.dirs:
+        ents = dp.entries
+        for idx, job in dp.files.items():
+            ents[idx] = replace(ents[idx], chunks=file_chunks(job, store, w))
+        for idx, child in dp.subdirs.items():
+            assert child.tree_id is not None
+            ents[idx] = replace(ents[idx], tree_id=child.tree_id)
+        dp.tree_id = w.put_tree(ents)
+    assert p.root.tree_id is not None
+    return Ref(p.root.tree_id)
+
+
+def freeze(ov: Overlay, store: Store, w: Writer) -> tuple[Plan, Ref]:
+    """``plan`` and ``build`` in one call (for callers without an event loop)."""
+    p = plan(ov)
+    return p, build(p, store, w)
+
+
+# -- rebase: the frozen tree becomes the lower ------------------------------------------------
+
+@dataclass
+class Rebase:
+    """The new lower and what the upper keeps: rows of orphans (unlinked, still open) and of
+    the root (whose own attributes are in no snapshot), their xattrs, and the pin changes."""
+
+    ref: Ref
+    rows: list[tuple[object, ...]] = field(default_factory=list)
+    xattrs: dict[int, list[tuple[bytes, bytes]]] = field(default_factory=dict)
+    pins: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # origin -> (ino, ctime)
+    pins_gone: list[bytes] = field(default_factory=list)
+    drop_data: list[str] = field(default_factory=list)  # data files to remove after commit
+    next_ino: int = 2
+    next_cookie: int = 1
+
+
+def inode_row(n: Node, *, lower_tree: bytes | None = None,
+              origin: bytes | None = None) -> tuple[object, ...]:
+    """The upper ``inodes`` row of ``n`` (columns as ``upper.INODE_COLUMNS``)."""
+    is_dir = n.kind is Kind.DIR
+    return (n.ino, int(n.kind), n.mode, n.uid, n.gid, n.nlink, n.lower_links, n.size,
+            n.atime_ns, n.mtime_ns, n.ctime_ns, n.parent if is_dir else 0,
+            lower_tree if is_dir else None,
+            None if is_dir else (b"".join(n.lower_chunks) or None),
+            0 if is_dir else n.lower_len, None if is_dir else bitmap(n.present),
+            n.target or None, origin)
+
+
+def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes) -> None:
+    """Fill ``rb`` with the rows the upper keeps: orphans (origin cleared) and the root."""
+    for n in ov.nodes.values():
+        if n.upper and n.nlink == 0:
+            rb.rows.append(inode_row(n))
+            if n.xattrs:
+                rb.xattrs[n.ino] = sorted(n.xattrs.items())
+    root = ov.nodes[ROOT_INO]
+    if root.upper:
+        rb.rows.append(inode_row(root, lower_tree=root_tree))
+        if root.xattrs:
+            rb.xattrs[ROOT_INO] = sorted(root.xattrs.items())
+    rb.next_ino = ov.next_ino
+    rb.next_cookie = ov.next_cookie
+
+
+def _set_pin(ov: Overlay, rb: Rebase, origin: bytes, ino: int, ctime: int) -> None:
+    old = ov.pinned.get(ino)
+    if old is not None and old != origin:
+        rb.pins_gone.append(old)
+        rb.pins.pop(old, None)
+    prev = ov.pins.get(origin)
+    if prev is not None and prev[0] != ino:
+        ov.pinned.pop(prev[0], None)
+    ov.pins[origin] = (ino, ctime)
+    ov.pinned[ino] = origin
+    rb.pins[origin] = (ino, ctime)
+
+
+def prepare(ov: Overlay, p: Plan, ref: Ref) -> Rebase:
+    """The upper's side of rebasing onto ``ref`` (the built plan): pins that keep every
+    placed inode's number and ctime, and the rows kept. Changes ``ov.pins``/``pinned``
+    only (harmless before the swap: a pin names an origin of the new tree)."""
+    rb = Rebase(ref)
+    if p.unchanged:
+        return rb
+    seen: set[int] = set()
+    for pl in p.placements:
+        if pl.ino == ROOT_INO or pl.ino in seen:
+            continue
+        seen.add(pl.ino)
+        o = origin_key(pl.parent, pl.name, pl.entry)
+        n = pl.node
+        if n is not None and not n.upper and n.origin == o:
+            continue  # a directory whose tree changed below it: its number is its own
+        if ov.pins.get(o) != (pl.ino, pl.ctime_ns) or ov.pinned.get(pl.ino) != o:
+            _set_pin(ov, rb, o, pl.ino, pl.ctime_ns)
+    assert p.root.tree_id is not None
+    kept_rows(ov, rb, p.root.tree_id)
+    if ov.upper is not None:
+        rb.drop_data = [ov.upper.data_path(i) for i in p.upper_inos
+                        if (n := ov.nodes.get(i)) is None or n.nlink > 0]
+    return rb
+
+
+def reset_upper(upper: Upper, rb: Rebase) -> None:
+    """In one durable transaction: record ``rb.ref`` as the base, drop every row but the
+    kept ones, apply the pin changes. Then remove the dropped data files. Worker thread; the
+    caller holds the upper's write lock."""
+    c = upper.conn
+    c.execute("PRAGMA synchronous=FULL")
+    try:
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            keep = [r[0] for r in rb.rows]
+            c.execute("DELETE FROM dentries")
+            c.execute("DELETE FROM inodes")
+            c.execute("DELETE FROM xattrs")
+            if rb.rows:
+                cols = ", ".join(INODE_COLUMNS)
+                marks = ", ".join("?" * len(INODE_COLUMNS))
+                c.executemany(f"INSERT INTO inodes({cols}) VALUES ({marks})", rb.rows)
+            for ino, pairs in rb.xattrs.items():
+                if ino in keep:
+                    c.executemany("INSERT INTO xattrs(ino, name, value) VALUES (?, ?, ?)",
+                                  [(ino, k, v) for k, v in pairs])
+            if rb.pins_gone:
+                c.executemany("DELETE FROM pins WHERE origin=?", [(o,) for o in rb.pins_gone])
+            if rb.pins:
+                c.executemany("INSERT OR REPLACE INTO pins(origin, ino, ctime_ns) "
+                              "VALUES (?, ?, ?)",
+                              [(o, i, t) for o, (i, t) in rb.pins.items()])
+            c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [
+                ("base", str(rb.ref)), ("next_ino", str(rb.next_ino)),
+                ("next_cookie", str(rb.next_cookie))])
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+    finally:
+        c.execute("PRAGMA synchronous=NORMAL")
+    upper.base = rb.ref
+
+
+def drop_data(paths: Iterable[str]) -> None:
+    """Remove data files the upper no longer names (after ``reset_upper`` committed)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def switch_lower(ov: Overlay, ref: Ref) -> None:
+    """Point the overlay's lower at ``ref`` keeping its chunk and tree caches."""
+    lower = ov.lower
+    lower.ref = ref
+    lower._groups = None  # link counts are per snapshot
+
+
+def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
+    """Rebase ``ov`` in memory onto the built plan (event-loop thread, atomic, after
+    ``reset_upper`` committed): frozen inodes become lower inodes with the same numbers,
+    attributes and open handles; the upper keeps only orphans and the root's row."""
+    if p.unchanged:
+        return
+    switch_lower(ov, rb.ref)
+    done: set[int] = set()
+    for pl in p.placements:
+        n = pl.node
+        if n is None or n.ino in done or ov.nodes.get(n.ino) is not n:
+            continue
+        done.add(n.ino)
+        e = pl.entry
+        if n.ino != ROOT_INO:
+            n.origin = origin_key(pl.parent, pl.name, e)
+        if n.kind is Kind.DIR:
+            n.lower_tree = e.tree_id
+            n.entries = {} if n.ino == ROOT_INO and n.upper else None
+            if n.ino != ROOT_INO:
+                n.upper = False
+            continue
+        if n.kind is Kind.FILE:
+            n.lower_chunks = e.chunks
+            n.lower_len = e.size
+            n.present = set()
+            if n.fd is not None:
+                os.close(n.fd)
+                n.fd = None
+            n.has_data = False
+        n.lower_links = n.nlink
+        n.upper = False
+    root = ov.nodes[ROOT_INO]
+    assert p.root.tree_id is not None
+    root.lower_tree = p.root.tree_id
+    if root.upper:
+        root.entries = {}
+    _forget_origins(ov)
+    kept = {r[0] for r in rb.rows}
+    ov._dirty_ino = {i for i in ov._dirty_ino if i not in ov.nodes or i in kept}
+    ov._dirty_dent = set()
+    ov._dirty_xattr = {i for i in ov._dirty_xattr if i in kept}
+    ov._dirty_data = {i for i in ov._dirty_data if i in kept}
+    for h in ov.dirs.values():
+        h.refresh()
+
+
+def _forget_origins(ov: Overlay) -> None:
+    """Rebuild ``by_origin`` from the upper nodes left, and clear the origin of every inode
+    no name reaches any more (so no lookup of the new lower resolves to it)."""
+    ov.by_origin = {}
+    for n in ov.nodes.values():
+        if n.nlink == 0 and n.ino != ROOT_INO:
+            n.origin = None
+        elif n.upper and n.origin is not None:
+            ov.by_origin[n.origin] = n.ino
+
+
+# -- the whole checkpoint, for callers without an event loop ----------------------------------
+
+@dataclass
+class Result:
+    """What one checkpoint did."""
+
+    ref: Ref
+    unchanged: bool
+    packs_written: int = 0
+    bytes_written: int = 0
+    dirs_encoded: int = 0
+    full_walk: bool = False
+
+
+def checkpoint_overlay(ov: Overlay, *, origin: str = "checkpoint", label: str | None = None,
+                       list_it: bool = True) -> Result:
+    """Checkpoint ``ov`` synchronously (no mount: tests and tools that drive the overlay
+    directly). Same steps and order as the daemon's checkpoint without the pause."""
+    assert ov.upper is not None
+    store = ov.lower.store
+    with store.writer() as w:
+        p, ref = freeze(ov, store, w)
+        w.commit()
+        if list_it:
+            store.add_snapshot(ref, origin, label)
+        res = Result(ref, p.unchanged, w.packs_written, w.bytes_written, len(p.dirs),
+                     p.full_walk)
+    if p.unchanged:
+        return res
+    rb = prepare(ov, p, ref)
+    reset_upper(ov.upper, rb)
+    apply(ov, p, rb)
+    drop_data(rb.drop_data)
+    return res
+
+
+__all__ = ["CRASH_ENV", "POINTS", "Plan", "Rebase", "Result", "apply", "bearing", "build",
+           "checkpoint_overlay", "crash_point", "drop_data", "freeze", "number", "plan",
+           "prepare", "reset_upper", "switch_lower"]
