@@ -15,7 +15,7 @@ import pytest
 from tools import sandbox
 from tools.bash import run_bash
 from tools.binding import DirBinding
-from tools.workspace import Workspace
+from tools.context import ToolContext
 
 HAS_BWRAP = sandbox.bwrap() is not None
 MODES = ["confined", "unconfined"] if HAS_BWRAP else ["unconfined"]
@@ -29,10 +29,10 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> Workspace:
+def ws(tmp_path: Path) -> ToolContext:
     root = tmp_path / "root"
     root.mkdir()
-    return Workspace(DirBinding(root, hidden=[str(tmp_path / "state")]))
+    return ToolContext(DirBinding(root, hidden=[str(tmp_path / "state")]))
 
 
 def procs_with(marker: str) -> list[int]:
@@ -57,7 +57,7 @@ def wait_gone(marker: str, bound_s: float = 20.0) -> list[int]:
             return left
 
 
-def test_output_exit_code_and_cwd(ws: Workspace, mode: str) -> None:
+def test_output_exit_code_and_cwd(ws: ToolContext, mode: str) -> None:
     r = run_bash(ws, "echo out; echo err >&2; pwd; exit 3")
     lines = r.text.split("\n")
     assert lines[:3] == ["out", "err", ws.root.real]
@@ -71,7 +71,7 @@ def test_output_exit_code_and_cwd(ws: Workspace, mode: str) -> None:
     assert run_bash(ws, "true").text.split("\n")[0] == "(no output)"
 
 
-def test_output_capped_head_and_tail_kept(ws: Workspace, mode: str) -> None:
+def test_output_capped_head_and_tail_kept(ws: ToolContext, mode: str) -> None:
     r = run_bash(ws, "printf 'H%.0s' $(seq 20000); printf 'M%.0s' $(seq 30000); "
                      "printf 'T%.0s' $(seq 20000)")
     out = r.text.split("\n[exit code: 0]")[0]
@@ -83,7 +83,7 @@ def test_output_capped_head_and_tail_kept(ws: Workspace, mode: str) -> None:
     assert r.data["output_bytes"] == 70000
 
 
-def test_timeout_kills_grandchild_that_called_setsid(ws: Workspace, mode: str) -> None:
+def test_timeout_kills_grandchild_that_called_setsid(ws: ToolContext, mode: str) -> None:
     marker = f"rewindfs-test-{uuid.uuid4().hex}"
     cmd = (f"setsid bash -c 'touch gc.started; exec -a {marker} sleep 1000' & "
            f"(exec -a {marker}-child sleep 1000)")
@@ -95,14 +95,14 @@ def test_timeout_kills_grandchild_that_called_setsid(ws: Workspace, mode: str) -
     assert wait_gone(marker) == []
 
 
-def test_background_processes_end_with_the_command(ws: Workspace, mode: str) -> None:
+def test_background_processes_end_with_the_command(ws: ToolContext, mode: str) -> None:
     marker = f"rewindfs-test-{uuid.uuid4().hex}"
     r = run_bash(ws, f"(setsid bash -c 'exec -a {marker} sleep 1000' &) ; echo started")
     assert r.text.startswith("started\n[exit code: 0]")
     assert wait_gone(marker) == []
 
 
-def test_bad_arguments(ws: Workspace) -> None:
+def test_bad_arguments(ws: ToolContext) -> None:
     assert run_bash(ws, "  ").render() == "error: command must not be empty"
     assert run_bash(ws, "true", timeout=601).render() == (
         "error: timeout must be between 1 and 600 seconds (got 601)")
@@ -117,7 +117,7 @@ def test_confined_root_writable_rest_read_only_hidden_invisible(tmp_path: Path) 
     root.mkdir()
     state.mkdir()
     (state / "index.db").write_text("private")
-    ws = Workspace(DirBinding(root, hidden=[str(state)]))
+    ws = ToolContext(DirBinding(root, hidden=[str(state)]))
     r = run_bash(ws, f"echo hi > in_root.txt && cat in_root.txt; "
                      f"touch {tmp_path}/outside.txt; "      # lands in the private /tmp
                      f"touch /usr/rewindfs-test 2>/dev/null || echo ro-usr; "
@@ -150,7 +150,7 @@ class PermitBinding(DirBinding):
 
 def test_checkpoint_requested_while_bash_runs_waits_for_it(tmp_path: Path) -> None:
     b = PermitBinding(tmp_path)
-    ws = Workspace(b)
+    ws = ToolContext(b)
     got: list[str] = []
 
     def checkpoint_when_started() -> None:

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 
 from tools.binding import DirBinding
+from tools.context import ToolContext
 from tools.editfile import edit_file
 from tools.readfile import read_file
-from tools.workspace import Workspace
 from tools.writefile import write_file
 
 SECRET = "SECRET-OUTSIDE"
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> tuple[Workspace, Path, Path]:
+def env(tmp_path: Path) -> tuple[ToolContext, Path, Path]:
     root = tmp_path / "root"
     outside = tmp_path / "outside"
     sibling = tmp_path / "root2"
@@ -44,7 +44,7 @@ def env(tmp_path: Path) -> tuple[Workspace, Path, Path]:
     os.symlink("pong", root / "ping")
     os.symlink("a/b", root / "inner_dir")
     os.symlink(str(root / "a" / "b" / "f.txt"), root / "abs_inner")
-    return Workspace(DirBinding(root)), root, outside
+    return ToolContext(DirBinding(root)), root, outside
 
 
 def outside_state(tmp_path: Path) -> dict[str, str]:
@@ -64,7 +64,7 @@ ESCAPES = [
 
 
 @pytest.mark.parametrize("path", ESCAPES)
-def test_escapes_are_refused_for_every_file_tool(env: tuple[Workspace, Path, Path],
+def test_escapes_are_refused_for_every_file_tool(env: tuple[ToolContext, Path, Path],
                                                  tmp_path: Path, path: str) -> None:
     ws, root, outside = env
     before = outside_state(tmp_path)
@@ -76,7 +76,7 @@ def test_escapes_are_refused_for_every_file_tool(env: tuple[Workspace, Path, Pat
     assert outside_state(tmp_path) == before
 
 
-def test_absolute_paths(env: tuple[Workspace, Path, Path], tmp_path: Path) -> None:
+def test_absolute_paths(env: tuple[ToolContext, Path, Path], tmp_path: Path) -> None:
     ws, root, outside = env
     assert read_file(ws, str(root / "a/b/f.txt")).text == "     1\tinside"
     for p in (str(outside / "secret.txt"), "/etc/passwd", str(tmp_path / "root2/secret.txt"),
@@ -87,21 +87,21 @@ def test_absolute_paths(env: tuple[Workspace, Path, Path], tmp_path: Path) -> No
     assert not (tmp_path / "root2/new.txt").exists()
 
 
-def test_links_inside_are_followed(env: tuple[Workspace, Path, Path]) -> None:
+def test_links_inside_are_followed(env: tuple[ToolContext, Path, Path]) -> None:
     ws, root, _ = env
     assert read_file(ws, "inner_dir/f.txt").text == "     1\tinside"
     assert read_file(ws, "abs_inner").text == "     1\tinside"
     assert read_file(ws, "inner_dir/f.txt").data["path"] == "a/b/f.txt"
 
 
-def test_dotdot_after_a_link_is_physical(env: tuple[Workspace, Path, Path]) -> None:
+def test_dotdot_after_a_link_is_physical(env: tuple[ToolContext, Path, Path]) -> None:
     ws, _, _ = env
     # inner_dir is a/b, so inner_dir/../.. is the root itself: "outside" is looked up there.
     r = read_file(ws, "inner_dir/../../outside/secret.txt")
     assert r.render() == "error: outside: no such file or directory"
 
 
-def test_link_loops(env: tuple[Workspace, Path, Path]) -> None:
+def test_link_loops(env: tuple[ToolContext, Path, Path]) -> None:
     ws, _, _ = env
     assert read_file(ws, "self").render() == "error: self: too many levels of symbolic links"
     assert read_file(ws, "ping/x").render() == "error: ping/x: too many levels of symbolic links"
@@ -109,7 +109,7 @@ def test_link_loops(env: tuple[Workspace, Path, Path]) -> None:
 
 
 def test_writes_through_escaping_links_create_nothing_outside(
-        env: tuple[Workspace, Path, Path], tmp_path: Path) -> None:
+        env: tuple[ToolContext, Path, Path], tmp_path: Path) -> None:
     ws, root, outside = env
     before = outside_state(tmp_path)
     for p in ("rel_dir/new.txt", "abs_dir/sub/new.txt", "rel_dir/../new.txt"):
@@ -120,7 +120,7 @@ def test_writes_through_escaping_links_create_nothing_outside(
     assert os.listdir(outside / "d") == ["secret.txt"]
 
 
-def test_invalid_path(env: tuple[Workspace, Path, Path]) -> None:
+def test_invalid_path(env: tuple[ToolContext, Path, Path]) -> None:
     ws, _, _ = env
     assert read_file(ws, "a\0b").render() == "error: a\0b: invalid path (contains a NUL byte)"
 
@@ -159,7 +159,7 @@ def test_directory_swapped_for_outside_link_during_tool_calls(tmp_path: Path) ->
     (root / "a" / "f.txt").write_text("inside\n")
     (outside / "f.txt").write_text(SECRET + "\n")
     os.symlink(str(outside), root / "a_alt")
-    ws = Workspace(DirBinding(root))
+    ws = ToolContext(DirBinding(root))
     ctx = multiprocessing.get_context("fork")
     stop = ctx.Event()
     count = ctx.Value("l", 0)

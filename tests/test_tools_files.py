@@ -11,20 +11,20 @@ from pathlib import Path
 import pytest
 
 from tools.binding import DirBinding
+from tools.context import ToolContext
 from tools.editfile import edit_file
 from tools.readfile import read_file
-from tools.workspace import Workspace
 from tools.writefile import write_file
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> Workspace:
+def ws(tmp_path: Path) -> ToolContext:
     root = tmp_path / "root"
     root.mkdir()
-    return Workspace(DirBinding(root))
+    return ToolContext(DirBinding(root))
 
 
-def put(ws: Workspace, rel: str, text: str | bytes) -> Path:
+def put(ws: ToolContext, rel: str, text: str | bytes) -> Path:
     p = Path(ws.root.path) / rel
     p.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(text, str):
@@ -36,14 +36,14 @@ def put(ws: Workspace, rel: str, text: str | bytes) -> Path:
 
 # --- ReadFile ---------------------------------------------------------------------------
 
-def test_read_numbers_lines_like_cat_n(ws: Workspace) -> None:
+def test_read_numbers_lines_like_cat_n(ws: ToolContext) -> None:
     put(ws, "a.txt", "one\ntwo\n")
     r = read_file(ws, "a.txt")
     assert r.ok
     assert r.render() == "     1\tone\n     2\ttwo"
 
 
-def test_read_default_limit_2000_and_next_offset_notice(ws: Workspace) -> None:
+def test_read_default_limit_2000_and_next_offset_notice(ws: ToolContext) -> None:
     put(ws, "big.txt", "".join(f"l{i}\n" for i in range(1, 2501)))
     r = read_file(ws, "big.txt")
     lines = r.text.split("\n")
@@ -58,14 +58,14 @@ def test_read_default_limit_2000_and_next_offset_notice(ws: Workspace) -> None:
         "[lines 10-14 of 2500; continue with offset=15]"]
 
 
-def test_read_cuts_lines_at_2000_characters(ws: Workspace) -> None:
+def test_read_cuts_lines_at_2000_characters(ws: ToolContext) -> None:
     put(ws, "long.txt", "x" * 2000 + "\n" + "y" * 2001 + "\n")
     lines = read_file(ws, "long.txt").text.split("\n")
     assert lines[0] == "     1\t" + "x" * 2000
     assert lines[1] == "     2\t" + "y" * 2000 + " [... line cut at 2000 characters]"
 
 
-def test_read_errors(ws: Workspace) -> None:
+def test_read_errors(ws: ToolContext) -> None:
     put(ws, "a.txt", "one\n")
     put(ws, "empty.txt", "")
     os.mkdir(os.path.join(ws.root.path, "d"))
@@ -80,7 +80,7 @@ def test_read_errors(ws: Workspace) -> None:
     assert read_file(ws, "fifo").render() == "error: fifo: not a regular file"
 
 
-def test_read_binary_is_not_shown_but_recorded(ws: Workspace) -> None:
+def test_read_binary_is_not_shown_but_recorded(ws: ToolContext) -> None:
     put(ws, "b.bin", b"\x00\x01\x02abc")
     r = read_file(ws, "b.bin")
     assert r.ok and r.render() == "b.bin: binary file (6 bytes); not shown"
@@ -89,7 +89,7 @@ def test_read_binary_is_not_shown_but_recorded(ws: Workspace) -> None:
 
 # --- WriteFile --------------------------------------------------------------------------
 
-def test_write_creates_file_and_parents(ws: Workspace) -> None:
+def test_write_creates_file_and_parents(ws: ToolContext) -> None:
     r = write_file(ws, "src/pkg/new.py", "print(1)\nprint(2)\n")
     assert r.render() == "created src/pkg/new.py (2 lines, 18 bytes)"
     assert (Path(ws.root.path) / "src/pkg/new.py").read_text() == "print(1)\nprint(2)\n"
@@ -99,7 +99,7 @@ def test_write_creates_file_and_parents(ws: Workspace) -> None:
     assert not [n for n in os.listdir(Path(ws.root.path) / "src/pkg") if n.endswith(".tmp")]
 
 
-def test_overwrite_requires_a_read(ws: Workspace) -> None:
+def test_overwrite_requires_a_read(ws: ToolContext) -> None:
     p = put(ws, "a.txt", "orig\n")
     r = write_file(ws, "a.txt", "new\n")
     assert r.render() == ("error: a.txt: exists but has not been read; read it with ReadFile "
@@ -110,7 +110,7 @@ def test_overwrite_requires_a_read(ws: Workspace) -> None:
     assert p.read_text() == "new\n"
 
 
-def test_stale_write_refused_after_another_process_changed_the_file(ws: Workspace) -> None:
+def test_stale_write_refused_after_another_process_changed_the_file(ws: ToolContext) -> None:
     p = put(ws, "a.txt", "v1\n")
     assert read_file(ws, "a.txt").ok
     subprocess.run([sys.executable, "-c", f"open({str(p)!r}, 'w').write('v2 other\\n')"],
@@ -126,7 +126,7 @@ def test_stale_write_refused_after_another_process_changed_the_file(ws: Workspac
     assert write_file(ws, "a.txt", "mine\n").ok
 
 
-def test_write_keeps_mode_and_replaces_atomically(ws: Workspace) -> None:
+def test_write_keeps_mode_and_replaces_atomically(ws: ToolContext) -> None:
     p = put(ws, "run.sh", "#!/bin/sh\n")
     os.chmod(p, 0o751)
     ino = p.stat().st_ino
@@ -136,7 +136,7 @@ def test_write_keeps_mode_and_replaces_atomically(ws: Workspace) -> None:
     assert p.stat().st_ino != ino          # a new inode renamed over the old name
 
 
-def test_write_through_symlink_inside_root_writes_target(ws: Workspace) -> None:
+def test_write_through_symlink_inside_root_writes_target(ws: ToolContext) -> None:
     p = put(ws, "real.txt", "a\n")
     os.symlink("real.txt", os.path.join(ws.root.path, "link.txt"))
     read_file(ws, "link.txt")
@@ -147,7 +147,7 @@ def test_write_through_symlink_inside_root_writes_target(ws: Workspace) -> None:
 
 def _create_same(root: str, barrier: multiprocessing.synchronize.Barrier, i: int,  # type: ignore[name-defined]
                  q: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    w = Workspace(DirBinding(root))
+    w = ToolContext(DirBinding(root))
     barrier.wait()
     r = write_file(w, "race/new.txt", f"writer {i}\n")
     q.put((i, r.ok, r.render()))
@@ -184,7 +184,7 @@ def test_concurrent_creation_exactly_one_wins(tmp_path: Path) -> None:
 
 # --- EditFile ---------------------------------------------------------------------------
 
-def test_edit_replaces_unique_substring_with_diff(ws: Workspace) -> None:
+def test_edit_replaces_unique_substring_with_diff(ws: ToolContext) -> None:
     p = put(ws, "m.py", "def f():\n    return 1\n\ndef g():\n    return 2\n")
     read_file(ws, "m.py")
     r = edit_file(ws, "m.py", "return 1", "return 10")
@@ -196,7 +196,7 @@ def test_edit_replaces_unique_substring_with_diff(ws: Workspace) -> None:
     assert edit_file(ws, "m.py", "return 2", "return 20").ok
 
 
-def test_edit_refusals(ws: Workspace) -> None:
+def test_edit_refusals(ws: ToolContext) -> None:
     p = put(ws, "m.py", "x = 1\ny = 1\nx = 1\nvalue_total = compute(a, b)\n")
     assert edit_file(ws, "m.py", "x", "x").render() == (
         "error: old and new are identical; nothing to change")
@@ -219,7 +219,7 @@ def test_edit_refusals(ws: Workspace) -> None:
     assert p.read_text() == "x = 2\ny = 1\nx = 2\nvalue_total = compute(a, b)\n"
 
 
-def test_edit_diff_is_cut(ws: Workspace) -> None:
+def test_edit_diff_is_cut(ws: ToolContext) -> None:
     put(ws, "m.txt", "".join(f"a{i}\n" for i in range(200)))
     read_file(ws, "m.txt")
     r = edit_file(ws, "m.txt", "a", "b", replace_all=True)
@@ -229,14 +229,14 @@ def test_edit_diff_is_cut(ws: Workspace) -> None:
     assert lines[-1] == "[... diff cut: 343 more lines]"
 
 
-def test_edit_refuses_non_utf8(ws: Workspace) -> None:
+def test_edit_refuses_non_utf8(ws: ToolContext) -> None:
     put(ws, "l1.txt", b"caf\xe9\n")
     read_file(ws, "l1.txt")
     assert edit_file(ws, "l1.txt", "caf", "tea").render() == (
         "error: l1.txt: not UTF-8 text; cannot edit it")
 
 
-def test_creation_loses_to_a_file_created_after_the_check(ws: Workspace) -> None:
+def test_creation_loses_to_a_file_created_after_the_check(ws: ToolContext) -> None:
     from tools.paths import locate
     from tools.writefile import Refusal, create_new
 

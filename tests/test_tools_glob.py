@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tools.binding import DirBinding
+from tools.context import ToolContext
 from tools.glob import glob
-from tools.workspace import Workspace
 
 
 def make(root: Path, files: dict[str, int]) -> None:
@@ -23,22 +23,22 @@ def make(root: Path, files: dict[str, int]) -> None:
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> Workspace:
+def ws(tmp_path: Path) -> ToolContext:
     root = tmp_path / "root"
     make(root, {
         "a.py": 100, "b.txt": 100, "src/c.py": 300, "src/deep/er/d.py": 200,
         "src/deep/e.md": 400, ".github/ci.py": 50, "node_modules/m/x.py": 999,
         ".git/hooks/h.py": 999, "pkg/__pycache__/c.py": 999, ".venv/lib/v.py": 999,
     })
-    return Workspace(DirBinding(root))
+    return ToolContext(DirBinding(root))
 
 
-def test_globstar_matches_zero_or_more_dirs_newest_first(ws: Workspace) -> None:
+def test_globstar_matches_zero_or_more_dirs_newest_first(ws: ToolContext) -> None:
     r = glob(ws, "**/*.py")
     assert r.text.split("\n") == ["src/c.py", "src/deep/er/d.py", "a.py", ".github/ci.py"]
 
 
-def test_star_stays_within_one_component(ws: Workspace) -> None:
+def test_star_stays_within_one_component(ws: ToolContext) -> None:
     assert glob(ws, "*.py").text == "a.py"
     assert glob(ws, "src/*").text == "src/c.py"
     assert glob(ws, "src/**").text.split("\n") == ["src/deep/e.md", "src/c.py",
@@ -47,12 +47,12 @@ def test_star_stays_within_one_component(ws: Workspace) -> None:
     assert glob(ws, "**/deep/*.{md,py}").text == "src/deep/e.md"
 
 
-def test_path_argument_and_paths_relative_to_root(ws: Workspace) -> None:
+def test_path_argument_and_paths_relative_to_root(ws: ToolContext) -> None:
     assert glob(ws, "*.py", path="src").text == "src/c.py"
     assert glob(ws, "**/*.py", path="src/deep").text == "src/deep/er/d.py"
 
 
-def test_noise_dirs_pruned_unless_named(ws: Workspace) -> None:
+def test_noise_dirs_pruned_unless_named(ws: ToolContext) -> None:
     assert "node_modules" not in glob(ws, "**/*").text
     assert glob(ws, "node_modules/**/*.py").text == "node_modules/m/x.py"
     assert glob(ws, "**/*.py", path="node_modules").text == "node_modules/m/x.py"
@@ -60,14 +60,14 @@ def test_noise_dirs_pruned_unless_named(ws: Workspace) -> None:
 
 def test_ties_sorted_by_path(tmp_path: Path) -> None:
     make(tmp_path / "r", {"b.txt": 5, "a.txt": 5, "c/a.txt": 5, "z.txt": 6})
-    w = Workspace(DirBinding(tmp_path / "r"))
+    w = ToolContext(DirBinding(tmp_path / "r"))
     assert glob(w, "**/*.txt").text.split("\n") == ["z.txt", "a.txt", "b.txt", "c/a.txt"]
 
 
 def test_cap_500_with_notice(tmp_path: Path) -> None:
     root = tmp_path / "r"
     make(root, {f"d{i % 7}/f{i:04d}.txt": 1000 + i for i in range(620)})
-    w = Workspace(DirBinding(root))
+    w = ToolContext(DirBinding(root))
     r = glob(w, "**/*.txt")
     lines = r.text.split("\n")
     assert len(lines) == 501
@@ -77,7 +77,7 @@ def test_cap_500_with_notice(tmp_path: Path) -> None:
     assert r.data["total"] == 620
 
 
-def test_messages(ws: Workspace) -> None:
+def test_messages(ws: ToolContext) -> None:
     assert glob(ws, "*.nothing").render() == "no files match '*.nothing' under ."
     assert glob(ws, "../*").render() == (
         "error: invalid glob pattern '../*': '..' is not allowed in a pattern")
@@ -92,7 +92,7 @@ def test_links_are_not_followed_out(tmp_path: Path) -> None:
     make(tmp_path / "out", {"secret.py": 1, "sub/s2.py": 1})
     os.symlink(str(tmp_path / "out"), root / "outdir")
     os.symlink("../out/secret.py", root / "outfile.py")
-    w = Workspace(DirBinding(root))
+    w = ToolContext(DirBinding(root))
     r = glob(w, "**/*.py")
     assert "secret" not in r.text and "s2" not in r.text
     assert sorted(r.text.split("\n")) == ["in.py", "outfile.py"]   # the link's own name
@@ -112,7 +112,7 @@ def test_directory_swapped_for_outside_link_during_glob(tmp_path: Path) -> None:
     make(root, {f"a/sub/in{i}.py": 1 for i in range(5)})
     make(tmp_path / "outside", {f"sub/SECRET{i}.py": 1 for i in range(5)})
     os.symlink(str(tmp_path / "outside"), root / "a_alt")
-    w = Workspace(DirBinding(root))
+    w = ToolContext(DirBinding(root))
     ctx = multiprocessing.get_context("fork")
     stop = ctx.Event()
     proc = ctx.Process(target=_swapper, args=(str(root), stop))

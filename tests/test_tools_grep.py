@@ -12,8 +12,8 @@ import pytest
 from tools import grep as grep_mod
 from tools import sandbox
 from tools.binding import DirBinding
+from tools.context import ToolContext
 from tools.grep import grep
-from tools.workspace import Workspace
 
 ENGINES = ["python"]
 if shutil.which("rg") and sandbox.bwrap():
@@ -37,7 +37,7 @@ def make(root: Path, files: dict[str, str | bytes]) -> None:
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> Workspace:
+def ws(tmp_path: Path) -> ToolContext:
     root = tmp_path / "root"
     make(root, {
         "a.py": "import os\n\ndef main():\n    return os.getcwd()\n",
@@ -52,21 +52,21 @@ def ws(tmp_path: Path) -> Workspace:
         "node_modules/n.js": "main\n",
         ".git/config": "main\n",
     })
-    return Workspace(DirBinding(root))
+    return ToolContext(DirBinding(root))
 
 
-def test_files_with_matches_sorted_by_path(ws: Workspace, engine: str) -> None:
+def test_files_with_matches_sorted_by_path(ws: ToolContext, engine: str) -> None:
     r = grep(ws, "main")
     assert r.text.split("\n") == [".hidden/h.py", "a.py", "b.txt", "src/c.py"]
     assert r.data["engine"] == engine
 
 
-def test_count_mode(ws: Workspace, engine: str) -> None:
+def test_count_mode(ws: ToolContext, engine: str) -> None:
     assert grep(ws, "o", output_mode="count").text.split("\n") == [
         ".gitignore:2", "a.py:2", "b.txt:3"]
 
 
-def test_content_mode_line_numbers_and_context(ws: Workspace, engine: str) -> None:
+def test_content_mode_line_numbers_and_context(ws: ToolContext, engine: str) -> None:
     assert grep(ws, "main", path="src", output_mode="content").text == "src/c.py:1:def main():"
     r = grep(ws, "^(two|six)$", path="b.txt", output_mode="content", context=1)
     assert r.text.split("\n") == ["b.txt-1-one", "b.txt:2:two", "b.txt-3-three", "--",
@@ -79,7 +79,7 @@ def test_content_mode_line_numbers_and_context(ws: Workspace, engine: str) -> No
                                   "src/c.py:1:def main():", "src/c.py-2-    pass"]
 
 
-def test_ignore_case_and_glob(ws: Workspace, engine: str) -> None:
+def test_ignore_case_and_glob(ws: ToolContext, engine: str) -> None:
     assert grep(ws, "main", ignore_case=True, path="src").text.split("\n") == [
         "src/c.py", "src/deep/d.md"]
     assert grep(ws, "main", glob="*.txt").text == "b.txt"
@@ -88,7 +88,7 @@ def test_ignore_case_and_glob(ws: Workspace, engine: str) -> None:
 
 def test_head_limit_cap_and_notice(tmp_path: Path, engine: str) -> None:
     make(tmp_path / "r", {f"f{i:03d}.txt": "hit\nhit\n" for i in range(250)})
-    w = Workspace(DirBinding(tmp_path / "r"))
+    w = ToolContext(DirBinding(tmp_path / "r"))
     lines = grep(w, "hit").text.split("\n")
     assert len(lines) == 201
     assert lines[199] == "f199.txt"
@@ -100,13 +100,13 @@ def test_head_limit_cap_and_notice(tmp_path: Path, engine: str) -> None:
 
 def test_long_lines_cut_at_64k(tmp_path: Path, engine: str) -> None:
     make(tmp_path / "r", {"long.txt": "needle" + "x" * 70000 + "\n"})
-    w = Workspace(DirBinding(tmp_path / "r"))
+    w = ToolContext(DirBinding(tmp_path / "r"))
     text = grep(w, "needle", output_mode="content").text
     assert text == ("long.txt:1:" + ("needle" + "x" * 70000)[:65536]
                     + " [... line cut at 65536 characters]")
 
 
-def test_messages(ws: Workspace, engine: str) -> None:
+def test_messages(ws: ToolContext, engine: str) -> None:
     assert grep(ws, "zzz").render() == "no matches for 'zzz' under ."
     assert grep(ws, "x", output_mode="lines").render() == (
         "error: output_mode must be one of files_with_matches, content, count "
@@ -120,7 +120,7 @@ def test_messages(ws: Workspace, engine: str) -> None:
     assert r.render().startswith("error: invalid regular expression '(unclosed': ")
 
 
-def test_timeout_notice(ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_timeout_notice(ws: ToolContext, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REWINDFS_GREP_ENGINE", "python")
     monkeypatch.setattr(grep_mod.M, "GREP_TIMEOUT_S", 0.0)
     r = grep(ws, "main")
@@ -134,7 +134,7 @@ def test_links_are_not_followed_out(tmp_path: Path, engine: str) -> None:
     make(tmp_path / "out", {"s.txt": "SECRET-OUTSIDE\n"})
     os.symlink(str(tmp_path / "out"), root / "outdir")
     os.symlink(str(tmp_path / "out" / "s.txt"), root / "outfile.txt")
-    w = Workspace(DirBinding(root))
+    w = ToolContext(DirBinding(root))
     assert grep(w, "SECRET").render() == "no matches for 'SECRET' under ."
     assert not grep(w, "SECRET", path="outfile.txt").ok
     assert not grep(w, "SECRET", path="outdir").ok
@@ -154,7 +154,7 @@ def test_directory_swapped_for_outside_link_during_search(tmp_path: Path, engine
     make(root, {f"a/sub/f{i}.txt": "needle inside\n" for i in range(20)})
     make(outside, {f"sub/f{i}.txt": "needle SECRET-OUTSIDE\n" for i in range(20)})
     os.symlink(str(outside), root / "a_alt")
-    w = Workspace(DirBinding(root))
+    w = ToolContext(DirBinding(root))
     ctx = multiprocessing.get_context("fork")
     stop = ctx.Event()
     proc = ctx.Process(target=_swapper, args=(str(root), stop))
@@ -188,7 +188,7 @@ def test_engines_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                        for j in range(30))
         files[f"d{i % 3}/f{i}.txt"] = body
     make(tmp_path / "r", files)
-    w = Workspace(DirBinding(tmp_path / "r"))
+    w = ToolContext(DirBinding(tmp_path / "r"))
     answers = []
     for eng in ("rg", "python"):
         monkeypatch.setenv("REWINDFS_GREP_ENGINE", eng)

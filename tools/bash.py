@@ -18,8 +18,8 @@ import time
 
 from tools import messages as M
 from tools import sandbox
+from tools.context import ToolContext
 from tools.result import ToolResult, error, ok
-from tools.workspace import Workspace
 
 NAME = "Bash"
 _KILL_GRACE_S = 5.0      # wait for a told-to-stop process tree before SIGKILL of the leader
@@ -81,7 +81,7 @@ def _stop(proc: subprocess.Popen[bytes], confined: bool) -> None:
             pass
 
 
-def run_bash(ws: Workspace, command: str,
+def run_bash(ctx: ToolContext, command: str,
              timeout: float = M.BASH_DEFAULT_TIMEOUT_S) -> ToolResult:
     """Run ``command``; the answer holds its output (capped), exit code and notes."""
     if not command.strip():
@@ -89,17 +89,17 @@ def run_bash(ws: Workspace, command: str,
     if not (0 < timeout <= M.BASH_MAX_TIMEOUT_S):
         return error(NAME, M.BASH_BAD_TIMEOUT.format(maximum=M.BASH_MAX_TIMEOUT_S,
                                                      value=timeout), kind="timeout_arg")
-    root = ws.root.real
+    root = ctx.root.real
     bw = sandbox.bwrap()
     if bw is not None:
-        hidden = [os.path.realpath(h) for h in ws.binding.hidden_paths()]
+        hidden = [os.path.realpath(h) for h in ctx.binding.hidden_paths()]
         argv = sandbox.confined_shell(bw, root, root, hidden, command)
     else:
         argv = sandbox.reaped_shell(command)
     cap = _Capture(M.BASH_OUTPUT_CAP)
     timed_out = False
     started = time.monotonic()
-    with ws.binding.write_permit():
+    with ctx.binding.write_permit():
         try:
             proc = subprocess.Popen(argv, cwd=root, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import difflib
 
 from tools import messages as M
+from tools.context import ToolContext, digest
 from tools.paths import PathError, locate
 from tools.result import ToolResult, error, ok
-from tools.workspace import Workspace, digest
 from tools.writefile import Refusal, check_fresh, read_current, replace_existing
 
 NAME = "EditFile"
@@ -68,7 +68,7 @@ def short_diff(rel: str, before: str, after: str) -> str:
     return "\n".join(lines)
 
 
-def edit_file(ws: Workspace, path: str, old: str, new: str,
+def edit_file(ctx: ToolContext, path: str, old: str, new: str,
               replace_all: bool = False) -> ToolResult:
     """Replace ``old`` by ``new`` in ``path``."""
     if old == "":
@@ -76,13 +76,13 @@ def edit_file(ws: Workspace, path: str, old: str, new: str,
     if old == new:
         return error(NAME, M.EDIT_SAME, kind="same")
     try:
-        with ws.binding.write_permit():
-            with locate(ws.root, path) as loc:
+        with ctx.binding.write_permit():
+            with locate(ctx.root, path) as loc:
                 if loc.st is None:
                     raise PathError("not_found", loc.rel)
                 rel = loc.rel
                 data, st = read_current(loc)
-                check_fresh(ws, rel, data)
+                check_fresh(ctx, rel, data)
                 try:
                     text = data.decode("utf-8")
                 except UnicodeDecodeError:
@@ -108,7 +108,7 @@ def edit_file(ws: Workspace, path: str, old: str, new: str,
         return error(NAME, e.text, kind=e.kind)
     except OSError as e:
         return error(NAME, PathError.from_os(path, e).text, kind="os")
-    ws.record_read(rel, digest(out))
+    ctx.record_read(rel, digest(out))
     count = len(where)
     head = M.EDIT_DONE.format(path=rel, count=count, s="" if count == 1 else "s")
     return ok(NAME, head + "\n" + short_diff(rel, text, after), path=rel, replacements=count)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import bracex
 
 from tools import messages as M
+from tools.context import ToolContext
 from tools.paths import PathError, locate
 from tools.result import ToolResult, error, ok
 from tools.walk import NOISE_DIRS, list_dir, open_subdir
-from tools.workspace import Workspace
 
 NAME = "Glob"
 _MAX_EXPANSIONS = 256
@@ -172,15 +172,15 @@ def compile_patterns(pattern: str) -> Matcher:
     return Matcher(expanded)
 
 
-def find(ws: Workspace, pattern: str, path: str = ".") -> tuple[list[tuple[int, str]], str]:
+def find(ctx: ToolContext, pattern: str, path: str = ".") -> tuple[list[tuple[int, str]], str]:
     """All matches as (-mtime_ns, workspace-relative path), unsorted, and the base's rel.
     Raises PathError or PatternError."""
     if pattern.startswith("/"):
-        rel_parts = ws.root.parts(pattern, pattern)
+        rel_parts = ctx.root.parts(pattern, pattern)
         pattern = "/".join(rel_parts)
         path = "."
     matcher = compile_patterns(pattern)
-    with locate(ws.root, path) as loc:
+    with locate(ctx.root, path) as loc:
         if loc.st is None:
             raise PathError("not_found", loc.rel)
         if not loc.is_dir:
@@ -234,10 +234,10 @@ def _walk(m: Matcher, fd: int, prefix: str, state: State,
                 continue
 
 
-def glob(ws: Workspace, pattern: str, path: str = ".") -> ToolResult:
+def glob(ctx: ToolContext, pattern: str, path: str = ".") -> ToolResult:
     """Files under ``path`` matching ``pattern``, newest first, at most GLOB_MAX_RESULTS."""
     try:
-        found, base = find(ws, pattern, path)
+        found, base = find(ctx, pattern, path)
     except PatternError as e:
         return error(NAME, M.GLOB_BAD_PATTERN.format(pattern=pattern, reason=e), kind="pattern")
     except PathError as e:

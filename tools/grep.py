@@ -31,11 +31,11 @@ import pathspec
 
 from tools import messages as M
 from tools import sandbox
+from tools.context import ToolContext
 from tools.paths import PathError, locate
 from tools.readfile import read_all
 from tools.result import ToolResult, error, ok
 from tools.walk import NOISE_DIRS, list_dir, open_subdir
-from tools.workspace import Workspace
 
 NAME = "Grep"
 MODES = ("files_with_matches", "content", "count")
@@ -175,10 +175,10 @@ def _rg_parse(out: bytes, q: Query, prefix: str) -> list[FileHits]:
     return hits
 
 
-def _search_rg(rg: str, bw: str, ws: Workspace, q: Query, base_rel: str, is_dir: bool,
+def _search_rg(rg: str, bw: str, ctx: ToolContext, q: Query, base_rel: str, is_dir: bool,
                deadline: float) -> tuple[list[FileHits], bool, str | None]:
     """Run ripgrep confined; returns (hits, timed out, error text)."""
-    root = ws.root.real
+    root = ctx.root.real
     if is_dir:
         cwd_rel, target = base_rel, "."
     else:
@@ -305,7 +305,7 @@ def _scan_file(fd: int, name: str, path: str, rx: re.Pattern[str], q: Query,
     return h
 
 
-def _search_py(ws: Workspace, q: Query, base_rel: str, is_dir: bool,
+def _search_py(ctx: ToolContext, q: Query, base_rel: str, is_dir: bool,
                deadline: float) -> tuple[list[FileHits], bool, str | None]:
     flags = re.MULTILINE | (re.IGNORECASE if q.ignore_case else 0)
     try:
@@ -313,7 +313,7 @@ def _search_py(ws: Workspace, q: Query, base_rel: str, is_dir: bool,
     except re.error as e:
         return [], False, M.GREP_BAD_PATTERN.format(pattern=q.pattern, reason=e)
     hits: list[FileHits] = []
-    root_fd = os.open(ws.root.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    root_fd = os.open(ctx.root.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     parts = [] if base_rel == "." else base_rel.split("/")
     if not is_dir:
         parts, fname = parts[:-1], parts[-1]
@@ -391,7 +391,7 @@ def engine() -> str:
     return "rg" if shutil.which("rg") and sandbox.bwrap() else "python"
 
 
-def grep(ws: Workspace, pattern: str, path: str = ".", glob: str | None = None,
+def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: str | None = None,
          output_mode: str = "files_with_matches", ignore_case: bool = False,
          line_numbers: bool = True, before: int = 0, after: int = 0, context: int = 0,
          head_limit: int = M.GREP_HEAD_LIMIT) -> ToolResult:
@@ -409,7 +409,7 @@ def grep(ws: Workspace, pattern: str, path: str = ".", glob: str | None = None,
     q = Query(pattern, output_mode, ignore_case, before or context, after or context,
               glob or None)
     try:
-        with locate(ws.root, path) as loc:
+        with locate(ctx.root, path) as loc:
             if loc.st is None:
                 raise PathError("not_found", loc.rel)
             base_rel, is_dir = loc.rel, loc.is_dir
@@ -422,9 +422,9 @@ def grep(ws: Workspace, pattern: str, path: str = ".", glob: str | None = None,
     if used == "rg":
         rg, bw = shutil.which("rg"), sandbox.bwrap()
         assert rg is not None and bw is not None
-        hits, timed_out, err = _search_rg(rg, bw, ws, q, base_rel, is_dir, deadline)
+        hits, timed_out, err = _search_rg(rg, bw, ctx, q, base_rel, is_dir, deadline)
     else:
-        hits, timed_out, err = _search_py(ws, q, base_rel, is_dir, deadline)
+        hits, timed_out, err = _search_py(ctx, q, base_rel, is_dir, deadline)
     if err is not None:
         return error(NAME, err, kind="search", engine=used)
     shown, total = render(hits, q, line_numbers, head_limit)

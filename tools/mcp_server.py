@@ -17,12 +17,12 @@ from mcp.types import CallToolResult, TextContent
 from tools import messages as M
 from tools.bash import run_bash
 from tools.binding import SessionBinding, capabilities
+from tools.context import ToolContext
 from tools.editfile import edit_file
 from tools.glob import glob
 from tools.grep import grep
 from tools.readfile import read_file
 from tools.result import ToolResult
-from tools.workspace import Workspace
 from tools.writefile import write_file
 
 TOOL_NAMES = ("ReadFile", "WriteFile", "EditFile", "Glob", "Grep", "Bash")
@@ -47,31 +47,31 @@ def _session_call(call: str, fn: Callable[[], str]) -> CallToolResult:
 def build_server(binding: SessionBinding, allow_restore: bool = False,
                  name: str = "rewindfs") -> MCPServer[Any]:
     """An MCPServer serving the tools for ``binding``."""
-    ws = Workspace(binding)
+    ctx = ToolContext(binding)
     server: MCPServer[Any] = MCPServer(name=name, instructions=M.SERVER_INSTRUCTIONS)
 
     def ReadFile(path: str, offset: int = 1, limit: int = M.READ_DEFAULT_LIMIT) \
             -> CallToolResult:
-        return _answer(read_file(ws, path, offset, limit))
+        return _answer(read_file(ctx, path, offset, limit))
 
     def WriteFile(path: str, content: str) -> CallToolResult:
-        return _answer(write_file(ws, path, content))
+        return _answer(write_file(ctx, path, content))
 
     def EditFile(path: str, old: str, new: str, replace_all: bool = False) -> CallToolResult:
-        return _answer(edit_file(ws, path, old, new, replace_all))
+        return _answer(edit_file(ctx, path, old, new, replace_all))
 
     def Glob(pattern: str, path: str = ".") -> CallToolResult:
-        return _answer(glob(ws, pattern, path))
+        return _answer(glob(ctx, pattern, path))
 
     def Grep(pattern: str, path: str = ".", glob: str | None = None,
              output_mode: str = "files_with_matches", ignore_case: bool = False,
              line_numbers: bool = True, before: int = 0, after: int = 0, context: int = 0,
              head_limit: int = M.GREP_HEAD_LIMIT) -> CallToolResult:
-        return _answer(grep(ws, pattern, path, glob, output_mode, ignore_case, line_numbers,
+        return _answer(grep(ctx, pattern, path, glob, output_mode, ignore_case, line_numbers,
                             before, after, context, head_limit))
 
     def Bash(command: str, timeout: float = M.BASH_DEFAULT_TIMEOUT_S) -> CallToolResult:
-        return _answer(run_bash(ws, command, timeout))
+        return _answer(run_bash(ctx, command, timeout))
 
     for fn, text in ((ReadFile, M.DESCRIBE_READFILE), (WriteFile, M.DESCRIBE_WRITEFILE),
                      (EditFile, M.DESCRIBE_EDITFILE), (Glob, M.DESCRIBE_GLOB),

@@ -11,9 +11,9 @@ import os
 import stat
 
 from tools import messages as M
+from tools.context import ToolContext, digest
 from tools.paths import PathError, open_located
 from tools.result import ToolResult, error, ok
-from tools.workspace import Workspace, digest
 
 NAME = "ReadFile"
 _BINARY_PROBE = 8192     # bytes inspected for a NUL to call a file binary
@@ -48,13 +48,13 @@ def split_lines(text: str) -> list[str]:
     return lines
 
 
-def read_file(ws: Workspace, path: str, offset: int = 1,
+def read_file(ctx: ToolContext, path: str, offset: int = 1,
               limit: int = M.READ_DEFAULT_LIMIT) -> ToolResult:
     """Read ``limit`` lines of ``path`` from line ``offset`` (1-based)."""
     if offset < 1 or limit < 1:
         return error(NAME, M.READ_BAD_ARGS.format(offset=offset, limit=limit))
     try:
-        loc, fd = open_located(ws.root, path, os.O_RDONLY | os.O_NONBLOCK)
+        loc, fd = open_located(ctx.root, path, os.O_RDONLY | os.O_NONBLOCK)
     except PathError as e:
         return error(NAME, e.text, kind=e.kind)
     rel = loc.rel
@@ -70,7 +70,7 @@ def read_file(ws: Workspace, path: str, offset: int = 1,
     finally:
         os.close(fd)
         loc.close()
-    ws.record_read(rel, digest(data))
+    ctx.record_read(rel, digest(data))
     if b"\0" in data[:_BINARY_PROBE]:
         return ok(NAME, M.READ_BINARY.format(path=rel, size=len(data)), path=rel, binary=True)
     lines = split_lines(data.decode("utf-8", errors="replace"))

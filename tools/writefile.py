@@ -2,7 +2,7 @@
 
 A new file is written to a temporary name and hard-linked into place, so a concurrent
 creation of the same name is never clobbered (exactly one creator wins). Replacing an
-existing file requires a ledger digest that still matches the file (see tools.workspace);
+existing file requires a ledger digest that still matches the file (see tools.context);
 the new content goes to a temporary file in the same directory, is fsynced, gets the old
 file's mode (and owner when permitted) and is renamed over the old name. Missing parent
 directories are created. Also home of the write primitives EditFile shares.
@@ -16,10 +16,10 @@ import secrets
 import stat
 
 from tools import messages as M
+from tools.context import ToolContext, digest
 from tools.paths import Located, PathError, locate
 from tools.readfile import read_all, split_lines
 from tools.result import ToolResult, error, ok
-from tools.workspace import Workspace, digest
 
 NAME = "WriteFile"
 
@@ -122,9 +122,9 @@ def read_current(loc: Located) -> tuple[bytes, os.stat_result]:
         os.close(fd)
 
 
-def check_fresh(ws: Workspace, rel: str, current: bytes) -> None:
+def check_fresh(ctx: ToolContext, rel: str, current: bytes) -> None:
     """Refusal unless the ledger holds the digest of ``current`` for ``rel``."""
-    seen = ws.recorded(rel)
+    seen = ctx.recorded(rel)
     if seen is None:
         raise Refusal("not_read", M.STALE_NOT_READ.format(path=rel))
     if seen != digest(current):
@@ -158,18 +158,18 @@ def count_lines(data: bytes) -> int:
     return len(split_lines(data.decode("utf-8", errors="replace")))
 
 
-def write_file(ws: Workspace, path: str, content: str) -> ToolResult:
+def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
     """Create ``path`` or replace it with ``content`` (UTF-8)."""
     data = content.encode("utf-8", errors="surrogateescape")
     try:
-        with ws.binding.write_permit():
-            with locate(ws.root, path, make_parents=True) as loc:
+        with ctx.binding.write_permit():
+            with locate(ctx.root, path, make_parents=True) as loc:
                 if loc.st is None:
                     create_new(loc, data)
                     created = True
                 else:
                     current, st = read_current(loc)
-                    check_fresh(ws, loc.rel, current)
+                    check_fresh(ctx, loc.rel, current)
                     replace_existing(loc, data, st)
                     created = False
                 rel = loc.rel
@@ -179,7 +179,7 @@ def write_file(ws: Workspace, path: str, content: str) -> ToolResult:
         return error(NAME, e.text, kind=e.kind)
     except OSError as e:
         return error(NAME, PathError.from_os(path, e).text, kind="os")
-    ws.record_read(rel, digest(data))
+    ctx.record_read(rel, digest(data))
     template = M.WRITE_CREATED if created else M.WRITE_UPDATED
     return ok(NAME, template.format(path=rel, lines=count_lines(data), size=len(data)),
               path=rel, created=created, size=len(data))

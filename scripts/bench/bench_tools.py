@@ -27,9 +27,9 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from tools.binding import DirBinding  # noqa: E402
+from tools.context import ToolContext  # noqa: E402
 from tools.glob import glob  # noqa: E402
 from tools.grep import grep  # noqa: E402
-from tools.workspace import Workspace  # noqa: E402
 
 WORDS = ["alpha", "beta", "gamma", "delta", "import os", "def main():", "return None",
          "class Widget:", "# TODO: tidy", "print(value)", "for item in items:", "if x:"]
@@ -60,7 +60,7 @@ def build_tree(root: str, files: int = 20000, seed: int = 7) -> None:
 PRUNE = ["(", "-name", ".git", "-o", "-name", "node_modules", ")", "-prune", "-o"]
 
 
-def workloads(ws: Workspace) -> list[tuple[str, Callable[[], object], list[str]]]:
+def workloads(ws: ToolContext) -> list[tuple[str, Callable[[], object], list[str]]]:
     """(name, tool call, equivalent direct command run in the tree)."""
     rg = ["rg", "--hidden", "-g", "!.git/", "-g", "!node_modules/"]
     return [
@@ -108,7 +108,7 @@ def main() -> int:
         build_tree(tree)
     if args.engine:
         os.environ["REWINDFS_GREP_ENGINE"] = args.engine
-    ws = Workspace(DirBinding(args.root or tree))
+    ws = ToolContext(DirBinding(args.root or tree))
     rows = []
     for name, tool_call, cmd in workloads(ws):
         def direct(cmd: list[str] = cmd) -> None:

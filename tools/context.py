@@ -1,4 +1,4 @@
-"""The tools' view of one session: its binding, its root and the ledger of reads.
+"""The tools' context for one session: its binding, its root and the ledger of reads.
 
 The ledger records, per workspace path, the blake3 digest of the whole file as the agent
 last saw it (by ReadFile, or by its own WriteFile/EditFile). WriteFile and EditFile refuse to
@@ -20,8 +20,9 @@ def digest(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-class Workspace:
-    """``binding``: the session; ``root``: its containment root. Thread-safe."""
+class ToolContext:
+    """What every tool call gets: ``binding`` (the session), ``root`` (its containment root)
+    and the read ledger. One per binding; thread-safe."""
 
     def __init__(self, binding: SessionBinding) -> None:
         self.binding = binding
