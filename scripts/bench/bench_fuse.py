@@ -171,7 +171,7 @@ class Rewindfs(Contender):
 
     def setup(self) -> None:
         self.root.mkdir(parents=True)
-        extra = ["--stats-file", str(self.stats)] if stats_option() else []
+        extra = ["--stats-file", str(self.stats)]
         self.daemon = fh.Daemon(store=self.store, mnt=self.root, ref=self.ref,
                                 state=self.work / "state", log=self.work / "daemon.log",
                                 extra=extra)
@@ -203,19 +203,6 @@ class Rewindfs(Contender):
                     pass
             time.sleep(0.01)
         return None
-
-
-_STATS: bool | None = None
-
-
-def stats_option() -> bool:
-    """Whether ``rewindfs mount`` offers ``--stats-file``."""
-    global _STATS
-    if _STATS is None:
-        r = subprocess.run([sys.executable, "-m", "rewindfs", "mount", "--help"],
-                           capture_output=True, text=True, cwd=common.REPO)
-        _STATS = "--stats-file" in r.stdout
-    return _STATS
 
 
 # -- preparation -----------------------------------------------------------------------------
