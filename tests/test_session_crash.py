@@ -66,7 +66,7 @@ def crash(tmp: Path, mode: str, point: str) -> tuple[str, Ref, Ref]:
 
 
 def resume(tmp: Path, mode: str, sid: str):  # type: ignore[no-untyped-def]
-    ws = workspace(tmp, mode, "fallback", ttl=float(TTL))
+    ws = workspace(tmp, mode, "fallback")  # the child's short ttl is what expires
     return ws, retry(lambda: ws.resume_session(sid), (SessionBusyError, WorkspaceRootBusyError))
 
 
@@ -143,7 +143,7 @@ def test_killed_session_resumes_with_its_uncheckpointed_work(tmp_path: Path, mod
 def test_interrupted_reconcile_of_a_shared_root_is_undone_by_the_next_session(
         tmp_path: Path) -> None:
     sid, a, b = crash(tmp_path, "shared", "reconcile:step:mid")
-    ws = workspace(tmp_path, "shared", "fallback", ttl=float(TTL))
+    ws = workspace(tmp_path, "shared", "fallback")
     with ws.new_session() as s:  # another session of the same shared root
         assert s.root is not None
         assert ref_of(s.root) == b, "rolled back to the state before the restore"

@@ -12,6 +12,7 @@ from session_support import child, read_line, reap, retry, workspace
 
 from fusefs.session import SessionBusyError, WorkspaceRootBusyError
 from store.lease import Leaser
+from store.objects import Store
 
 RACER = """
     import os, sys, time
@@ -40,6 +41,7 @@ RACER = """
 @pytest.mark.parametrize("round_", range(3))
 def test_two_processes_race_for_one_exclusive_root(tmp_path: Path, round_: int) -> None:
     go = tmp_path / "go"
+    Store(tmp_path / "store").close()  # the race is for the root, not for creating the store
     env = {"T_TMP": str(tmp_path), "T_TTL": "30", "T_GO": str(go)}
     procs = [child(RACER, env=env) for _ in range(2)]
     try:
@@ -86,7 +88,7 @@ def test_killed_holder_is_taken_over_after_expiry(tmp_path: Path) -> None:
         assert p.wait(timeout=60) == -signal.SIGKILL
     finally:
         reap(p)
-    ws = workspace(tmp_path, "exclusive", "fallback", ttl=ttl)
+    ws = workspace(tmp_path, "exclusive", "fallback")  # the holder's short ttl expires
     assert ws.config.placement is not None and ws.config.placement.lease_name is not None
     name = ws.config.placement.lease_name
     leaser = Leaser(ws.store)
