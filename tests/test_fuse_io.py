@@ -187,7 +187,7 @@ def test_readdir_dot_entries_and_types(lower: Path) -> None:
 def test_readdir_while_unlinking_sees_every_entry_once(lower: Path) -> None:
     d = lower / "many"
     d.mkdir()
-    names = {f"f{i:05d}" for i in range(2000)}
+    names = {f"f{i:05d}" for i in range(1000)}
     for n in names:
         (d / n).write_bytes(b"")
     seen = []
@@ -204,9 +204,9 @@ def test_readdir_while_unlinking_sees_every_entry_once(lower: Path) -> None:
 
 def test_rm_rf_big_mixed_dir_in_one_pass(lower: Path) -> None:
     d = lower / "dir"
-    for i in range(1500):
+    for i in range(700):
         (d / f"u{i:05d}").write_bytes(b"x")
-    for i in range(50):
+    for i in range(30):
         (d / "sub" / f"s{i}").mkdir()
         (d / "sub" / f"s{i}" / "f").write_bytes(b"y")
     r = subprocess.run(["rm", "-rf", str(d)], capture_output=True, text=True)
