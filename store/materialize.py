@@ -11,7 +11,8 @@ The three destination cases:
   back) and the error is raised: ``IntegrityError`` (a chunk or tree does not verify or is
   missing), ``ArchiveEntryError`` (a hostile entry), ``ArchiveLimitError`` (a cap tripped)
   surface as themselves; an OS error (disk full, permission, a concurrent change in the
-  destination) becomes ``MaterializeError(ref, dest, cause)``.
+  destination) becomes ``MaterializeError(ref, dest, cause)``, and so does any failure
+  whose wipe failed too (its message says so: the destination needs removing by hand).
 - a non-empty directory: its Ref is computed (``snapshot.compute_ref``); equal -> success
   with ``already_equal`` and no write; different or unreadable -> ``DestNotEmptyError`` and
   nothing touched.
@@ -348,15 +349,17 @@ def _wipe_into(fd: int) -> None:
 
 
 def _wipe(parent_fd: int, name: bytes, dest_fd: int, created: bool,
-          dest_st: os.stat_result) -> None:
+          dest_st: os.stat_result) -> OSError | None:
+    """Undo an extraction; return the error that stopped the wipe, if any."""
     try:
         _wipe_into(dest_fd)
         if created:
             os.rmdir(name, dir_fd=parent_fd)
         else:
             os.utime(dest_fd, ns=(dest_st.st_atime_ns, dest_st.st_mtime_ns))
-    except OSError:
-        pass  # the original error is what the caller needs; a leftover shows up in dest
+    except OSError as e:
+        return e
+    return None
 
 
 # -- public API ------------------------------------------------------------------------
@@ -420,7 +423,10 @@ def _materialize_at(store: Store, ref: Ref, shown: str, parent_fd: int, name: by
         try:
             x.run(dest_fd)
         except BaseException as exc:
-            _wipe(parent_fd, name, dest_fd, created, dest_st)
+            stuck = _wipe(parent_fd, name, dest_fd, created, dest_st)
+            if stuck is not None:
+                raise MaterializeError(str(ref), shown, f"{exc}; and the destination could "
+                                       f"not be wiped, remove it by hand: {stuck}") from exc
             if isinstance(exc, OSError):
                 raise MaterializeError(str(ref), shown, exc) from exc
             raise

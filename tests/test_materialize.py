@@ -547,3 +547,102 @@ def test_hard_link_source_swapped_for_a_symlink(tmp_path: Path, store: Store,
     assert listing(outside) == ["keep"]
     assert (outside / "keep").read_bytes() == b"keep\n"
     assert os.lstat(outside / "keep").st_nlink == 1
+
+
+# -- as an unprivileged user --------------------------------------------------------------------
+
+
+def _as_nobody(fn) -> int:  # type: ignore[no-untyped-def]
+    """Run ``fn()`` in a forked child with uid/gid 65534; return its exit status."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 99
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = fn()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _chown_tree(path: Path, uid: int) -> None:
+    for dirpath, dirnames, filenames in os.walk(path):
+        os.chown(dirpath, uid, uid)
+        for n in dirnames + filenames:
+            os.chown(os.path.join(dirpath, n), uid, uid, follow_symlinks=False)
+
+
+@pytest.fixture
+def nobody_base() -> Path:
+    if not treegen.AS_ROOT:
+        pytest.skip("needs root to act as another user")
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-mat-"))
+    os.chmod(base, 0o755)
+    yield base  # type: ignore[misc]
+    rmtree(base)
+
+
+def _without_owner(desc: treegen.Description) -> dict[bytes, tuple[object, ...]]:
+    out = {}
+    for path, d in desc.items():
+        if d[0] == "symlink":
+            out[path] = (d[0], *d[3:])
+        else:
+            out[path] = (d[0], d[1], *d[4:])
+    return out
+
+
+def test_read_only_dirs_round_trip_and_wipe_as_unprivileged_user(nobody_base: Path) -> None:
+    """Without root's override, modes must be applied deepest first and the wipe must
+    make read-only directories writable again before emptying them."""
+    src = nobody_base / "src"
+    (src / "ro" / "inner").mkdir(parents=True)
+    (src / "ro" / "f").write_bytes(b"read-only file\n")
+    (src / "ro" / "inner" / "g").write_bytes(b"deeper\n")
+    (src / "z").mkdir()
+    os.link(src / "ro" / "f", src / "z" / "h")
+    (src / "sealed").mkdir()
+    (src / "sealed" / "s").write_bytes(b"sealed\n")
+    os.symlink("ro/f", src / "link")
+    os.chmod(src / "ro" / "f", 0o444)
+    os.chmod(src / "ro" / "inner" / "g", 0o400)
+    os.chmod(src / "ro" / "inner", 0o500)
+    os.chmod(src / "ro", 0o555)
+    os.chmod(src / "sealed", 0o000)
+    os.chmod(src / "z", 0o555)
+    st = Store(nobody_base / "store")
+    ref = snapshot(st, src)
+    # A second snapshot where a file after the read-only directory has lost its chunk.
+    (nobody_base / "src2").mkdir()
+    treegen.cp_a(src / "ro", nobody_base / "src2" / "a-ro")
+    (nobody_base / "src2" / "b-missing").write_bytes(b"its chunk will be gone\n")
+    broken = snapshot(st, nobody_base / "src2")
+    entry = resolve(st, broken, b"b-missing")
+    assert entry is not None
+    st.conn.execute("DELETE FROM objects WHERE id=?", (entry.chunks[0],))
+    st.close()
+    _chown_tree(nobody_base / "store", 65534)
+    for d in ("dest", "dest2"):
+        (nobody_base / d).mkdir()
+        os.chown(nobody_base / d, 65534, 65534)
+
+    def child() -> int:
+        s = Store(nobody_base / "store")
+        r = materialize(s, ref, nobody_base / "dest")
+        if r.entries != 9:
+            return 4
+        try:
+            materialize(s, broken, nobody_base / "dest2")
+        except IntegrityError:
+            return 3 if not os.listdir(nobody_base / "dest2") else 5
+        return 6
+
+    assert _as_nobody(child) == 3
+    got = treegen.describe(nobody_base / "dest")
+    assert _without_owner(got) == _without_owner(treegen.describe(src))
+    assert {d[2] for d in got.values() if d[0] != "symlink"} == {65534}

@@ -442,3 +442,29 @@ def test_ls_cat_resolve(tmp_path: Path, small: Store) -> None:
     for not_file in (b"src", b"links/relative", b""):
         with pytest.raises(StoreError, match="not a file"):
             list(cat(small, ref, not_file))
+
+
+def test_directory_swapped_for_a_symlink_mid_walk_is_not_followed(tmp_path: Path,
+                                                                  store: Store) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"must never be read\n")
+    src = tmp_path / "src"
+    (src / "b").mkdir(parents=True)
+    (src / "a").write_bytes(b"first\n")
+    (src / "b" / "inner").write_bytes(b"inner\n")
+
+    seen: list[int] = []
+
+    def attacker(files: int, done: int) -> None:
+        seen.append(done)
+        if files == 1 and (src / "b").is_dir() and not (src / "b").is_symlink():
+            os.rename(src / "b", tmp_path / "b-moved")
+            os.symlink(outside, src / "b")
+
+    with pytest.raises(SnapshotError, match="changed while read"):
+        snapshot(store, src, progress=attacker)
+    assert store.list_snapshots() == []
+    # Whichever of a and b came first, the symlink was never followed: only a (6 bytes)
+    # and b/inner (6 bytes) were read, never the secret (19 bytes).
+    assert seen and max(seen) <= 12
