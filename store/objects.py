@@ -92,18 +92,26 @@ class Store:
         self._cache_lock = threading.Lock()
         self._trees: OrderedDict[bytes, Tree] = OrderedDict()
         self._records: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        # Creation is serialized: two processes opening a new store at once must agree on
+        # its config and must not race on creating the schema.
+        init_fd = os.open(os.path.join(self.root, "init.lock"),
+                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            cfg = json.loads(self.backend.get(CONFIG_KEY))
-        except BlobNotFoundError:
-            if chunk_size & (chunk_size - 1) or not (64 << 10) <= chunk_size <= (8 << 20):
-                raise StoreError(f"chunk size {chunk_size} is not a power of two "
-                                 "from 64 KiB to 8 MiB") from None
-            cfg = {"format": 1, "chunk_size": chunk_size, "level": level}
-            self.backend.put(CONFIG_KEY, json.dumps(cfg, sort_keys=True).encode())
-            self.backend.sync()
-        self.chunk_size: int = int(cfg["chunk_size"])
-        self.level: int = int(cfg["level"])
-        schema.create(self.conn)
+            fcntl.flock(init_fd, fcntl.LOCK_EX)
+            try:
+                cfg = json.loads(self.backend.get(CONFIG_KEY))
+            except BlobNotFoundError:
+                if chunk_size & (chunk_size - 1) or not (64 << 10) <= chunk_size <= (8 << 20):
+                    raise StoreError(f"chunk size {chunk_size} is not a power of two "
+                                     "from 64 KiB to 8 MiB") from None
+                cfg = {"format": 1, "chunk_size": chunk_size, "level": level}
+                self.backend.put(CONFIG_KEY, json.dumps(cfg, sort_keys=True).encode())
+                self.backend.sync()
+            self.chunk_size: int = int(cfg["chunk_size"])
+            self.level: int = int(cfg["level"])
+            schema.create(self.conn)
+        finally:
+            os.close(init_fd)
 
     # -- index connection -------------------------------------------------------------
 

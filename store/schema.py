@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import sqlite3
 
-import sqlite_utils
-
 SCHEMA_VERSION = 1
 
 # table -> (column -> comment). The comments are the documentation of the schema.
@@ -108,7 +106,19 @@ TABLES: dict[str, dict[str, str]] = {
 
 
 def create(conn: sqlite3.Connection) -> None:
-    """Create every table that is missing (idempotent) and switch the file to WAL."""
+    """Create every table that is missing (idempotent) and switch the file to WAL.
+
+    A file already at SCHEMA_VERSION is left alone without importing sqlite-utils, which
+    keeps short CLI commands fast.
+    """
+    try:
+        row = conn.execute("SELECT value FROM config WHERE key='schema_version'").fetchone()
+    except sqlite3.OperationalError:
+        row = None
+    if row is not None and row[0] == str(SCHEMA_VERSION):
+        return
+    import sqlite_utils
+
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     db = sqlite_utils.Database(conn)
