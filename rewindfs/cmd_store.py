@@ -35,6 +35,10 @@ class NotFoundError(Exception):
 
 def register(sub: Any) -> None:
     p = sub.add_parser("init", help="create the store (optional: any command creates it)")
+    p.add_argument("--chunk-size", type=size_arg, default=None, metavar="BYTES",
+                   help="chunk size, a power of two from 64K to 8M (default 1M); fixed "
+                        "when the store is created")
+    p.add_argument("--level", type=int, default=None, help="zstd level (default 3)")
     add_json(p)
     p.set_defaults(handler=cmd_init)
 
@@ -102,6 +106,16 @@ def parse_ref(text: str) -> Any:
     from store.ref import Ref
 
     return Ref.parse(text)
+
+
+def size_arg(text: str) -> int:
+    """A byte count: digits, optionally followed by K or M (powers of 1024)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    digits = t[:-1] if mult > 1 else t
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 512K, 1M)")
+    return int(digits) * mult
 
 
 def inner_path(text: str) -> bytes:
@@ -213,7 +227,15 @@ def _time_text(ns: int) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    st = open_store(args)
+    from store.errors import StoreError
+    from store.objects import DEFAULT_CHUNK_SIZE, DEFAULT_LEVEL, Store
+
+    st = Store(args.store, chunk_size=args.chunk_size or DEFAULT_CHUNK_SIZE,
+               level=DEFAULT_LEVEL if args.level is None else args.level)
+    for name, asked, got in (("chunk size", args.chunk_size, st.chunk_size),
+                             ("zstd level", args.level, st.level)):
+        if asked is not None and asked != got:
+            raise StoreError(f"store {st.root} already exists with {name} {got}, not {asked}")
     emit(args, {"root": st.root, "chunk_size": st.chunk_size, "level": st.level},
          f"store {st.root} (chunk size {human_bytes(st.chunk_size)}, zstd level {st.level})")
     return 0

@@ -130,6 +130,16 @@ def test_store_is_created_on_first_use_at_the_default_place(tmp_path: Path) -> N
     assert not (tmp_path / "env-store").exists()
 
 
+def test_init_fixes_chunk_size_and_level_once(store: Path) -> None:
+    assert rwj(store, "init", "--chunk-size", "256K", "--level", "5") == {
+        "root": str(store), "chunk_size": 256 << 10, "level": 5}
+    assert rwj(store, "init")["chunk_size"] == 256 << 10
+    assert_one_line_error(rw(store, "init", "--chunk-size", "1M", code=1), "262144")
+    assert_one_line_error(rw(store.with_name("s2"), "init", "--chunk-size", "3000", code=1),
+                          "power of two")
+    rw(store, "init", "--chunk-size", "lots", code=2)
+
+
 def test_snapshot_prints_the_ref_and_lists_it(store: Path, tree: Path) -> None:
     text = rw(store, "snapshot", str(tree), "--label", "first").stdout.decode()
     ref = text.strip()
