@@ -458,22 +458,29 @@ class _Walker:
             self.progress(r.files, r.bytes)
 
     def _load_cache(self, d: _Dir) -> None:
-        """Read the files cache rows of ``d``'s files (one range query) and which of their
-        chunks are indexed (one query per 500 ids)."""
+        """Read the files cache rows of ``d``'s files and which of their chunks are indexed
+        (one range query; files of several chunks need one more query per 500 ids)."""
         d.cache = {}
         if self.store is None or self.cache_prefix is None:
             return
         base = self.cache_prefix + d.rel + b"/" if d.rel else self.cache_prefix
         conn = self.store.conn
+        # The join answers presence for the usual one-chunk file; longer ones are asked next.
         rows = conn.execute(
-            "SELECT path, size, mtime_ns, ctime_ns, inode, chunks, trusted_before_ns "
-            "FROM files_cache WHERE path > ? AND path < ? AND instr(substr(path, ?), x'2f') = 0",
+            "SELECT f.path, f.size, f.mtime_ns, f.ctime_ns, f.inode, f.chunks, "
+            "f.trusted_before_ns, o.id IS NOT NULL FROM files_cache f "
+            "LEFT JOIN objects o ON o.id = f.chunks "
+            "WHERE f.path > ? AND f.path < ? AND instr(substr(f.path, ?), x'2f') = 0",
             (base, base[:-1] + b"0", len(base) + 1)).fetchall()
         want: set[bytes] = set()
-        for path, size, mtime, ctime, ino, blob, horizon in rows:
+        for path, size, mtime, ctime, ino, blob, horizon, single in rows:
             if mtime < horizon and ctime < horizon:
                 d.cache[path[len(base):]] = (size, mtime, ctime, ino, blob, horizon)
-                want.update(blob[i:i + DIGEST_SIZE] for i in range(0, len(blob), DIGEST_SIZE))
+                if single:
+                    d.present.add(blob)
+                elif len(blob) > DIGEST_SIZE:
+                    want.update(blob[i:i + DIGEST_SIZE]
+                                for i in range(0, len(blob), DIGEST_SIZE))
         ids = list(want)
         for i in range(0, len(ids), 500):
             batch = ids[i:i + 500]
