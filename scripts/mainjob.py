@@ -128,6 +128,9 @@ class MainJob:
 
     def run(self) -> int:
         print(f"rewindfs main job: source {self.source}")
+        if is_under(self.source, self.scratch):
+            print(f"mainjob: the source may not be inside {self.scratch}", file=sys.stderr)
+            return 2
         rmtree(self.scratch)
         total0 = time.perf_counter()
         ok = True
@@ -158,8 +161,12 @@ class MainJob:
     def stage(self) -> str:
         """Copy the source with everything metadata-exact (tar, POSIX format: ns mtimes,
         xattrs, hard links, modes, owners), leaving out what changes while the job runs:
-        the store, this scratch directory and the CLI's own virtualenv."""
-        candidates = [p for p in (self.store_root, self.scratch.parent, REPO / ".venv")
+        the store, this scratch directory, the repository's agent-data/ and the CLI's own
+        virtualenv."""
+        if is_under(self.source, self.store_root):
+            raise CheckFailed(f"the source {self.source} is inside the store")
+        candidates = [p for p in (self.store_root, self.scratch, REPO / "agent-data",
+                                  REPO / ".venv")
                       if is_under(p, self.source) and p != self.source]
         excluded = sorted({p for p in candidates
                            if not any(q != p and is_under(p, q) for q in candidates)})
