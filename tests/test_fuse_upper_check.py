@@ -101,6 +101,15 @@ def break_dir_reachable(s: Path) -> None:
     c.execute("UPDATE inodes SET parent=? WHERE ino=?", (a, b))
 
 
+def break_closure(s: Path) -> None:
+    c = db(s)
+    ino, origin = c.execute("SELECT ino, origin FROM inodes WHERE kind<>1 AND nlink>0 "
+                            "AND substr(origin, 1, 1)=x'70'").fetchone()
+    # the lower identity now names a directory (inode 999999) that has no row
+    c.execute("UPDATE inodes SET origin=? WHERE ino=?",
+              (origin[:1] + (999999).to_bytes(8, "little") + origin[9:], ino))
+
+
 def break_nlink_file(s: Path) -> None:
     c = db(s)
     ino = one(c, "SELECT ino FROM inodes WHERE kind=2 AND nlink>0")
@@ -156,6 +165,7 @@ BREAKERS: dict[str, Callable[[Path], None]] = {
     "kind-fields": break_kind_fields, "dentry-parent": break_dentry_parent,
     "dentry-target": break_dentry_target, "whiteout-lower": break_whiteout_lower,
     "dir-one-name": break_dir_one_name, "dir-reachable": break_dir_reachable,
+    "closure": break_closure,
     "nlink-file": break_nlink_file, "nlink-dir": break_nlink_dir, "cookie": break_cookie,
     "xattr-owner": break_xattr_owner, "data-owner": break_data_owner,
     "data-size": break_data_size, "present-range": break_present_range,
