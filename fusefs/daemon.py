@@ -49,6 +49,7 @@ class MountConfig:
     log_path: str | None = None
     stats_path: str | None = None
     debug: bool = False
+    max_tasks: int = int(os.environ.get("REWINDFS_FUSE_TASKS", "8"))
 
 
 def _setup_logging(path: str | None, debug: bool) -> None:
@@ -180,7 +181,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
             log.info("serving %s at %s%s", ov.lower.ref, cfg.mountpoint,
                      f" with state {cfg.state_dir}" if cfg.state_dir else " read-only")
             ready(None)
-            await pyfuse3.main()
+            await pyfuse3.main(min_tasks=1, max_tasks=cfg.max_tasks)
             nursery.cancel_scope.cancel()
 
     code = 0

@@ -20,7 +20,8 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, TypeVar, cast
 
 import pyfuse3
 import trio
@@ -55,6 +56,36 @@ COMMIT_INTERVAL_S = 1.0
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
+class Gate(Protocol):
+    """Admission of changes (checkpoint and restore pause it; see ``fusefs.gate``)."""
+
+    def mutation(self) -> AbstractAsyncContextManager[Any]: ...
+
+    def opening(self, writable: bool) -> AbstractAsyncContextManager[Any]: ...
+
+
+class _Admit:
+    """Admits everything at once (no checkpoint or restore can pause this mount)."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+class OpenGate:
+    """A ``Gate`` that never pauses."""
+
+    _admit = _Admit()
+
+    def mutation(self) -> _Admit:
+        return self._admit
+
+    def opening(self, writable: bool) -> _Admit:
+        return self._admit
+
+
 def _boundary(fn: F) -> F:
     """Wrap a handler: count it, map OSError to its errno, anything else to EIO + a log."""
     op = fn.__name__
@@ -76,18 +107,25 @@ def _boundary(fn: F) -> F:
 
 
 class Operations(pyfuse3.Operations):
-    """pyfuse3 operations over ``overlay``; ``timeout`` (s) for entries and attributes."""
+    """pyfuse3 operations over ``overlay``; ``timeout`` (s) for entries and attributes.
+
+    Every mutating handler runs inside ``gate.mutation()`` and ``open`` inside
+    ``gate.opening(writable)``; ``upper_lock`` is held around every write-behind batch
+    (checkpoint and restore take it to reset the upper).
+    """
 
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S) -> None:
+    def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S,
+                 gate: Gate | None = None, upper_lock: trio.Lock | None = None) -> None:
         super().__init__()
         self.ov = overlay
         self.timeout = timeout
+        self.gate: Gate = gate or OpenGate()
+        self.upper_lock = upper_lock or trio.Lock()
         self.counts: Counter[str] = Counter()
         self.errors = 0
-        self._commit_lock = trio.Lock()
         self._failed: list[Batch] = []
 
     # -- helpers ---------------------------------------------------------------------------
@@ -139,7 +177,7 @@ class Operations(pyfuse3.Operations):
         upper = self.ov.upper
         if upper is None:
             return
-        async with self._commit_lock:
+        async with self.upper_lock:
             if not durable and not self.ov.dirty and not self._failed:
                 return
             paths = self.ov.take_unsynced() if durable else []
@@ -157,6 +195,8 @@ class Operations(pyfuse3.Operations):
                         raise
 
             await trio.to_thread.run_sync(work)
+
+    persist = commit
 
     async def commit_loop(self, interval: float = COMMIT_INTERVAL_S) -> None:
         """Batch commits between fsyncs (CONTRACT 2.5): every ``interval`` seconds."""
@@ -195,15 +235,16 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields,
                       fh: FileHandleT | None, ctx: RequestContext) -> EntryAttributes:
-        n = self.ov.setattr(
-            inode,
-            mode=attr.st_mode if fields.update_mode else None,
-            uid=attr.st_uid if fields.update_uid else None,
-            gid=attr.st_gid if fields.update_gid else None,
-            size=attr.st_size if fields.update_size else None,
-            atime_ns=attr.st_atime_ns if fields.update_atime else None,
-            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
-            ctime_ns=attr.st_ctime_ns if fields.update_ctime else None)
+        async with self.gate.mutation():
+            n = self.ov.setattr(
+                inode,
+                mode=attr.st_mode if fields.update_mode else None,
+                uid=attr.st_uid if fields.update_uid else None,
+                gid=attr.st_gid if fields.update_gid else None,
+                size=attr.st_size if fields.update_size else None,
+                atime_ns=attr.st_atime_ns if fields.update_atime else None,
+                mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+                ctime_ns=attr.st_ctime_ns if fields.update_ctime else None)
         return self.attrs(n)
 
     @_boundary
@@ -213,49 +254,59 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def mknod(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
-        return self.attrs(self.ov.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+        async with self.gate.mutation():
+            return self.attrs(self.ov.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @_boundary
     async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT,
                     ctx: RequestContext) -> EntryAttributes:
-        return self.attrs(self.ov.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        async with self.gate.mutation():
+            return self.attrs(self.ov.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_boundary
     async def symlink(self, parent_inode: InodeT, name: FileNameT, target: FileNameT,
                       ctx: RequestContext) -> EntryAttributes:
-        return self.attrs(self.ov.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        async with self.gate.mutation():
+            return self.attrs(self.ov.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @_boundary
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
-        self.ov.unlink(parent_inode, name)
+        async with self.gate.mutation():
+            self.ov.unlink(parent_inode, name)
 
     @_boundary
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
-        self.ov.rmdir(parent_inode, name)
+        async with self.gate.mutation():
+            self.ov.rmdir(parent_inode, name)
 
     @_boundary
     async def rename(self, parent_inode_old: InodeT, name_old: FileNameT,
                      parent_inode_new: InodeT, name_new: FileNameT, flags: FlagT,
                      ctx: RequestContext) -> None:
-        self.ov.rename(parent_inode_old, bytes(name_old), parent_inode_new, bytes(name_new),
-                       flags)
+        async with self.gate.mutation():
+            self.ov.rename(parent_inode_old, bytes(name_old), parent_inode_new,
+                           bytes(name_new), flags)
 
     @_boundary
     async def link(self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT,
                    ctx: RequestContext) -> EntryAttributes:
-        return self.attrs(self.ov.link(inode, new_parent_inode, new_name))
+        async with self.gate.mutation():
+            return self.attrs(self.ov.link(inode, new_parent_inode, new_name))
 
     # -- files -----------------------------------------------------------------------------
 
     @_boundary
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
-        return FileInfo(fh=FileHandleT(self.ov.open(inode, flags)), keep_cache=True)
+        writable = flags & os.O_ACCMODE != os.O_RDONLY or bool(flags & os.O_TRUNC)
+        async with self.gate.opening(writable):
+            return FileInfo(fh=FileHandleT(self.ov.open(inode, flags)), keep_cache=True)
 
     @_boundary
     async def create(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
-        fh, n = self.ov.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-        return FileInfo(fh=FileHandleT(fh), keep_cache=True), self.attrs(n)
+        async with self.gate.mutation():
+            fh, n = self.ov.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+            return FileInfo(fh=FileHandleT(fh), keep_cache=True), self.attrs(n)
 
     @_boundary
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
@@ -264,12 +315,12 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
-        await self._load_chunks(fh, off, len(buf))
-        return self.ov.write(fh, off, buf)
+        async with self.gate.mutation():
+            await self._load_chunks(fh, off, len(buf))
+            return self.ov.write(fh, off, buf)
 
-    @_boundary
-    async def flush(self, fh: FileHandleT) -> None:
-        return None  # durability is promised at fsync (CONTRACT 2.5), not at close
+    # No flush handler: pyfuse3 answers ENOSYS once and the kernel stops sending FLUSH on
+    # every close(2). Durability is promised at fsync (CONTRACT 2.5), not at close.
 
     @_boundary
     async def release(self, fh: FileHandleT) -> None:
@@ -277,15 +328,16 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
-        fd = self.ov.sync_fd(fh)
-        if fd is not None:
-            def sync() -> None:
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-            await trio.to_thread.run_sync(sync)
-        await self.commit(durable=True)
+        async with self.gate.mutation():
+            fd = self.ov.sync_fd(fh)
+            if fd is not None:
+                def sync() -> None:
+                    try:
+                        os.fdatasync(fd)
+                    finally:
+                        os.close(fd)
+                await trio.to_thread.run_sync(sync)
+            await self.commit(durable=True)
 
     # -- directories -------------------------------------------------------------------
 
@@ -311,7 +363,8 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def fsyncdir(self, fh: FileHandleT, datasync: bool) -> None:
-        await self.commit(durable=True)
+        async with self.gate.mutation():
+            await self.commit(durable=True)
 
     # -- the rest --------------------------------------------------------------------------
 
@@ -330,7 +383,8 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes,
                        ctx: RequestContext) -> None:
-        self.ov.setxattr(inode, name, value)
+        async with self.gate.mutation():
+            self.ov.setxattr(inode, name, value)
 
     @_boundary
     async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
@@ -342,4 +396,5 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
-        self.ov.removexattr(inode, name)
+        async with self.gate.mutation():
+            self.ov.removexattr(inode, name)

@@ -318,17 +318,27 @@ class Overlay:
             raise _err(errno.EROFS)
 
     def _copy_up(self, n: Node) -> None:
-        """Give ``n`` an upper row (metadata only; data is copied per chunk on write)."""
+        """Give ``n`` an upper row (metadata only; data is copied per chunk on write), and
+        its ancestor directories too, up to the first that has one (``[closure]``): a
+        checkpoint then only descends into directories with a row."""
         if not n.upper:
             self._mut()
-            n.upper = True
-            if n.kind is Kind.DIR and n.entries is None:
-                n.entries = {}
-            if n.origin is not None:
-                self.by_origin[n.origin] = n.ino
-            if n.xattrs:
-                self._dirty_xattr.add(n.ino)
+            self._row(n)
+            p = self.nodes.get(n.parent)
+            while p is not None and not p.upper:
+                self._row(p)
+                self._dirty_ino.add(p.ino)
+                p = self.nodes.get(p.parent)
         self._dirty_ino.add(n.ino)
+
+    def _row(self, n: Node) -> None:
+        n.upper = True
+        if n.kind is Kind.DIR and n.entries is None:
+            n.entries = {}
+        if n.origin is not None:
+            self.by_origin[n.origin] = n.ino
+        if n.xattrs:
+            self._dirty_xattr.add(n.ino)
 
     @staticmethod
     def _check_name(name: bytes) -> None:

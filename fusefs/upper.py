@@ -35,6 +35,9 @@ Invariants, each checked by ``check`` under the stable name in brackets:
 - [dir-one-name] a directory is named by at most one dentry, and its ``parent`` is the
   directory holding that dentry.
 - [dir-reachable] following ``parent`` from a linked directory reaches the root, no cycle.
+- [closure] the directory holding a linked inode with a row has a row too: a directory's
+  ``parent``, the directory named in a non-directory's lower identity (copy-up gives every
+  ancestor a row, so a checkpoint visits only directories with rows).
 - [nlink-file] a non-directory's nlink is its ``lower_links`` plus the dentries naming it.
 - [nlink-dir] a linked directory's nlink is 2 plus its subdirectories (upper dentries,
   plus unshadowed lower ones when the store is at hand).
@@ -583,6 +586,20 @@ def check(state_dir: str, store: object | None = None) -> list[Problem]:
             bad("nlink-dir", f"directory {ino} has nlink {r['nlink']}, want {want}")
         elif r["nlink"] < want:
             bad("nlink-dir", f"directory {ino} has nlink {r['nlink']}, want >= {want}")
+
+    # [closure]
+    for ino, r in rows.items():
+        if r["nlink"] == 0 or ino == ROOT_INO:
+            continue
+        o = r["origin"]
+        if r["kind"] == 1:
+            holder = r["parent"]
+        elif o is not None and o[:1] == b"p":
+            holder = int.from_bytes(o[1:9], "little")
+        else:
+            continue
+        if holder not in rows:
+            bad("closure", f"inode {ino} has a row but its directory {holder} has none")
 
     # [xattr-owner]
     for ino, name in xattrs:
