@@ -42,7 +42,7 @@ from pyfuse3 import (
 )
 
 from .inodes import Node
-from .overlay import Overlay, sync_path
+from .overlay import Overlay, sync_paths
 from .upper import Batch
 
 log = logging.getLogger("rewindfs.fuse")
@@ -185,8 +185,7 @@ class Operations(pyfuse3.Operations):
             self._failed = []
 
             def work() -> None:
-                for p in paths:
-                    sync_path(p)
+                sync_paths(paths, upper.data_dir)
                 for i, b in enumerate(batches):
                     try:
                         upper.write(b, durable and i == len(batches) - 1)
