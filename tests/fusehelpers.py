@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import signal
 import sqlite3
@@ -409,6 +410,22 @@ def walk_tree(root: str | os.PathLike[str]) -> Iterator[str]:
     return iter(sorted(out))
 
 
+def request_counts(d: Daemon, stats_file: Path, timeout: float = 10.0) -> dict[str, int]:
+    """Per-operation FUSE request counts of a daemon started with ``--stats-file
+    stats_file``: asks with SIGUSR1 and waits for the file to be rewritten."""
+    before = stats_file.stat().st_mtime_ns if stats_file.exists() else 0
+    os.kill(d.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stats_file.exists() and stats_file.stat().st_mtime_ns != before:
+            try:
+                return dict(json.loads(stats_file.read_text())["requests"])
+            except (ValueError, KeyError):
+                pass
+        time.sleep(0.01)
+    raise MountError(f"daemon for {d.mnt} did not write {stats_file} on SIGUSR1")
+
+
 def drop_caches() -> None:
     """Write back dirty data and drop the page, dentry and inode caches (needs root)."""
     os.sync()
@@ -441,21 +458,22 @@ class Mounter:
         p.mkdir(parents=True, exist_ok=False)
         return p
 
-    def ro(self, ref: str, mnt: Path | None = None) -> Daemon:
+    def ro(self, ref: str, mnt: Path | None = None, extra: list[str] | None = None) -> Daemon:
         """Mount ``ref`` read-only."""
         d = Daemon(store=self.store, mnt=mnt or self._new_dir("ro"), ref=ref, ro=True,
-                   log=self.base / f"daemon{self._n}-ro.log")
+                   log=self.base / f"daemon{self._n}-ro.log", extra=list(extra or []))
         self.daemons.append(d)
         return start(d)
 
     def rw(self, ref: str | None, *, state: Path | None = None, mnt: Path | None = None,
-           allow_other: bool = False) -> Daemon:
+           allow_other: bool = False, extra: list[str] | None = None) -> Daemon:
         """Mount a read-write session over ``ref`` with state directory ``state`` (new if
-        None); ``ref=None`` remounts the base recorded in ``state``."""
+        None); ``ref=None`` remounts the base recorded in ``state``. ``extra``: more
+        arguments for ``rewindfs mount``."""
         mnt = mnt or self._new_dir("mnt")
         state = state or self.base / f"state{self._n}"
         d = Daemon(store=self.store, mnt=mnt, ref=ref, state=state, allow_other=allow_other,
-                   log=self.base / f"daemon{self._n}-rw.log")
+                   log=self.base / f"daemon{self._n}-rw.log", extra=list(extra or []))
         self.daemons.append(d)
         return start(d, with_ref=ref is not None)
 

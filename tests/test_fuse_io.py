@@ -61,6 +61,31 @@ def test_o_append_to_lower_file(lower: Path) -> None:
     assert (lower / "plain.txt").read_bytes() == b"hello world\nmore\nend\n"
 
 
+APPENDER = (
+    "import os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)\n"
+    "for i in range(int(sys.argv[3])):\n"
+    "    os.write(fd, f'{sys.argv[2]}-{i:06d}'.ljust(31).encode() + b'\\n')\n"
+    "os.close(fd)\n"
+)
+
+
+def test_o_append_from_several_processes(lower: Path) -> None:
+    p = lower / "plain.txt"
+    n, procs = 400, 4
+    running = [subprocess.Popen([sys.executable, "-c", APPENDER, str(p), f"p{k}", str(n)])
+               for k in range(procs)]
+    assert [r.wait(timeout=300) for r in running] == [0] * procs
+    data = p.read_bytes()
+    assert data.startswith(b"hello world\n")
+    body = data[len(b"hello world\n"):]
+    assert len(body) == n * procs * 32
+    records = [body[i:i + 32] for i in range(0, len(body), 32)]
+    for k in range(procs):
+        mine = [r for r in records if r.startswith(b"p%d-" % k)]
+        assert mine == [f"p{k}-{i:06d}".ljust(31).encode() + b"\n" for i in range(n)]
+
+
 def test_write_one_byte_into_big_lower_file(lower: Path) -> None:
     p = lower / "big.bin"
     want = bytearray(pattern(BIG_SIZE))
