@@ -5,15 +5,23 @@ in ``$XDG_RUNTIME_DIR/rewindfs/`` (else ``/tmp/rewindfs-<uid>/``, mode 0700) nam
 ``<session id>.sock``; its path is recorded in the session's state directory as ``control``.
 Protocol: one JSON object per line each way. Requests ``{"op": ..., ...}``: ``status``,
 ``checkpoint {trigger}``, ``restore {ref, discard, timeout_s}``, ``turn_done``,
-``step_done``, ``shutdown``. Replies ``{"ok": true, ...}`` or ``{"ok": false, "error":
-<class name>, "kind": <kind or null>, "message": ..., "exit_code": ...}``.
+``step_done``, ``shutdown``, ``write_permit``. Replies ``{"ok": true, ...}`` or ``{"ok":
+false, "error": <class name>, "kind": <kind or null>, "message": ..., "exit_code": ...}``.
+
+``write_permit`` is the one request that keeps its connection: the host takes the session's
+whole-workspace write permit (a checkpoint or restore waits for it; the request itself waits
+while one runs or is waiting), replies ``{"ok": true}`` and holds the permit until the client
+closes the connection (or sends anything more). A client that dies releases it with its
+socket. ``hold_write_permit`` is the client side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from .errors import SessionError
@@ -68,22 +76,42 @@ def control_path(state_dir: str) -> str | None:
         return None
 
 
+def _exchange(s: socket.socket, path: str, req: dict[str, Any]) -> dict[str, Any]:
+    """Send ``req`` on the connected ``s`` and read one reply line."""
+    s.sendall(json.dumps(req).encode() + b"\n")
+    buf = b""
+    while not buf.endswith(b"\n"):
+        data = s.recv(65536)
+        if not data:
+            break
+        buf += data
+    if not buf:
+        raise ConnectionResetError(f"{path}: the session host closed the connection")
+    out: dict[str, Any] = json.loads(buf)
+    return out
+
+
 def request(path: str, req: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
     """Send one request and return the reply (raises OSError if nobody serves ``path``)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         s.connect(path)
-        s.sendall(json.dumps(req).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            data = s.recv(65536)
-            if not data:
-                break
-            buf += data
-    if not buf:
-        raise ConnectionResetError(f"{path}: the session host closed the connection")
-    out: dict[str, Any] = json.loads(buf)
-    return out
+        return _exchange(s, path, req)
+
+
+@contextlib.contextmanager
+def hold_write_permit(path: str, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the session's whole-workspace write permit for the ``with`` block, across
+    processes (the ``write_permit`` request). Waits (up to ``timeout_s``, default without
+    end) while a checkpoint or restore runs or waits.
+
+    Raises OSError if nobody serves ``path`` or the wait times out, HostError if the session
+    refuses (closed or faulted)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        raise_reply(_exchange(s, path, {"op": "write_permit"}))
+        yield
 
 
 def live_host(state_dir: str) -> str | None:

@@ -23,6 +23,7 @@ import signal
 import socketserver
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from store.ref import Ref
@@ -65,10 +66,20 @@ class _Handler(socketserver.StreamRequestHandler):
         line = self.rfile.readline()
         try:
             req = json.loads(line)
+            if isinstance(req, dict) and req.get("op") == "write_permit":
+                self.server.host.hold_write_permit(self._send, self.rfile.readline)
+                return
             reply = self.server.host.dispatch(req)
         except Exception as e:
             reply = error_reply(e)
+        try:
+            self._send(reply)
+        except OSError:
+            pass  # the client went away
+
+    def _send(self, reply: dict[str, Any]) -> None:
         self.wfile.write(json.dumps(reply).encode() + b"\n")
+        self.wfile.flush()
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
@@ -111,6 +122,18 @@ class Host:
             self.done.set()
             return {"ok": True}
         raise ValueError(f"unknown control request {op!r}")
+
+    def hold_write_permit(self, send: Callable[[dict[str, Any]], None],
+                          wait_closed: Callable[[], object]) -> None:
+        """The ``write_permit`` request: take the session's write permit, ``send`` the ok
+        reply, and hold the permit until ``wait_closed`` returns (the client closed the
+        connection). A refusal (closed, faulted session) raises before anything is sent."""
+        with self.session.write_permit():
+            try:
+                send({"ok": True})
+            except OSError:
+                return  # the client gave up waiting: release at once
+            wait_closed()
 
     def serve(self) -> None:
         try:
