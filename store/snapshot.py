@@ -106,7 +106,11 @@ def link_group_id(paths: list[bytes]) -> bytes:
 
 
 class _HashSink:
-    """Computes ids only; writes nothing (``compute_ref``)."""
+    """Computes ids only; writes nothing to the store (``compute_ref``). ``trees``, when
+    given, receives every encoded tree by id."""
+
+    def __init__(self, trees: dict[ObjectId, bytes] | None = None) -> None:
+        self._trees = trees
 
     def chunk(self, data: bytes) -> ObjectId:
         return object_id(data)
@@ -115,7 +119,11 @@ class _HashSink:
         return chunker.zero_chunk_id(length)
 
     def tree(self, entries: list[Entry]) -> ObjectId:
-        return object_id(encode_tree(entries))
+        data = encode_tree(entries)
+        oid = object_id(data)
+        if self._trees is not None:
+            self._trees[oid] = data
+        return oid
 
     def have(self, ids: list[ObjectId]) -> bool:
         return False
@@ -627,17 +635,22 @@ def snapshot(store: Store, path: str | os.PathLike[str], *, label: str | None = 
     return run_snapshot(store, path, label=label, origin=origin, progress=progress).ref
 
 
-def compute_ref_fd(fd: int, shown: str, chunk_size: int) -> Ref:
-    """The Ref of the directory open at ``fd``, computed without writing anything."""
-    walker = _Walker(fd, shown, _HashSink(), chunk_size=chunk_size)
+def compute_ref_fd(fd: int, shown: str, chunk_size: int,
+                   trees: dict[ObjectId, bytes] | None = None) -> Ref:
+    """The Ref of the directory open at ``fd``, computed without writing anything; every
+    encoded tree goes into ``trees`` when given (id -> encoding)."""
+    walker = _Walker(fd, shown, _HashSink(trees), chunk_size=chunk_size)
     return Ref(walker.walk())
 
 
-def compute_ref(path: str | os.PathLike[str], *, chunk_size: int = 1 << 20) -> Ref:
+def compute_ref(path: str | os.PathLike[str], *, chunk_size: int = 1 << 20,
+                trees: dict[ObjectId, bytes] | None = None) -> Ref:
     """The Ref that ``snapshot`` would give ``path`` in a store of ``chunk_size``, without
-    writing anything. Raises SnapshotError as ``snapshot`` does."""
+    writing anything to the store; every encoded tree goes into ``trees`` when given (so a
+    caller can diff a live directory against a snapshot). Raises SnapshotError as
+    ``snapshot`` does."""
     fd, _ = _open_root(path)
     try:
-        return compute_ref_fd(fd, os.fspath(path), chunk_size)
+        return compute_ref_fd(fd, os.fspath(path), chunk_size, trees)
     finally:
         os.close(fd)
