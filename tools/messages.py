@@ -93,6 +93,21 @@ BASH_START_FAILED = "could not start the command: {reason}"
 
 # --- session calls (checkpoint, log, diff, restore) ---------------------------------------
 SESSION_FAILED = "{call} failed: {reason}"
+SESSION_CHECKPOINTED = "checkpointed the workspace as {ref}"
+SESSION_LABEL_NOT_KEPT = ("[note: the session keeps no labels; refer to this checkpoint by "
+                          "its ref]")
+SESSION_RESTORED = "restored the workspace to {ref}"
+SESSION_RESTORED_UNDO = ("restored the workspace to {ref}; the state before was checkpointed "
+                         "as {pre} (restore that ref to undo)")
+SESSION_LOG_CHECKPOINT = "{seq:>4}  {time}  checkpoint ({trigger})  {ref}"
+SESSION_LOG_RESTORE = "{seq:>4}  {time}  restored to  {ref}"
+SESSION_LOG_EMPTY = "the session has no history yet"
+SESSION_DIFF_LIVE = "the live workspace"
+SESSION_DIFF_HEAD = "{count} changed path{s} from {a} to {b}:"
+SESSION_DIFF_LINE = "{status:<12} {path}"
+SESSION_DIFF_NONE = "no changes from {a} to {b}"
+SESSION_DIFF_MAX = 500
+SESSION_DIFF_CAPPED = "[showing the first {shown} of {total} changed paths]"
 
 # --- tool descriptions (what an MCP client shows the model) ---------------------------------
 SERVER_INSTRUCTIONS = ("Tools bound to one workspace. Paths are relative to the workspace "

@@ -1,0 +1,214 @@
+"""The agent tools bound to a live session, by id: what ``rewindfs mcp --session ID`` serves.
+
+Owns :class:`SessionToolBinding`, a ``tools.binding.SessionBinding`` with every optional
+call (checkpoint, log, diff, restore). It reaches the session only the way every client
+does (CONTRACT 4.0): the session's registry record (its state directory), the control
+socket recorded there (status, checkpoint, restore, write_permit) and the store (journal
+and trees). So it works the same whichever process serves the session (the no-FUSE session
+host or a FUSE mount daemon), and it must never touch a backend's private state or the
+session's live tree other than through the tools.
+
+The control socket path is read again for every request, so a session resumed by another
+host process is found; a session with no live host answers ``SessionClosedError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from fusefs.session.control import (
+    control_path,
+    hold_write_permit,
+    raise_reply,
+    request,
+    socket_dir,
+)
+from fusefs.session.errors import SessionClosedError
+from fusefs.session.journal import CHECKPOINTED, Journal
+from fusefs.session.placement import canonical_path
+from fusefs.session.registry import Registry, SessionRecord
+from store.diff import Change, diff_trees
+from store.objects import Store
+from store.ref import ObjectId, Ref
+from store.snapshot import compute_ref
+from store.tree import Kind, Tree, decode_tree
+from tools import messages as M
+
+STATE_DIR_NAME = "sessions"  # the session state base under the store (fusefs.session.config)
+_STATUS_TIMEOUT_S = 30.0
+
+
+def state_base(store_root: str) -> str:
+    """The directory holding the state directories of ``store_root``'s sessions."""
+    return os.path.join(canonical_path(store_root), STATE_DIR_NAME)
+
+
+class _LiveTrees:
+    """Trees looked up first among those of a live directory computed in memory, then in
+    the store (what ``store.diff.diff_trees`` needs from a store)."""
+
+    def __init__(self, store: Store, trees: dict[ObjectId, bytes]) -> None:
+        self._store = store
+        self._trees = trees
+
+    def get_tree(self, tree_id: ObjectId) -> Tree:
+        data = self._trees.get(tree_id)
+        if data is None:
+            return self._store.get_tree(tree_id)
+        return decode_tree(data, tree_id.hex())
+
+
+class SessionToolBinding:
+    """The tools' binding for session ``session_id`` of the store at ``store``.
+
+    ``hidden``: further paths confined commands must not see. ``permit_timeout_s``: how
+    long ``write_permit`` waits for a running checkpoint or restore (None: as long as it
+    takes; the session bounds its own operations by its policy timeout). Raises SessionNotFoundError for an unknown id and SessionClosedError when no
+    host serves the session.
+    """
+
+    def __init__(self, store: Store | str | os.PathLike[str], session_id: str, *,
+                 hidden: Sequence[str] = (), permit_timeout_s: float | None = None) -> None:
+        self.store: Store = store if isinstance(store, Store) else Store(os.fspath(store))
+        self.id = session_id
+        self.permit_timeout_s = permit_timeout_s
+        self._hidden = tuple(os.path.abspath(h) for h in hidden)
+        self.record: SessionRecord = Registry(state_base(self.store.root)).load(session_id)
+        status = self._ask({"op": "status"}, _STATUS_TIMEOUT_S)
+        self._root = os.path.abspath(str(status.get("root") or self.record.root or ""))
+        if not os.path.isdir(self._root):
+            raise SessionClosedError(session_id)
+
+    # -- the control socket ---------------------------------------------------------------
+
+    def _socket(self) -> str:
+        path = control_path(self.record.state_dir)
+        if path is None:
+            raise SessionClosedError(self.id)
+        return path
+
+    def _ask(self, req: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        path = self._socket()
+        try:
+            reply = request(path, req, timeout_s)
+        except (ConnectionRefusedError, FileNotFoundError):
+            raise SessionClosedError(self.id) from None
+        return raise_reply(reply)
+
+    # -- SessionBinding ---------------------------------------------------------------------
+
+    @property
+    def root(self) -> str:
+        """The session's live root (a mount point, or a directory without FUSE)."""
+        return self._root
+
+    @contextlib.contextmanager
+    def write_permit(self) -> Iterator[None]:
+        """Hold the session's whole-workspace write permit, held by the session process
+        for as long as this block runs (a checkpoint or restore waits for it)."""
+        path = self._socket()
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(hold_write_permit(path, self.permit_timeout_s))
+            except (ConnectionRefusedError, FileNotFoundError):
+                raise SessionClosedError(self.id) from None
+            yield
+
+    def hidden_paths(self) -> Sequence[str]:
+        """What a confined command must not see: the store (index, packs, journals), the
+        session state directories, the control sockets, and for per-session placement the
+        base directory, so other sessions' roots and restore scratch stay invisible (the
+        root itself is mounted back over it)."""
+        out = [self.store.root, state_base(self.store.root), self.record.state_dir,
+               socket_dir(), *self._hidden]
+        if self.record.mode == "per-session" and self.record.root is not None:
+            out.append(os.path.dirname(self.record.root))
+        kept: list[str] = []
+        for p in sorted(out, key=len):  # a path under a hidden one is hidden already
+            if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in kept):
+                kept.append(p)
+        return kept
+
+    # -- session calls, answered as text for a model ---------------------------------------
+
+    def checkpoint(self, label: str | None = None) -> str:
+        """Checkpoint (trigger manual) through the session process; the answer names the
+        Ref. Raises the session's typed error (as HostError) on failure."""
+        ref = self._ask({"op": "checkpoint", "trigger": "manual"})["ref"]
+        text = M.SESSION_CHECKPOINTED.format(ref=ref)
+        if label:
+            text += "\n" + M.SESSION_LABEL_NOT_KEPT
+        return text
+
+    def restore(self, ref: str) -> str:
+        """Restore the workspace to ``ref`` through the session process (the state before is
+        checkpointed first). Raises InvalidRefError, or the session's error as HostError."""
+        target = str(Ref.parse(ref.strip()))
+        reply = self._ask({"op": "restore", "ref": target})
+        pre = reply.get("pre_restore")
+        if pre:
+            return M.SESSION_RESTORED_UNDO.format(ref=target, pre=pre)
+        return M.SESSION_RESTORED.format(ref=target)
+
+    def log(self) -> str:
+        """The session's journal, oldest first, one line per event (times in UTC)."""
+        events = Journal(self.store, self.id).events()
+        if not events:
+            return M.SESSION_LOG_EMPTY
+        lines = []
+        for e in events:
+            when = datetime.datetime.fromtimestamp(e.time_ns / 1e9, datetime.UTC)
+            t = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+            if e.event == CHECKPOINTED:
+                lines.append(M.SESSION_LOG_CHECKPOINT.format(seq=e.seq, time=t,
+                                                             trigger=e.trigger, ref=e.ref))
+            else:
+                lines.append(M.SESSION_LOG_RESTORE.format(seq=e.seq, time=t, ref=e.ref))
+        return "\n".join(lines)
+
+    def diff(self, ref_a: str | None = None, ref_b: str | None = None) -> str:
+        """Paths changed from ``ref_a`` (default: the last checkpoint or restore) to
+        ``ref_b`` (default: the live workspace, hashed in memory without writing to the
+        store; that reads every file). At most SESSION_DIFF_MAX lines.
+
+        Raises InvalidRefError, ObjectNotFoundError for a Ref not in the store,
+        SnapshotError if the workspace changed while it was read."""
+        if ref_a:
+            a = Ref.parse(ref_a.strip())
+        else:
+            pointer = Journal(self.store, self.id).restore_pointer()
+            if pointer is None:
+                return M.SESSION_LOG_EMPTY
+            a = pointer
+        if ref_b:
+            b = Ref.parse(ref_b.strip())
+            changes = diff_trees(self.store, a.tree_id, b.tree_id)
+            shown_b = str(b)
+        else:
+            trees: dict[ObjectId, bytes] = {}
+            live = compute_ref(self._root, chunk_size=self.store.chunk_size, trees=trees)
+            source: Any = _LiveTrees(self.store, trees)
+            changes = diff_trees(source, a.tree_id, live.tree_id)
+            shown_b = M.SESSION_DIFF_LIVE
+        return render_changes(changes, str(a), shown_b)
+
+
+def render_changes(changes: list[Change], a: str, b: str) -> str:
+    """``changes`` as text for a model: a head line, then one ``status path`` line each."""
+    if not changes:
+        return M.SESSION_DIFF_NONE.format(a=a, b=b)
+    n = len(changes)
+    lines = [M.SESSION_DIFF_HEAD.format(count=n, s="" if n == 1 else "s", a=a, b=b)]
+    for c in changes[:M.SESSION_DIFF_MAX]:
+        path = os.fsdecode(c.path)
+        entry = c.new if c.new is not None else c.old
+        if entry is not None and entry.kind is Kind.DIR:
+            path += "/"
+        lines.append(M.SESSION_DIFF_LINE.format(status=c.status, path=path))
+    if n > M.SESSION_DIFF_MAX:
+        lines.append(M.SESSION_DIFF_CAPPED.format(shown=M.SESSION_DIFF_MAX, total=n))
+    return "\n".join(lines)
