@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import MountError
-from .mounts import remove_record, start_time, write_record
+from .mounts import mount_id, remove_record, start_time, still_mounted, write_record
 
 if TYPE_CHECKING:
     from store.objects import Store
@@ -49,7 +49,9 @@ class MountConfig:
     log_path: str | None = None
     stats_path: str | None = None
     debug: bool = False
-    max_tasks: int = int(os.environ.get("REWINDFS_FUSE_TASKS", "8"))
+    cache_mib: int = 128
+    max_tasks: int = 8  # pyfuse3 worker tasks: requests that wait (fsync, big chunks)
+    # do not hold up the others
 
 
 def _setup_logging(path: str | None, debug: bool) -> None:
@@ -98,7 +100,7 @@ def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
             store.get_tree(ref.tree_id)
         except ObjectNotFoundError:
             raise MountError(cfg.mountpoint, f"{ref} is not in the store") from None
-        return store, Overlay(Lower(store, ref), upper)
+        return store, Overlay(Lower(store, ref, cache_bytes=cfg.cache_mib << 20), upper)
     except BaseException:
         if upper is not None:
             upper.close()
@@ -142,9 +144,9 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         ready(str(err))
         raise err from None
 
+    our_mount = mount_id(cfg.mountpoint)
     stats_path = cfg.stats_path or (
         os.path.join(os.path.dirname(cfg.log_path), "stats.json") if cfg.log_path else None)
-    stopping = False
 
     def write_stats() -> None:
         if stats_path is None:
@@ -155,7 +157,6 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         os.replace(tmp, stats_path)
 
     async def signals() -> None:
-        nonlocal stopping
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as it:
             async for sig in it:
                 if sig == signal.SIGUSR1:
@@ -165,7 +166,6 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                         log.error("cannot write stats: %s", e)
                     continue
                 log.info("signal %d: unmounting", sig)
-                stopping = True
                 pyfuse3.terminate()
                 return
 
@@ -173,14 +173,19 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(signals)
             nursery.start_soon(ops.commit_loop)
+            ops.start_background(nursery)
             started = start_time(os.getpid())
             write_record(cfg.mountpoint, {
                 "pid": os.getpid(), "started": started, "mountpoint": cfg.mountpoint,
                 "ref": str(ov.lower.ref), "state": cfg.state_dir, "log": cfg.log_path,
                 "readonly": ov.readonly})
-            log.info("serving %s at %s%s", ov.lower.ref, cfg.mountpoint,
-                     f" with state {cfg.state_dir}" if cfg.state_dir else " read-only")
-            ready(None)
+
+            def serving() -> None:
+                log.info("serving %s at %s%s", ov.lower.ref, cfg.mountpoint,
+                         f" with state {cfg.state_dir}" if cfg.state_dir else " read-only")
+                ready(None)
+
+            ops.on_init = serving  # ready once the kernel's INIT is answered
             await pyfuse3.main(min_tasks=1, max_tasks=cfg.max_tasks)
             nursery.cancel_scope.cancel()
 
@@ -189,15 +194,18 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         trio.run(main)
     except BaseException as e:  # the loop itself failed: persist what we can, then leave
         log.error("serving loop ended: %s: %s", type(e).__name__, e)
-        stopping = True
         code = 9
+    ready("the kernel ended the session before it was initialized")  # no-op once ready
     try:
         ov.close()
     except Exception as e:
         log.error("persisting the upper at unmount failed: %s: %s", type(e).__name__, e)
         code = 9
     try:
-        pyfuse3.close(unmount=stopping)
+        # Unmount unless someone else already did: after a signal, a failed loop, or a
+        # kernel that ended the session without an unmount, the mount must not stay.
+        pyfuse3.close(unmount=our_mount is not None and still_mounted(cfg.mountpoint,
+                                                                      our_mount))
     except Exception as e:
         log.error("unmount failed: %s", e)
         code = 9

@@ -32,7 +32,7 @@ class Lower:
     ``cache_bytes`` bounds the decompressed-chunk cache (bytes).
     """
 
-    def __init__(self, store: Store, ref: Ref, *, cache_bytes: int = 64 << 20) -> None:
+    def __init__(self, store: Store, ref: Ref, *, cache_bytes: int = 128 << 20) -> None:
         self.store = store
         self.ref = ref
         self.chunk_size = store.chunk_size
@@ -42,6 +42,7 @@ class Lower:
         self._lock = threading.Lock()
         self._subdirs: dict[bytes, int] = {}
         self._groups: dict[bytes, int] | None = None
+        self._small: dict[bytes, bool] = {}
 
     @property
     def root_tree(self) -> ObjectId:
@@ -107,10 +108,16 @@ class Lower:
 
     def is_small(self, cid: bytes) -> bool:
         """True if reading ``cid`` is cheap enough for the request thread."""
-        try:
-            return self.store.locate(ObjectId(cid)).raw_length <= SMALL_CHUNK
-        except KeyError:
-            return True  # let the read raise its own error on the request thread
+        small = self._small.get(cid)
+        if small is None:
+            try:
+                small = self.store.locate(ObjectId(cid)).raw_length <= SMALL_CHUNK
+            except KeyError:
+                return True  # let the read raise its own error on the request thread
+            if len(self._small) > 1 << 16:
+                self._small.clear()
+            self._small[cid] = small
+        return small
 
     def load_chunks(self, cids: Iterable[bytes]) -> None:
         """Read chunks into the cache; safe to call from a worker thread."""

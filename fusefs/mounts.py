@@ -83,18 +83,35 @@ def _unescape(s: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
 
 
-def fstype(mountpoint: str) -> str | None:
-    """The file system type mounted exactly at ``mountpoint`` (the last mount), or None."""
+def _mounts_at(mountpoint: str) -> list[tuple[int, str]]:
+    """(mount id, fstype) of every mount exactly at ``mountpoint``, oldest first."""
     want = os.path.abspath(mountpoint)
-    found = None
+    out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             left, _, right = line.partition(" - ")
             parts = left.split()
             if len(parts) > 4 and _unescape(parts[4]) == want:
-                found = right.split()[0] if right else ""
-    return found
+                out.append((int(parts[0]), right.split()[0] if right else ""))
+    return out
+
+
+def fstype(mountpoint: str) -> str | None:
+    """The file system type mounted exactly at ``mountpoint`` (the last mount), or None."""
+    found = _mounts_at(mountpoint)
+    return found[-1][1] if found else None
+
+
+def mount_id(mountpoint: str) -> int | None:
+    """The id of the top mount at ``mountpoint`` (see proc(5), mountinfo), or None."""
+    found = _mounts_at(mountpoint)
+    return found[-1][0] if found else None
+
+
+def still_mounted(mountpoint: str, mid: int) -> bool:
+    """True if the mount with id ``mid`` is still at ``mountpoint``."""
+    return any(m == mid for m, _ in _mounts_at(mountpoint))
 
 
 def is_mounted(mountpoint: str) -> bool:
-    return fstype(mountpoint) is not None
+    return bool(_mounts_at(mountpoint))

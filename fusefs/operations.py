@@ -52,6 +52,8 @@ log = logging.getLogger("rewindfs.fuse")
 TIMEOUT_S = 3600.0
 BLKSIZE = 128 << 10  # st_blksize: the I/O size tools pick; FUSE moves 128 KiB per request
 COMMIT_INTERVAL_S = 1.0
+SEQ_SLACK = 1 << 20  # a read this close to the previous one's end counts as sequential
+PREFETCH = 3  # chunks loaded ahead of a sequential reader, in parallel worker threads
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -127,6 +129,17 @@ class Operations(pyfuse3.Operations):
         self.counts: Counter[str] = Counter()
         self.errors = 0
         self._failed: list[Batch] = []
+        self._inflight: dict[bytes, trio.Event] = {}
+        self._nursery: trio.Nursery | None = None
+        self.on_init: Callable[[], None] | None = None
+
+    def init(self) -> None:
+        """The kernel's INIT was answered: the mount serves from now on."""
+        if self.on_init is not None:
+            try:
+                self.on_init()
+            except Exception as e:  # init must not raise (pyfuse3 docs)
+                self.log_unexpected("init", e)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -166,10 +179,42 @@ class Operations(pyfuse3.Operations):
             return a
         return self.attrs(n)
 
+    async def _fetch(self, cid: bytes) -> None:
+        """Load lower chunk ``cid`` into the cache in a worker thread, once even when
+        several requests (kernel readahead runs them in parallel) need it."""
+        ev = self._inflight.get(cid)
+        if ev is not None:
+            await ev.wait()
+            return
+        ev = self._inflight[cid] = trio.Event()
+        try:
+            await trio.to_thread.run_sync(self.ov.lower.chunk, cid)
+        finally:
+            del self._inflight[cid]
+            ev.set()
+
+    async def _prefetch(self, cid: bytes) -> None:
+        try:
+            await self._fetch(cid)
+        except Exception as e:  # the reader that needs it will see the error itself
+            log.debug("prefetch of a chunk failed: %s", e)
+
     async def _load_chunks(self, fh: int, off: int, size: int) -> None:
-        need = self.ov.lower_chunks_needed(fh, off, size)
-        if need:
-            await trio.to_thread.run_sync(self.ov.lower.load_chunks, need)
+        for cid in self.ov.lower_chunks_needed(fh, off, size):
+            await self._fetch(cid)
+        h = self.ov.handles.get(fh)
+        if h is None or self._nursery is None:
+            return
+        sequential = abs(off - h.seq_end) <= SEQ_SLACK
+        h.seq_end = off + size
+        if sequential:  # a sequential reader: load the next chunks meanwhile
+            for cid in self.ov.lower_chunks_needed(fh, off + size, PREFETCH * self.ov.cs):
+                if cid not in self._inflight:
+                    self._nursery.start_soon(self._prefetch, cid)
+
+    def start_background(self, nursery: trio.Nursery) -> None:
+        """Let the adapter start background work (chunk prefetch) in ``nursery``."""
+        self._nursery = nursery
 
     async def commit(self, durable: bool = False) -> None:
         """Write the overlay's changes to the upper in a worker thread; ``durable`` first

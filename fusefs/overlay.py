@@ -54,14 +54,15 @@ def _err(code: int, what: object = None) -> OSError:
 
 
 class Handle:
-    """An open file: ``node`` and the open flags."""
+    """An open file: ``node``, the open flags, and where its last read ended."""
 
-    __slots__ = ("node", "flags", "writable")
+    __slots__ = ("node", "flags", "writable", "seq_end")
 
     def __init__(self, node: Node, flags: int) -> None:
         self.node = node
         self.flags = flags
         self.writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+        self.seq_end = 0  # where the last read ended (the adapter's readahead hint)
 
 
 class DirHandle:

@@ -49,6 +49,8 @@ def register(sub: Any) -> None:
                    help="daemon log (default: DIR/daemon.log, or the runtime directory for "
                         "read-only mounts; stderr with --foreground)")
     p.add_argument("--debug", action="store_true", help="log at debug level")
+    p.add_argument("--cache-mib", type=int, default=128,
+                   help="decompressed lower chunks kept in memory (MiB, default 128)")
     p.add_argument("--stats-file", metavar="FILE", help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     add_json(p)
@@ -101,7 +103,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
         cfg = MountConfig(store_root=store, mountpoint=mnt, ref=ref, state_dir=state,
                           readonly=args.ro, allow_other=args.allow_other, log_path=log_path,
-                          stats_path=stats_path, debug=args.debug)
+                          stats_path=stats_path, debug=args.debug, cache_mib=args.cache_mib)
         return serve(cfg, fd_ready(args.ready_fd))
 
     if log_path is None:
@@ -120,6 +122,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         argv.append("--allow-other")
     if args.debug:
         argv.append("--debug")
+    if args.cache_mib != 128:
+        argv += ["--cache-mib", str(args.cache_mib)]
     if stats_path is not None:
         argv += ["--stats-file", stats_path]
     r, w = os.pipe()
