@@ -88,23 +88,43 @@ def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
         raise MountError(cfg.mountpoint, f"no store at {cfg.store_root}")
     store = Store(cfg.store_root)
     ref = Ref.parse(cfg.ref) if cfg.ref is not None else None
+
+    def require(r: Ref) -> None:
+        try:
+            store.get_tree(r.tree_id)
+        except ObjectNotFoundError:
+            raise MountError(cfg.mountpoint, f"{r} is not in the store") from None
+
     upper = None
     try:
+        if ref is not None:
+            require(ref)  # before a new state directory records it as its base
         if cfg.state_dir is not None:
             upper = Upper.open(cfg.state_dir, store_root=store.root,
                                chunk_size=store.chunk_size, ref=ref)
             ref = upper.base
+            require(ref)
         if ref is None:
             raise MountError(cfg.mountpoint, "a read-only mount needs a Ref")
-        try:
-            store.get_tree(ref.tree_id)
-        except ObjectNotFoundError:
-            raise MountError(cfg.mountpoint, f"{ref} is not in the store") from None
         return store, Overlay(Lower(store, ref, cache_bytes=cfg.cache_mib << 20), upper)
     except BaseException:
         if upper is not None:
             upper.close()
         raise
+
+
+def refuse_overlap(cfg: MountConfig) -> None:
+    """Raise MountError if the store, state directory, log or stats file lies inside the
+    mount point: the daemon must never write through its own mount (it would wait on
+    itself)."""
+    mnt = os.path.realpath(cfg.mountpoint)
+    for what, path in (("store", cfg.store_root), ("state directory", cfg.state_dir),
+                       ("log", cfg.log_path), ("stats file", cfg.stats_path)):
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real == mnt or real.startswith(mnt.rstrip("/") + "/"):
+            raise MountError(cfg.mountpoint, f"the {what} {path} is inside the mount point")
 
 
 def serve(cfg: MountConfig, ready: Ready) -> int:
@@ -117,6 +137,11 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     from .operations import Operations
 
     cfg.mountpoint = os.path.abspath(cfg.mountpoint)
+    try:
+        refuse_overlap(cfg)
+    except MountError as e:
+        ready(str(e))
+        raise
     if cfg.log_path is None and cfg.state_dir is not None:
         os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
         cfg.log_path = os.path.join(cfg.state_dir, "daemon.log")

@@ -31,6 +31,12 @@ class UsageError(Exception):
     exit_code = 2
 
 
+class DaemonError(Exception):
+    """The background daemon reported that it cannot serve (exit code 9)."""
+
+    exit_code = EXIT_MOUNT
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("mount", help="mount a snapshot (--ro) or a session overlay (--state)",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
@@ -98,13 +104,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     log_path = os.path.abspath(args.log) if args.log else None
     stats_path = os.path.abspath(args.stats_file) if args.stats_file else None
 
-    if args.foreground:
-        from fusefs.daemon import MountConfig, fd_ready, serve
+    from fusefs.daemon import MountConfig, fd_ready, refuse_overlap, serve
 
-        cfg = MountConfig(store_root=store, mountpoint=mnt, ref=ref, state_dir=state,
-                          readonly=args.ro, allow_other=args.allow_other, log_path=log_path,
-                          stats_path=stats_path, debug=args.debug, cache_mib=args.cache_mib)
+    cfg = MountConfig(store_root=store, mountpoint=mnt, ref=ref, state_dir=state,
+                      readonly=args.ro, allow_other=args.allow_other, log_path=log_path,
+                      stats_path=stats_path, debug=args.debug, cache_mib=args.cache_mib)
+    if args.foreground:
         return serve(cfg, fd_ready(args.ready_fd))
+    refuse_overlap(cfg)
 
     if log_path is None:
         if state is not None:
@@ -135,7 +142,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     os.close(w)
     msg = _read_ready(r, proc)
     if msg != "ok":
-        raise MountError(mnt, msg.removeprefix("error: "))
+        raise DaemonError(msg.removeprefix("error: "))
     emit(args, {"mountpoint": mnt, "pid": proc.pid, "ref": ref, "state": state,
                 "log": log_path}, f"mounted at {mnt} (pid {proc.pid})")
     return 0
