@@ -66,6 +66,7 @@ GOLDEN = {
     'PATH_NOT_FOUND': '{path}: no such file or directory',
     'PATH_NOT_REGULAR': '{path}: not a regular file',
     'PATH_OS_ERROR': '{path}: {reason}',
+    'PERMIT_FAILED': 'the workspace cannot be changed now: {reason}',
     'READ_BAD_ARGS': 'offset must be >= 1 and limit >= 1 (got offset={offset}, limit={limit})',
     'READ_BINARY': '{path}: binary file ({size} bytes); not shown',
     'READ_DEFAULT_LIMIT': 2000,

@@ -10,6 +10,7 @@ for the whole run, so a checkpoint requested meanwhile waits for the command.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -18,6 +19,7 @@ import time
 
 from tools import messages as M
 from tools import sandbox
+from tools.binding import PermitError
 from tools.context import ToolContext
 from tools.result import ToolResult, error, ok
 
@@ -99,7 +101,11 @@ def run_bash(ctx: ToolContext, command: str,
     cap = _Capture(M.BASH_OUTPUT_CAP)
     timed_out = False
     started = time.monotonic()
-    with ctx.binding.write_permit():
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(ctx.binding.write_permit())
+        except PermitError as e:
+            return error(NAME, M.PERMIT_FAILED.format(reason=e), kind="permit")
         try:
             proc = subprocess.Popen(argv, cwd=root, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -14,13 +14,19 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 
+class PermitError(Exception):
+    """The session could not grant the write permit (it is closed, faulted or gone); the
+    message says why. Tools answer it as an error result."""
+
+
 class SessionBinding(Protocol):
     """The minimal session API the tools use.
 
     ``root``: absolute path of the live workspace root (a mount point or a directory).
     ``write_permit()``: a context manager held while a tool may change the workspace in
     ways the session cannot see request by request (Bash holds it for the whole command),
-    so that a checkpoint requested meanwhile waits for it.
+    so that a checkpoint requested meanwhile waits for it. Raises PermitError when the
+    session refuses it.
     ``hidden_paths()``: absolute paths a sandboxed command must not see at all (the store,
     state directories, spools); they are masked when Bash runs confined.
     """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 
 from tools import messages as M
+from tools.binding import PermitError
 from tools.context import ToolContext, digest
 from tools.paths import PathError, locate
 from tools.result import ToolResult, error, ok
@@ -104,6 +105,8 @@ def edit_file(ctx: ToolContext, path: str, old: str, new: str,
                 replace_existing(loc, out, st)
     except PathError as e:
         return error(NAME, e.text, kind=e.kind)
+    except PermitError as e:
+        return error(NAME, M.PERMIT_FAILED.format(reason=e), kind="permit")
     except Refusal as e:
         return error(NAME, e.text, kind=e.kind)
     except OSError as e:

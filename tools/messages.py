@@ -93,6 +93,7 @@ BASH_START_FAILED = "could not start the command: {reason}"
 
 # --- session calls (checkpoint, log, diff, restore) ---------------------------------------
 SESSION_FAILED = "{call} failed: {reason}"
+PERMIT_FAILED = "the workspace cannot be changed now: {reason}"
 SESSION_CHECKPOINTED = "checkpointed the workspace as {ref}"
 SESSION_LABEL_NOT_KEPT = ("[note: the session keeps no labels; refer to this checkpoint by "
                           "its ref]")

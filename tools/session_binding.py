@@ -27,7 +27,7 @@ from fusefs.session.control import (
     request,
     socket_dir,
 )
-from fusefs.session.errors import SessionClosedError
+from fusefs.session.errors import SessionClosedError, SessionError
 from fusefs.session.journal import CHECKPOINTED, Journal
 from fusefs.session.placement import canonical_path
 from fusefs.session.registry import Registry, SessionRecord
@@ -37,6 +37,7 @@ from store.ref import ObjectId, Ref
 from store.snapshot import compute_ref
 from store.tree import Kind, Tree, decode_tree
 from tools import messages as M
+from tools.binding import PermitError
 
 STATE_DIR_NAME = "sessions"  # the session state base under the store (fusefs.session.config)
 _STATUS_TIMEOUT_S = 30.0
@@ -109,13 +110,16 @@ class SessionToolBinding:
     @contextlib.contextmanager
     def write_permit(self) -> Iterator[None]:
         """Hold the session's whole-workspace write permit, held by the session process
-        for as long as this block runs (a checkpoint or restore waits for it)."""
-        path = self._socket()
+        for as long as this block runs (a checkpoint or restore waits for it). Raises
+        PermitError when the session is stopped, closing or faulted."""
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(hold_write_permit(path, self.permit_timeout_s))
+                stack.enter_context(hold_write_permit(self._socket(),
+                                                      self.permit_timeout_s))
             except (ConnectionRefusedError, FileNotFoundError):
-                raise SessionClosedError(self.id) from None
+                raise PermitError(SessionClosedError(self.id)) from None
+            except (SessionError, OSError) as e:
+                raise PermitError(e) from e
             yield
 
     def hidden_paths(self) -> Sequence[str]:

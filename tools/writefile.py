@@ -16,6 +16,7 @@ import secrets
 import stat
 
 from tools import messages as M
+from tools.binding import PermitError
 from tools.context import ToolContext, digest
 from tools.paths import Located, PathError, locate
 from tools.readfile import read_all, split_lines
@@ -175,6 +176,8 @@ def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
                 rel = loc.rel
     except PathError as e:
         return error(NAME, e.text, kind=e.kind)
+    except PermitError as e:
+        return error(NAME, M.PERMIT_FAILED.format(reason=e), kind="permit")
     except Refusal as e:
         return error(NAME, e.text, kind=e.kind)
     except OSError as e:
