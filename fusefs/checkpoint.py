@@ -45,12 +45,13 @@ import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from store import chunker
 from store.objects import Store, Writer
 from store.ref import ObjectId, Ref
 from store.snapshot import link_group_id
-from store.tree import Entry, Kind
+from store.tree import Entry, Kind, Tree
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
 from .overlay import Overlay
@@ -392,7 +393,16 @@ def _pread(fd: int | None, off: int, size: int) -> bytes:
     return data + bytes(size - len(data)) if len(data) < size else data
 
 
-def file_chunks(job: FileJob, store: Store, w: Writer) -> tuple[ObjectId, ...]:
+class Sink(Protocol):
+    """Where ``build`` puts chunks and trees: a ``store.objects.Writer`` or a
+    ``MemoryWriter``."""
+
+    def put_chunk(self, data: bytes) -> ObjectId: ...
+
+    def put_tree(self, entries: list[Entry] | tuple[Entry, ...]) -> ObjectId: ...
+
+
+def file_chunks(job: FileJob, store: Store, w: Sink) -> tuple[ObjectId, ...]:
     """The chunk ids of a changed file; chunks that differ from lower are read, hashed and
     put into ``w``. A lower chunk still whole is reused without being read."""
     cs = store.chunk_size
@@ -428,7 +438,7 @@ def file_chunks(job: FileJob, store: Store, w: Writer) -> tuple[ObjectId, ...]:
             os.close(fd)
 
 
-def build(p: Plan, store: Store, w: Writer) -> Ref:
+def build(p: Plan, store: Store, w: Sink) -> Ref:
     """Store the planned chunks and trees through ``w`` (not committed) and return the Ref.
     Safe in a worker thread: reads only the plan, the data files and the store."""
     if p.unchanged:
@@ -482,6 +492,8 @@ def inode_row(n: Node, *, lower_tree: bytes | None = None,
 
 def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes) -> None:
     """Fill ``rb`` with the rows the upper keeps: orphans (origin cleared) and the root."""
+    rb.rows = []
+    rb.xattrs = {}
     for n in ov.nodes.values():
         if n.upper and n.nlink == 0:
             rb.rows.append(inode_row(n))
@@ -489,7 +501,9 @@ def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes) -> None:
                 rb.xattrs[n.ino] = sorted(n.xattrs.items())
     root = ov.nodes[ROOT_INO]
     if root.upper:
-        rb.rows.append(inode_row(root, lower_tree=root_tree))
+        row = list(inode_row(root, lower_tree=root_tree))
+        row[INODE_COLUMNS.index("nlink")] = 2 + ov.lower.subdirs(ObjectId(root_tree))
+        rb.rows.append(tuple(row))
         if root.xattrs:
             rb.xattrs[ROOT_INO] = sorted(root.xattrs.items())
     rb.next_ino = ov.next_ino
@@ -497,13 +511,16 @@ def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes) -> None:
 
 
 def _set_pin(ov: Overlay, rb: Rebase, origin: bytes, ino: int, ctime: int) -> None:
+    """Pin ``origin`` to (``ino``, ``ctime``) in memory and in ``rb``; a number has one pin,
+    so an older pin of ``ino`` (or of ``origin``) goes."""
     old = ov.pinned.get(ino)
     if old is not None and old != origin:
-        rb.pins_gone.append(old)
+        del ov.pins[old]
         rb.pins.pop(old, None)
+        rb.pins_gone.append(old)
     prev = ov.pins.get(origin)
-    if prev is not None and prev[0] != ino:
-        ov.pinned.pop(prev[0], None)
+    if prev is not None and prev[0] != ino and ov.pinned.get(prev[0]) == origin:
+        del ov.pinned[prev[0]]
     ov.pins[origin] = (ino, ctime)
     ov.pinned[ino] = origin
     rb.pins[origin] = (ino, ctime)
@@ -687,3 +704,52 @@ def checkpoint_overlay(ov: Overlay, *, origin: str = "checkpoint", label: str | 
 __all__ = ["CRASH_ENV", "POINTS", "Plan", "Rebase", "Result", "apply", "bearing", "build",
            "checkpoint_overlay", "crash_point", "drop_data", "freeze", "number", "plan",
            "prepare", "reset_upper", "switch_lower"]
+
+
+# -- preview: the changes since the base, without writing anything ----------------------------
+
+class MemoryWriter:
+    """A ``Writer`` stand-in that keeps chunks and trees in memory (for ``preview``); also
+    answers ``get_tree`` and ``read_object`` for what it holds, falling back to ``store``."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.trees: dict[bytes, bytes] = {}
+        self.chunks: dict[bytes, bytes] = {}
+
+    def put_chunk(self, data: bytes) -> ObjectId:
+        from store.ref import object_id
+
+        oid = object_id(data)
+        self.chunks[oid] = data
+        return oid
+
+    def put_tree(self, entries: list[Entry] | tuple[Entry, ...]) -> ObjectId:
+        from store.ref import object_id
+        from store.tree import encode_tree
+
+        enc = encode_tree(entries)
+        oid = object_id(enc)
+        self.trees[oid] = enc
+        return oid
+
+    def get_tree(self, tree_id: ObjectId) -> Tree:
+        enc = self.trees.get(tree_id)
+        if enc is None:
+            return self.store.get_tree(tree_id)
+        from store.tree import decode_tree
+
+        return decode_tree(enc, tree_id.hex())
+
+    def read_object(self, oid: ObjectId) -> bytes:
+        data = self.chunks.get(oid)
+        return self.store.read_object(oid) if data is None else data
+
+
+def preview(ov: Overlay) -> tuple[Ref, MemoryWriter]:
+    """The Ref a checkpoint would give now, and the new trees and chunks it would write, kept
+    in memory; nothing is written and the overlay is unchanged. Event-loop thread."""
+    store = ov.lower.store
+    mw = MemoryWriter(store)
+    p = plan(ov)
+    return build(p, store, mw), mw

@@ -59,12 +59,18 @@ class Env:
         self.ref = snapshot(self.store, src)
         self.state = str(tmp / "state")
         self.ov: Overlay | None = None
+        self.now = 1_700_000_000_000_000_000
 
     def mount(self) -> Overlay:
         up = Upper.open(self.state, store_root=self.store.root, chunk_size=CS, ref=None
                         if os.path.exists(os.path.join(self.state, "upper.sqlite")) else self.ref)
-        self.ov = Overlay(Lower(self.store, up.base), up, uid=UID, gid=GID)
+        self.ov = Overlay(Lower(self.store, up.base), up, uid=UID, gid=GID, clock=self.clock)
         return self.ov
+
+    def clock(self) -> int:
+        """A deterministic clock (ns), so a seeded run repeats exactly."""
+        self.now += 1_000_001
+        return self.now
 
     def remount(self) -> Overlay:
         assert self.ov is not None
@@ -246,7 +252,7 @@ def test_random_changes_and_checkpoints(env: Env, seed: int) -> None:
                          "chmod", "ckpt", "remount"])
         try:
             if op == "write" and files:
-                write(ov, rng.choice(files), os.urandom(rng.choice([1, 100, CS + 7])),
+                write(ov, rng.choice(files), rng.randbytes(rng.choice([1, 100, CS + 7])),
                       off=rng.choice([0, 3, CS]), trunc=rng.random() < 0.3)
             elif op == "create":
                 d = rng.choice(dirs)

@@ -1,0 +1,562 @@
+"""The control channel of a live mount: checkpoint, restore, status and diff, in the daemon.
+
+``Live`` runs inside the mount daemon, on its trio event loop, next to the FUSE adapter, and
+does the ordering of CONTRACT 3.1 and 3.2 around the data steps of ``checkpoint.py`` and
+``restore.py``; ``serve`` exposes it on a Unix socket; ``Client`` is the caller's side (the
+CLI, the session runtime, tools).
+
+Socket: ``$XDG_RUNTIME_DIR/rewindfs/`` (else ``/tmp/rewindfs-<uid>/``, mode 0700), named
+``m-<hash of the state directory>.sock`` (short: socket paths are limited to 107 bytes),
+mode 0600; its path is recorded in the state directory as ``control``, which is how a client
+finds it from the mount point (the daemon's mount record names the state directory).
+Protocol, shared with the no-FUSE session host (``fusefs.session.control``): one JSON object
+per line each way; requests ``{"op": ...}``:
+
+- ``status``: ``{ref, dirty_inodes, dirty_bytes, open_handles, writable_handles, parked,
+  paused, mountpoint, state, pid}``
+- ``checkpoint {label?, trigger?, timeout_s?}``: ``{ref, elapsed_ms, unchanged, packs,
+  bytes}``
+- ``restore {ref, discard?, timeout_s?}``: ``{ref, pre_restore, changes, invalidated,
+  elapsed_ms}``
+- ``diff``: ``{base, ref, changes: [{path, status}]}`` (changes since the last checkpoint)
+- ``write_permit``: replies ``{ok}`` once granted and holds the permit until the client
+  closes the connection.
+
+Replies carry ``"ok": true``; a failure is ``{"ok": false, "error": class name, "kind",
+"message", "exit_code"}``. ``elapsed_ms`` is measured inside the daemon, from the request to
+the end of the last step (for restore: after the kernel caches are invalidated).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from store.ref import Ref
+
+from .session.control import CONTROL_FILE, error_reply, raise_reply, request, socket_dir
+from .session.errors import CheckpointError, RestoreError
+
+if TYPE_CHECKING:
+    import trio
+
+    from store.objects import Store
+
+    from .gate import Gate
+    from .operations import Operations
+
+log = logging.getLogger("rewindfs.control")
+
+DEFAULT_TIMEOUT_S = 60.0
+MAX_LINE = 1 << 20
+
+
+def socket_path_for(state_dir: str) -> str:
+    """The control socket path of the mount whose state directory is ``state_dir``."""
+    key = hashlib.sha256(os.path.abspath(state_dir).encode()).hexdigest()[:16]
+    return os.path.join(socket_dir(), f"m-{key}.sock")
+
+
+# -- daemon side ---------------------------------------------------------------------------------
+
+class Live:
+    """A live session mount as checkpoint and restore see it (event-loop side).
+
+    ``ops`` is the FUSE adapter (its overlay, gate and upper lock); ``on_restored(ref)`` is
+    called right after a restore's swap commits (the session appends ``WorkspaceRestored``
+    there; if it raises, the restore fails with kind append_failed and the tree stays the
+    target); ``origin`` is the snapshot-list origin of manual checkpoints.
+    """
+
+    def __init__(self, ops: Operations, store: Store, gate: Gate, *, mountpoint: str,
+                 state_dir: str) -> None:
+        import trio
+
+        self.ops = ops
+        self.ov = ops.ov
+        self.store = store
+        self.gate = gate
+        self.mountpoint = mountpoint
+        self.state_dir = state_dir
+        self._busy = trio.Lock()  # one checkpoint or restore at a time
+        self.on_restored: Callable[[Ref], None] | None = None
+        self.closing = False
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _syncfs(self) -> None:
+        """Flush the kernel's dirty pages of the mount (a worker thread; before pausing)."""
+        import pyfuse3
+        import trio
+
+        try:
+            await trio.to_thread.run_sync(pyfuse3.syncfs, self.mountpoint)
+        except OSError as e:
+            log.warning("syncfs of %s failed: %s", self.mountpoint, e)
+
+    def _listed(self, ref: Ref) -> bool:
+        return self.store.conn.execute("SELECT 1 FROM snapshots WHERE ref=?",
+                                       (str(ref),)).fetchone() is not None
+
+    async def _freeze(self, *, origin: str, label: str | None,
+                      list_it: bool = True) -> dict[str, Any]:
+        """Freeze, commit, list and rebase; the caller has paused and drained the gate and
+        holds the upper lock. Returns what it did."""
+        import trio
+
+        from . import checkpoint as ck
+
+        ov = self.ov
+        store = self.store
+        p = ck.plan(ov)
+        if p.unchanged:
+            ref = p.base
+            if list_it and not self._listed(ref):
+                await trio.to_thread.run_sync(store.add_snapshot, ref, origin, label)
+            return {"ref": ref, "unchanged": True, "packs": 0, "bytes": 0}
+
+        def work() -> tuple[Ref, int, int]:
+            with store.writer() as w:
+                ref = ck.build(p, store, w)
+                w.commit()
+                ck.crash_point("checkpoint.committed")
+                if list_it:
+                    store.add_snapshot(ref, origin, label)
+                ck.crash_point("checkpoint.listed")
+                return ref, w.packs_written, w.bytes_written
+
+        ref, packs, nbytes = await trio.to_thread.run_sync(work)
+        rb = ck.prepare(ov, p, ref)
+        upper = ov.upper
+        assert upper is not None
+        await trio.to_thread.run_sync(ck.reset_upper, upper, rb)
+        ck.crash_point("checkpoint.reset")
+        ck.apply(ov, p, rb)
+        self._forget_pending_batches()
+        await trio.to_thread.run_sync(ck.drop_data, rb.drop_data)
+        return {"ref": ref, "unchanged": False, "packs": packs, "bytes": nbytes}
+
+    def _forget_pending_batches(self) -> None:
+        """Batches that failed to write before a reset describe the old upper: drop them."""
+        if hasattr(self.ops, "_failed"):
+            self.ops._failed = []
+
+    def _writable_handles(self) -> int:
+        return sum(1 for h in self.ov.handles.values() if h.writable)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def checkpoint(self, label: str | None = None, trigger: str = "manual",
+                         timeout_s: float | None = None,
+                         origin: str = "checkpoint") -> dict[str, Any]:
+        """CONTRACT 3.1. Raises CheckpointError (nothing changed) when a write permit is
+        still held after ``timeout_s`` or a step fails."""
+        import trio
+
+        t0 = time.perf_counter()
+        if self.ov.upper is None:
+            raise CheckpointError(trigger, "a read-only mount has nothing to checkpoint")
+        async with self._busy:
+            async with self.gate.exclusive():
+                with trio.move_on_after(timeout_s or DEFAULT_TIMEOUT_S) as cs:
+                    await self.gate.no_permits()
+                if cs.cancelled_caught:
+                    raise CheckpointError(trigger, "a write permit was still held after "
+                                                   f"{timeout_s or DEFAULT_TIMEOUT_S} s")
+                await self._syncfs()
+                async with self.gate.paused_for():
+                    async with self.ops.upper_lock:
+                        try:
+                            done = await self._freeze(origin=origin, label=label)
+                        except Exception as e:
+                            log.error("checkpoint failed: %s: %s", type(e).__name__, e)
+                            raise CheckpointError(trigger, e) from e
+        ms = (time.perf_counter() - t0) * 1000
+        log.info("checkpoint (%s) -> %s in %.1f ms%s", trigger, done["ref"], ms,
+                 " (unchanged)" if done["unchanged"] else "")
+        return {"ref": str(done["ref"]), "elapsed_ms": ms, "unchanged": done["unchanged"],
+                "packs": done["packs"], "bytes": done["bytes"], "trigger": trigger}
+
+    async def restore(self, ref: Ref | str, *, discard: bool = False,
+                      timeout_s: float | None = None,
+                      label: str | None = None) -> dict[str, Any]:
+        """CONTRACT 3.2. Raises RestoreError: permit_failed (a writer or permit still there
+        after ``timeout_s``), swap_failed (the target is not complete in the store, or a
+        step before the swap failed), closing, append_failed (``on_restored`` failed after
+        the swap: the tree is the target). Except append_failed, nothing changed."""
+        import trio
+
+        from . import checkpoint as ck
+        from . import restore as rs
+
+        t0 = time.perf_counter()
+        target = Ref.parse(ref)
+        if self.ov.upper is None:
+            raise RestoreError(RestoreError.SWAP_FAILED, str(target), "a read-only mount")
+        if self.closing:
+            raise RestoreError(RestoreError.CLOSING, str(target))
+        wait = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        ov = self.ov
+        append_error: BaseException | None = None
+        async with self._busy, self.gate.exclusive():
+            self.gate.pause(opens=True)
+            ck.crash_point("restore.paused")
+            try:
+                with trio.move_on_after(wait) as cs:
+                    await self.gate.no_permits()
+                    while self._writable_handles():
+                        await trio.sleep(0.005)
+                    await self.gate.drain()
+                if cs.cancelled_caught:
+                    n = self._writable_handles()
+                    raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
+                                       f"{n} file(s) still open for writing after {wait} s"
+                                       if n else f"a write permit still held after {wait} s")
+                # Verified against the current lower before anything changes (the clean
+                # tree below differs, so the swap diffs again).
+                await trio.to_thread.run_sync(rs.verify, self.store, ov.lower.ref, target)
+                async with self.ops.upper_lock:
+                    pre: Ref | None = None
+                    rb0: ck.Rebase
+                    if not discard:
+                        try:
+                            done = await self._freeze(origin="pre_restore", label=label)
+                        except Exception as e:
+                            raise RestoreError(RestoreError.SWAP_FAILED, str(target),
+                                               f"pre-restore checkpoint failed: {e}") from e
+                        pre = done["ref"]
+                        rb0 = ck.Rebase(ov.lower.ref)
+                    else:
+                        rb0 = await self._clean_discard()
+                    ck.crash_point("restore.checkpointed")
+                    try:
+                        changes = await trio.to_thread.run_sync(
+                            rs.verify, self.store, ov.lower.ref, target)
+                        ck.crash_point("restore.verified")
+                        sp = rs.plan_swap(ov, changes, target, rb0)
+                        upper = ov.upper
+                        assert upper is not None
+                        await trio.to_thread.run_sync(ck.reset_upper, upper, sp.rebase)
+                    except BaseException:
+                        if discard:  # the discard freeze is applied in memory: record it
+                            await self._persist_rebase(rb0)
+                        raise
+                    ck.crash_point("restore.swapped")
+                    rs.apply_swap(ov, sp)
+                    self._forget_pending_batches()
+                if self.on_restored is not None:
+                    try:
+                        self.on_restored(target)
+                    except BaseException as e:
+                        append_error = e
+                ck.crash_point("restore.appended")
+            finally:
+                self.gate.resume(opens=True)  # release the parked requests on every path
+            inv = rs.known_to_kernel(ov, sp.invalidation)
+            await trio.to_thread.run_sync(invalidate, inv)
+            await trio.to_thread.run_sync(ck.drop_data, sp.rebase.drop_data)
+        ms = (time.perf_counter() - t0) * 1000
+        log.info("restore -> %s in %.1f ms (%d changes, %d invalidated)", target, ms,
+                 sp.changes, len(inv))
+        if append_error is not None:
+            raise RestoreError(RestoreError.APPEND_FAILED, str(target), append_error)
+        return {"ref": str(target), "pre_restore": str(pre) if pre else None,
+                "changes": sp.changes, "invalidated": len(inv), "elapsed_ms": ms}
+
+    async def _clean_discard(self) -> Any:
+        """Freeze the upper without listing it and rebase onto it in memory only (the
+        upper keeps recording the old base until the swap commits)."""
+        import trio
+
+        from . import checkpoint as ck
+
+        ov = self.ov
+        store = self.store
+        p = ck.plan(ov)
+        if p.unchanged:
+            return ck.Rebase(ov.lower.ref)
+
+        def work() -> Ref:
+            with store.writer() as w:
+                ref = ck.build(p, store, w)
+                w.commit()
+                return ref
+
+        ref = await trio.to_thread.run_sync(work)
+        rb = ck.prepare(ov, p, ref)
+        ck.apply(ov, p, rb)
+        return rb
+
+    async def _persist_rebase(self, rb: Any) -> None:
+        import trio
+
+        from . import checkpoint as ck
+
+        if rb.ref == self.ov.lower.ref and self.ov.upper is not None and \
+                self.ov.upper.base != rb.ref:
+            ck.kept_rows(self.ov, rb, rb.ref.tree_id)
+            await trio.to_thread.run_sync(ck.reset_upper, self.ov.upper, rb)
+
+    def status(self) -> dict[str, Any]:
+        ov = self.ov
+        cs = ov.cs
+        dirty = 0
+        nbytes = 0
+        for n in ov.nodes.values():
+            if n.upper and n.ino != 1:
+                dirty += 1
+                if n.kind == 2:
+                    nbytes += max(0, n.size - n.lower_len) + len(n.present) * cs
+        return {"ref": str(ov.lower.ref), "dirty_inodes": dirty, "dirty_bytes": nbytes,
+                "open_handles": len(ov.handles), "writable_handles": self._writable_handles(),
+                "open_dirs": len(ov.dirs), "parked": self.gate.parked,
+                "paused": self.gate.paused, "permits": self.gate.permits,
+                "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid()}
+
+    def diff(self) -> dict[str, Any]:
+        """The changes since the last checkpoint (the lower), computed without writing."""
+        from store.diff import diff_trees
+
+        from . import checkpoint as ck
+
+        base = self.ov.lower.ref
+        ref, mw = ck.preview(self.ov)
+        changes = diff_trees(mw, base.tree_id, ref.tree_id)  # type: ignore[arg-type]
+        return {"base": str(base), "ref": str(ref),
+                "changes": [{"path": os.fsdecode(c.path), "status": c.status}
+                            for c in changes]}
+
+    async def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "status":
+            return dict(self.status(), ok=True)
+        if op == "checkpoint":
+            out = await self.checkpoint(req.get("label"), req.get("trigger") or "manual",
+                                        req.get("timeout_s"))
+            return dict(out, ok=True)
+        if op == "restore":
+            out = await self.restore(req.get("ref", ""), discard=bool(req.get("discard")),
+                                     timeout_s=req.get("timeout_s"))
+            return dict(out, ok=True)
+        if op == "diff":
+            return dict(self.diff(), ok=True)
+        raise ValueError(f"unknown control request {op!r}")
+
+
+def invalidate(inv: Any) -> None:
+    """Drop the kernel's cached names and attributes listed in ``inv`` (a
+    ``restore.Invalidation``). Blocking: call from a worker thread, never from a handler
+    (PYFUSE3.md traps 8, 16); entries the kernel no longer holds are skipped."""
+    import errno
+
+    import pyfuse3
+
+    for parent, name in inv.entries:
+        try:
+            pyfuse3.invalidate_entry(parent, name)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                log.warning("invalidate_entry(%d, %r): %s", parent, name, e)
+    for ino in inv.inodes:
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                log.warning("invalidate_inode(%d): %s", ino, e)
+
+
+# -- the socket server ------------------------------------------------------------------------
+
+async def serve(live: Live, *, task_status: Any = None) -> None:
+    """Serve ``live`` on its control socket until cancelled; records the socket path in the
+    state directory and removes both on the way out. Use with ``nursery.start``."""
+    import trio
+
+    path = socket_path_for(live.state_dir)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    record = os.path.join(live.state_dir, CONTROL_FILE)
+    with open(record + ".tmp", "w") as f:
+        f.write(path)
+    os.replace(record + ".tmp", record)
+    log.info("control socket %s", path)
+    listener = trio.SocketListener(sock)
+    try:
+        if task_status is not None:
+            task_status.started(path)
+        await trio.serve_listeners(lambda stream: _connection(live, stream), [listener])
+    finally:
+        for p in (record, path):
+            try:
+                if p == record:
+                    with open(record) as f:
+                        if f.read().strip() != path:
+                            continue
+                os.unlink(p)
+            except OSError:
+                pass
+        with trio.CancelScope(shield=True):
+            await listener.aclose()
+
+
+async def _readline(stream: Any, buf: bytearray) -> bytes | None:
+    while b"\n" not in buf:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buf += data
+        if len(buf) > MAX_LINE:
+            raise ValueError("control request too long")
+    i = buf.index(b"\n")
+    line = bytes(buf[:i])
+    del buf[:i + 1]
+    return line
+
+
+async def _connection(live: Live, stream: Any) -> None:
+    async with stream:
+        buf = bytearray()
+        try:
+            line = await _readline(stream, buf)
+        except (OSError, ValueError, Exception) as e:  # noqa: B014 - a broken client
+            log.debug("control connection: %s", e)
+            return
+        if line is None:
+            return
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict):
+                raise ValueError("a control request is a JSON object")
+            if req.get("op") == "write_permit":
+                async with live.gate.write_permit():
+                    await stream.send_all(json.dumps({"ok": True}).encode() + b"\n")
+                    while await stream.receive_some(65536):
+                        pass
+                return
+            reply = await live.dispatch(req)
+        except Exception as e:
+            reply = error_reply(e)
+        try:
+            await stream.send_all(json.dumps(reply).encode() + b"\n")
+        except Exception:  # the client went away
+            pass
+
+
+# -- client side -----------------------------------------------------------------------------
+
+_ERRORS: dict[str, Callable[[dict[str, Any]], Exception]] = {
+    "RestoreError": lambda r: RestoreError(r.get("kind") or RestoreError.SWAP_FAILED,
+                                           str(r.get("ref") or ""), str(r.get("message"))),
+    "CheckpointError": lambda r: CheckpointError(str(r.get("trigger") or "manual"),
+                                                 str(r.get("message"))),
+}
+
+
+class NotLiveError(Exception):
+    """No live session mount answers at this mount point or state directory."""
+
+    exit_code = 9
+
+    def __init__(self, where: str, why: str) -> None:
+        self.where = where
+        super().__init__(f"{where}: {why}")
+
+
+def find_socket(mount_or_state: str) -> str:
+    """The control socket of the session mount at ``mount_or_state`` (a mount point, or
+    its state directory). Raises NotLiveError."""
+    from .mounts import read_record
+
+    path = os.path.abspath(mount_or_state)
+    state = None
+    rec = read_record(path)
+    if rec is not None and rec.get("state"):
+        state = str(rec["state"])
+    elif os.path.exists(os.path.join(path, CONTROL_FILE)):
+        state = path
+    if state is None:
+        if rec is not None:
+            raise NotLiveError(path, "a read-only mount has no control channel")
+        raise NotLiveError(path, "no rewindfs session mount here")
+    try:
+        with open(os.path.join(state, CONTROL_FILE)) as f:
+            sock = f.read().strip()
+    except FileNotFoundError:
+        raise NotLiveError(path, "its daemon serves no control socket") from None
+    return sock
+
+
+@dataclass
+class Client:
+    """Calls a live mount's control socket. Each method returns the reply as a dict (``ref``
+    as text, ``elapsed_ms`` measured in the daemon) or raises the daemon's typed error:
+    RestoreError (with its ``kind``), CheckpointError, or ``HostError`` for anything else;
+    OSError if no daemon answers."""
+
+    socket_path: str
+    timeout_s: float | None = None
+
+    @classmethod
+    def for_mount(cls, mount_or_state: str) -> Client:
+        return cls(find_socket(mount_or_state))
+
+    def call(self, req: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        reply = request(self.socket_path, req, timeout_s or self.timeout_s)
+        if not reply.get("ok"):
+            make = _ERRORS.get(str(reply.get("error")))
+            if make is not None:
+                raise make(dict(reply, ref=req.get("ref"), trigger=req.get("trigger")))
+        return raise_reply(reply)
+
+    def checkpoint(self, label: str | None = None, trigger: str = "manual",
+                   timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call({"op": "checkpoint", "label": label, "trigger": trigger,
+                          "timeout_s": timeout_s})
+
+    def restore(self, ref: Ref | str, discard: bool = False,
+                timeout: float | None = None) -> dict[str, Any]:
+        return self.call({"op": "restore", "ref": str(ref), "discard": discard,
+                          "timeout_s": timeout})
+
+    def status(self) -> dict[str, Any]:
+        return self.call({"op": "status"})
+
+    def diff(self) -> dict[str, Any]:
+        return self.call({"op": "diff"})
+
+
+def attach(nursery: trio.Nursery, ops: Operations, store: Store, *, mountpoint: str,
+           state_dir: str) -> Live:
+    """Daemon wiring in one call: a ``Live`` for ``ops`` whose control socket is served in
+    ``nursery``. ``ops`` must have been made with a ``fusefs.gate.Gate``."""
+    from .gate import Gate
+
+    gate = ops.gate
+    assert isinstance(gate, Gate), "Operations needs a fusefs.gate.Gate"
+    live = Live(ops, store, gate, mountpoint=mountpoint, state_dir=state_dir)
+    nursery.start_soon(_serve_logged, live)
+    return live
+
+
+async def _serve_logged(live: Live) -> None:
+    try:
+        await serve(live)
+    except Exception as e:
+        log.error("control socket failed: %s: %s", type(e).__name__, e)

@@ -1,0 +1,328 @@
+"""Restore: repoint a live overlay at another snapshot (CONTRACT 3.2), data side.
+
+Owns what a restore changes in the overlay and the upper layer, and the list of kernel
+cache entries to invalidate; the ordering around it (pause, waiting for writers, the
+pre-restore checkpoint, journal, release, invalidation worker) is ``restore_live``'s.
+
+It starts from a *clean* overlay: every change is in the lower (the pre-restore
+checkpoint, or for ``discard`` an unlisted freeze), so the old and the new tree are two
+snapshots and ``store.diff.diff_trees`` lists exactly what differs, skipping equal subtrees:
+every step below costs the difference, not the tree.
+
+1. ``verify``: the diff reads every tree that differs (raising if one is missing or
+   corrupt) and every chunk of a new or changed file must be indexed.
+2. ``plan_swap`` (event-loop thread): for each changed path, the inode numbers before and
+   after. A path whose content (or kind, or hard-link group) changes gets a new number, its
+   old inode is detached (no name reaches it; open handles keep reading the old content);
+   a path whose metadata only changes keeps its number and gets new attributes; a directory
+   present in both trees keeps its number, so a process whose cwd it is keeps a valid cwd.
+   Pins make the new numbers stable (see ``inodes.py``).
+3. ``checkpoint.reset_upper`` commits the new base and pins in one transaction; then
+   ``apply_swap`` switches the overlay in memory, atomically for requests.
+4. The kernel entries and inodes to invalidate are returned (``Invalidation``): the names
+   that appeared, vanished or changed inode, and the inodes whose attributes changed, only
+   those the kernel may know.
+
+Crash windows: before the reset commit the upper still records the old base (with the
+pre-restore checkpoint already made, the same content); after it, the target.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from store.diff import Change, diff_trees
+from store.errors import IntegrityError, ObjectNotFoundError
+from store.objects import Store
+from store.ref import ObjectId, Ref
+from store.tree import Entry, Kind
+
+from .checkpoint import Rebase, _set_pin, kept_rows, number, switch_lower
+from .inodes import ROOT_INO, Node, content_digest, derive_ino, origin_key
+from .overlay import Overlay
+from .session.errors import RestoreError
+
+
+@dataclass
+class Invalidation:
+    """Kernel caches to drop after a swap: ``entries`` (directory inode, name) and
+    ``inodes`` (numbers whose attributes changed)."""
+
+    entries: list[tuple[int, bytes]] = field(default_factory=list)
+    inodes: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.inodes)
+
+
+@dataclass
+class SwapPlan:
+    """What ``apply_swap`` does; ``rebase`` holds the upper's new base, rows and pins."""
+
+    target: Ref
+    rebase: Rebase
+    detach: list[int] = field(default_factory=list)
+    meta: list[tuple[int, Entry]] = field(default_factory=list)
+    dirs: list[tuple[int, ObjectId]] = field(default_factory=list)
+    invalidation: Invalidation = field(default_factory=Invalidation)
+    changes: int = 0
+
+
+def verify(store: Store, current: Ref, target: Ref) -> list[Change]:
+    """The changes from ``current`` to ``target``, after checking that everything of the
+    target that differs is in the store. Raises RestoreError(swap_failed) otherwise."""
+    try:
+        store.get_tree(target.tree_id)
+        changes = diff_trees(store, current.tree_id, target.tree_id)
+    except (ObjectNotFoundError, IntegrityError) as e:
+        raise RestoreError(RestoreError.SWAP_FAILED, str(target),
+                           f"the target is not complete in the store: {e}") from None
+    for c in changes:
+        new = c.new
+        if new is not None and new.kind is Kind.FILE:
+            for cid in new.chunks:
+                if not store.has(cid):
+                    raise RestoreError(RestoreError.SWAP_FAILED, str(target),
+                                       f"chunk {cid.hex()} of {c.path!r} is not in the store")
+    return changes
+
+
+def content_changed(a: Entry, b: Entry) -> bool:
+    """True if an inode cannot carry over from ``a`` to ``b``: kind, content or hard-link
+    group differ (directories: never; their entries are their own paths)."""
+    if a.kind is not b.kind:
+        return True
+    if a.kind is Kind.DIR:
+        return False
+    return content_digest(a) != content_digest(b) or a.link_group != b.link_group
+
+
+def _split(path: bytes) -> tuple[bytes, bytes]:
+    head, _, name = path.rpartition(b"/")
+    return head, name
+
+
+def _ancestors(path: bytes) -> list[bytes]:
+    """``b""`` and every proper prefix directory of ``path``, shallowest first."""
+    out = [b""]
+    parts = path.split(b"/")[:-1]
+    for i in range(1, len(parts) + 1):
+        out.append(b"/".join(parts[:i]))
+    return out
+
+
+class _Trees:
+    """Directory lookups by path in one snapshot (memoized)."""
+
+    def __init__(self, store: Store, root: ObjectId) -> None:
+        self.store = store
+        self.ids: dict[bytes, ObjectId] = {b"": root}
+
+    def entry(self, path: bytes) -> Entry | None:
+        head, name = _split(path)
+        tid = self.tree_id(head)
+        return None if tid is None else self.store.get_tree(tid).get(name)
+
+    def tree_id(self, path: bytes) -> ObjectId | None:
+        tid = self.ids.get(path)
+        if tid is None and path:
+            e = self.entry(path)
+            if e is None or e.kind is not Kind.DIR or e.tree_id is None:
+                return None
+            tid = self.ids[path] = e.tree_id
+        return tid
+
+
+def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase) -> SwapPlan:
+    """Plan the swap of clean overlay ``ov`` to ``target`` (event-loop thread). Changes
+    only ``ov.pins``/``pinned``/``next_ino`` (new numbers must be reserved before commit)."""
+    store = ov.lower.store
+    old = _Trees(store, ov.lower.root_tree)
+    new = _Trees(store, target.tree_id)
+    sp = SwapPlan(target, rb, changes=len(changes))
+    dir_ino: dict[bytes, int] = {b"": ROOT_INO}
+    covered: set[bytes] = set()
+    refresh: set[bytes] = set()
+    inv = sp.invalidation
+
+    def ino_of_dir(path: bytes) -> int:
+        got = dir_ino.get(path)
+        if got is None:
+            head, name = _split(path)
+            e = old.entry(path)
+            assert e is not None and e.kind is Kind.DIR, path
+            got = dir_ino[path] = number(ov, ino_of_dir(head), name, e)[0]
+        return got
+
+    for c in changes:
+        anc = _ancestors(c.path)
+        if any(a in covered for a in anc[1:]):
+            continue  # below an added, removed or replaced directory
+        refresh.update(anc)
+        head, name = _split(c.path)
+        parent = ino_of_dir(head)
+        a, b = c.old, c.new
+        renumber = a is not None and b is not None and content_changed(a, b)
+        old_no = None
+        if a is not None and (b is None or renumber):
+            old_no = number(ov, parent, name, a)[0]
+            sp.detach.append(old_no)
+            if a.kind is Kind.DIR:
+                covered.add(c.path)
+        if b is not None and (a is None or renumber):
+            if b.kind is Kind.DIR:
+                covered.add(c.path)
+            new_no, ctime = number(ov, parent, name, b)
+            if new_no == old_no:
+                new_no = ov.next_ino
+                ov.next_ino += 1
+                ctime = b.mtime_ns
+            # Pin the number unless a fresh lookup would give it anyway, so it stays the
+            # same once detached inodes that shifted it are gone.
+            o = origin_key(parent, name, b)
+            pin = ov.pins.get(o)
+            natural = pin[0] if pin is not None else derive_ino(o)
+            if natural != new_no:
+                _set_pin(ov, rb, o, new_no, ctime)
+        if a is None or b is None or renumber:
+            inv.entries.append((parent, name))
+        else:
+            no = number(ov, parent, name, b)[0]
+            sp.meta.append((no, b))
+            inv.inodes.append(no)
+            if b.kind is Kind.DIR:
+                dir_ino[c.path] = no
+    for path in sorted(refresh):
+        tid = new.tree_id(path)
+        if tid is None or any(a in covered for a in _ancestors(path)[1:]) or path in covered:
+            continue
+        no = ino_of_dir(path)
+        sp.dirs.append((no, tid))
+        inv.inodes.append(no)
+    rb.ref = target
+    kept_rows(ov, rb, target.tree_id)
+    return sp
+
+
+def _detach(ov: Overlay, n: Node, children: dict[int, list[Node]]) -> None:
+    """No name reaches ``n`` (and, for a directory, its subtree) any more; open handles keep
+    what they read. Dropped from memory once the kernel forgets it."""
+    stack = [n]
+    while stack:
+        x = stack.pop()
+        if x.ino == ROOT_INO:
+            continue
+        x.origin = None
+        x.nlink = 0
+        x.lower_links = 0
+        if x.kind is Kind.DIR:
+            stack.extend(children.get(x.ino, ()))
+        ov.release_unused(x)
+
+
+def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
+    """Switch clean ``ov`` to the planned target in memory (event-loop thread, atomic, after
+    ``reset_upper`` committed)."""
+    switch_lower(ov, sp.target)
+    nodes = ov.nodes
+    children: dict[int, list[Node]] = defaultdict(list)
+    for n in nodes.values():
+        if n.ino != ROOT_INO:
+            children[n.parent].append(n)
+    for ino in sp.detach:
+        gone = nodes.get(ino)
+        if gone is not None:
+            _detach(ov, gone, children)
+    for ino, e in sp.meta:
+        m = nodes.get(ino)
+        if m is not None:
+            m.mode, m.uid, m.gid, m.mtime_ns = e.mode, e.uid, e.gid, e.mtime_ns
+            m.xattrs = dict(e.xattrs)
+    for ino, tid in sp.dirs:
+        d = nodes.get(ino)
+        if d is not None and d.kind is Kind.DIR:
+            d.lower_tree = tid
+            d.nlink = 2 + ov.lower.subdirs(tid)
+            if d.upper:
+                d.entries = {}
+    root = nodes[ROOT_INO]
+    root.lower_tree = sp.target.tree_id
+    root.nlink = 2 + ov.lower.subdirs(sp.target.tree_id)
+    ov.by_origin = {o: i for o, i in ov.by_origin.items()
+                    if (u := nodes.get(i)) is not None and u.upper and u.nlink > 0}
+    for h in ov.dirs.values():
+        h.refresh()
+
+
+def known_to_kernel(ov: Overlay, inv: Invalidation) -> Invalidation:
+    """The part of ``inv`` the kernel can hold: names in directories it has looked up,
+    inodes it has looked up (the rest would only answer ENOENT)."""
+    nodes = ov.nodes
+
+    def known(ino: int) -> bool:
+        n = nodes.get(ino)
+        return ino == ROOT_INO or (n is not None and n.nlookup > 0)
+
+    return Invalidation([(p, nm) for p, nm in inv.entries if known(p)],
+                        [i for i in inv.inodes if known(i)])
+
+
+# -- the whole restore, for callers without an event loop ------------------------------------
+
+@dataclass
+class Result:
+    """What one restore did: the pre-restore checkpoint (None with ``discard``), how many
+    paths differed and what was invalidated."""
+
+    target: Ref
+    pre: Ref | None
+    changes: int
+    invalidation: Invalidation
+
+
+def clean(ov: Overlay, *, discard: bool, label: str | None = None) -> tuple[Ref | None, Rebase]:
+    """Make every change of ``ov`` part of its lower: a listed ``pre_restore`` checkpoint,
+    or with ``discard`` an unlisted freeze applied in memory only (the upper keeps the old
+    base until the swap commits). Returns (the checkpoint Ref or None, the rebase whose pins
+    the swap must also record)."""
+    from .checkpoint import apply, build, checkpoint_overlay, plan, prepare
+
+    if not discard:
+        res = checkpoint_overlay(ov, origin="pre_restore", label=label)
+        return res.ref, Rebase(res.ref)
+    store = ov.lower.store
+    with store.writer() as w:
+        p = plan(ov)
+        ref = build(p, store, w)
+        w.commit()
+    rb = prepare(ov, p, ref)
+    apply(ov, p, rb)
+    rb.rows = []
+    rb.xattrs = {}
+    return None, rb
+
+
+def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Result:
+    """Restore ``ov`` to ``target`` synchronously (no mount, no kernel caches): tests and
+    tools that drive the overlay directly. Raises RestoreError(permit_failed) while a
+    writable handle is open, RestoreError(swap_failed) if the target is incomplete; in both
+    cases nothing changed."""
+    from .checkpoint import drop_data, reset_upper
+
+    assert ov.upper is not None
+    if any(h.writable for h in ov.handles.values()):
+        raise RestoreError(RestoreError.PERMIT_FAILED, str(target), "a file is open for writing")
+    store = ov.lower.store
+    verify_only = store.get_tree  # fail before any change if the root is missing
+    try:
+        verify_only(target.tree_id)
+    except (ObjectNotFoundError, IntegrityError) as e:
+        raise RestoreError(RestoreError.SWAP_FAILED, str(target), str(e)) from None
+    pre, rb = clean(ov, discard=discard)
+    changes = verify(store, ov.lower.ref, target)
+    sp = plan_swap(ov, changes, target, rb)
+    reset_upper(ov.upper, sp.rebase)
+    apply_swap(ov, sp)
+    drop_data(rb.drop_data)
+    return Result(target, pre, len(changes), sp.invalidation)
