@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_support import overlay_listing, tree_listing
-from test_checkpoint_overlay import CS, GID, UID, Env, ino, read, write
+from test_checkpoint_overlay import CS, GID, UID, Env, hold, ino, read, write
 
 from fusefs.checkpoint import checkpoint_overlay
 from fusefs.inodes import ROOT_INO
@@ -82,8 +82,8 @@ def test_inode_numbers_across_restore(env: Env) -> None:
 def test_read_only_handle_keeps_old_content(env: Env) -> None:
     ov = env.mount()
     write(ov, "dir/sub/deep.txt", b"version two\n")
-    fh = ov.open(ino(ov, "dir/sub/deep.txt"), os.O_RDONLY)
-    gone = ov.open(ino(ov, "new.txt") if False else ino(ov, "dir/a.txt"), os.O_RDONLY)
+    fh = ov.open(hold(ov, "dir/sub/deep.txt"), os.O_RDONLY)
+    gone = ov.open(hold(ov, "dir/a.txt"), os.O_RDONLY)
     ov.unlink(ino(ov, "dir"), b"a.txt")
     restore_overlay(ov, env.ref, discard=True)
     assert ov.read(fh, 0, 100) == b"version two\n"
@@ -156,7 +156,7 @@ def test_random_changes_checkpoints_and_restores(env: Env, seed: int) -> None:
                 ov.link(ino(ov, rng.choice(files)), ino(ov, rng.choice(dirs)), b"l%d" % step)
             elif op == "open" and files:
                 p = rng.choice(files)
-                fh = ov.open(ino(ov, p), os.O_RDONLY)
+                fh = ov.open(hold(ov, p), os.O_RDONLY)
                 ro.append((fh, read(ov, p)))
             elif op == "ckpt":
                 ref = checkpoint_overlay(ov).ref
