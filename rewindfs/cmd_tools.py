@@ -26,8 +26,6 @@ def register(sub: Any) -> None:
 
 
 def run_mcp(args: argparse.Namespace) -> int:
-    from tools.mcp_server import serve_stdio
-
     hidden = [os.path.abspath(h) for h in args.hide]
     binding: Any
     if args.session is not None:
@@ -39,6 +37,8 @@ def run_mcp(args: argparse.Namespace) -> int:
 
         hidden.append(os.path.abspath(args.store))
         binding = DirBinding(args.root, hidden=hidden)
+    from tools.mcp_server import serve_stdio  # the mcp library loads slowly: after the checks
+
     serve_stdio(binding, allow_restore=args.allow_restore)
     return 0
 

@@ -103,8 +103,9 @@ class Sessions:
                 pass
 
 
-@pytest.fixture
-def sessions() -> Iterator[Sessions]:
+def outside_tmp_sessions() -> Iterator[Sessions]:
+    """Sessions in a fresh directory outside /tmp; every host is stopped and the directory
+    removed afterwards (the body of the ``sessions`` fixtures)."""
     place = Path(tempfile.mkdtemp(prefix="rewindfs-tools-session-", dir=_outside_tmp()))
     s = Sessions(place)
     try:
@@ -114,6 +115,11 @@ def sessions() -> Iterator[Sessions]:
             s.close()
         finally:
             shutil.rmtree(place, ignore_errors=True)
+
+
+@pytest.fixture
+def sessions() -> Iterator[Sessions]:
+    yield from outside_tmp_sessions()
 
 
 def test_checkpoint_requested_while_bash_runs_waits_for_it(sessions: Sessions) -> None:

@@ -74,11 +74,13 @@ class SessionToolBinding:
 
     def __init__(self, store: Store | str | os.PathLike[str], session_id: str, *,
                  hidden: Sequence[str] = (), permit_timeout_s: float | None = None) -> None:
-        self.store: Store = store if isinstance(store, Store) else Store(os.fspath(store))
+        root = store.root if isinstance(store, Store) else os.path.abspath(os.fspath(store))
+        # The record first: an unknown id or store is refused before a store is created.
+        self.record: SessionRecord = Registry(state_base(root)).load(session_id)
+        self.store: Store = store if isinstance(store, Store) else Store(root)
         self.id = session_id
         self.permit_timeout_s = permit_timeout_s
         self._hidden = tuple(os.path.abspath(h) for h in hidden)
-        self.record: SessionRecord = Registry(state_base(self.store.root)).load(session_id)
         status = self._ask({"op": "status"}, _STATUS_TIMEOUT_S)
         self._root = os.path.abspath(str(status.get("root") or self.record.root or ""))
         if not os.path.isdir(self._root):

@@ -1,0 +1,125 @@
+"""``rewindfs mcp --session ID`` end to end: an MCP client (the ``mcp`` library, over stdio)
+drives the agent tools on a real session started with ``rewindfs session new --seed DIR``.
+
+Sessions are shut down at teardown (see test_tools_session.Sessions); the MCP server exits
+when its client closes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from test_tools_session import REPO, Sessions, outside_tmp_sessions
+
+from fusefs.session.journal import Journal
+from store.objects import Store
+from tools.mcp_server import TOOL_NAMES
+
+FIXED = "def add(a, b):\n    return a + b\n"
+
+
+@pytest.fixture
+def sessions() -> Iterator[Sessions]:
+    yield from outside_tmp_sessions()
+
+
+def text(result: Any) -> str:
+    return "".join(c.text for c in result.content)
+
+
+def server(s: Sessions, sid: str, *extra: str) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "rewindfs", "--store", str(s.store), "mcp", "--session", sid, *extra],
+        cwd=str(REPO))
+
+
+def test_agent_session_read_edit_test_checkpoint_break_restore(sessions: Sessions) -> None:
+    sid, root = sessions.new(sessions.project())
+    # -B: no __pycache__, so the diff shows only what the agent changed.
+    run_tests = f"{sys.executable} -B -m unittest -q test_calc 2>&1; echo rc=$?"
+    seen: dict[str, str] = {}
+
+    async def agent() -> None:
+        async with Client(server(sessions, sid, "--allow-restore"),
+                          read_timeout_seconds=120) as client:
+            names = sorted(t.name for t in (await client.list_tools()).tools)
+            assert names == sorted([*TOOL_NAMES, "checkpoint", "diff", "log", "restore"])
+
+            r = await client.call_tool("ReadFile", {"path": "calc.py"})
+            assert text(r) == "     1\tdef add(a, b):\n     2\t    return a - b"
+            r = await client.call_tool("Bash", {"command": run_tests})
+            assert "FAILED" in text(r) and "rc=1" in text(r), text(r)
+
+            r = await client.call_tool("EditFile", {"path": "calc.py", "old": "a - b",
+                                                    "new": "a + b"})
+            assert not r.is_error, text(r)
+            r = await client.call_tool("Bash", {"command": run_tests})
+            assert "OK" in text(r) and "rc=0" in text(r), text(r)
+
+            r = await client.call_tool("checkpoint", {})
+            assert not r.is_error, text(r)
+            good = text(r).removeprefix("checkpointed the workspace as ")
+            seen["good"] = good
+
+            # Break the file, see the tests fail and the change in the diff.
+            r = await client.call_tool("WriteFile", {"path": "calc.py",
+                                                     "content": "def add(a, b):\n    return 0\n"})
+            assert not r.is_error, text(r)
+            r = await client.call_tool("Bash", {"command": run_tests})
+            assert "FAILED" in text(r) and "rc=1" in text(r), text(r)
+            r = await client.call_tool("diff", {})
+            assert text(r).split("\n")[1:] == ["modified     calc.py"], text(r)
+
+            r = await client.call_tool("restore", {"ref": good})
+            assert not r.is_error, text(r)
+            assert text(r).startswith(f"restored the workspace to {good}; ")
+
+            r = await client.call_tool("ReadFile", {"path": "calc.py"})
+            assert text(r) == "     1\tdef add(a, b):\n     2\t    return a + b"
+            r = await client.call_tool("Bash", {"command": run_tests})
+            assert "OK" in text(r) and "rc=0" in text(r), text(r)
+
+            r = await client.call_tool("log", {})
+            triggers = [line.strip().split("  ")[2] for line in text(r).split("\n")]
+            assert triggers == ["checkpoint (seed)", "checkpoint (manual)",
+                                "checkpoint (pre_restore)", "restored to"]
+            r = await client.call_tool("restore", {"ref": "v1:nonsense"})
+            assert r.is_error and text(r).startswith("error: restore failed: ")
+
+    anyio.run(agent)
+    assert (root / "calc.py").read_text() == FIXED
+    events = Journal(Store(sessions.store), sid).events()
+    assert [(e.event, str(e.ref)) for e in events][-1] == ("WorkspaceRestored", seen["good"])
+
+
+def test_restore_is_offered_only_with_allow_restore(sessions: Sessions) -> None:
+    sid, root = sessions.new()
+
+    async def agent() -> None:
+        async with Client(server(sessions, sid), read_timeout_seconds=120) as client:
+            names = sorted(t.name for t in (await client.list_tools()).tools)
+            assert names == sorted([*TOOL_NAMES, "checkpoint", "diff", "log"])
+            r = await client.call_tool("WriteFile", {"path": "notes.txt", "content": "hi\n"})
+            assert not r.is_error, text(r)
+            r = await client.call_tool("checkpoint", {})
+            assert text(r).startswith("checkpointed the workspace as ")
+
+    anyio.run(agent)
+    assert (root / "notes.txt").read_text() == "hi\n"
+
+
+def test_unknown_session_fails_to_start(sessions: Sessions) -> None:
+    p = sessions.cli("mcp", "--session", "20000101-000000-00000000", check=False)
+    assert p.returncode != 0
+    assert "no session '20000101-000000-00000000'" in p.stderr
+    assert "Traceback" not in p.stderr
+    missing = sessions.place / "no-store"
+    p = sessions.cli("--store", str(missing), "mcp", "--session", "x", check=False)
+    assert p.returncode != 0 and not missing.exists()
