@@ -3,7 +3,8 @@
 ``serve(config, ready)`` opens the store and (for a session mount) locks and loads the
 state directory, mounts, reports readiness through ``ready``, serves until the mount is
 unmounted or SIGINT/SIGTERM arrives, then persists everything durably, unmounts and
-returns an exit code. SIGUSR1 (and the exit) writes request counts per operation and the
+returns an exit code. A session mount also serves its control socket (``control.py``:
+checkpoint, restore, status). SIGUSR1 (and the exit) writes request counts per operation and the
 CPU time to ``config.stats_path`` (default: ``stats.json`` next to the log). The log goes to ``config.log_path`` (session mounts: ``daemon.log`` in the
 state directory) or stderr.
 
@@ -153,7 +154,12 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         log.error("cannot mount %s: %s", cfg.mountpoint, e)
         ready(str(e))
         raise
-    ops = Operations(ov)
+    gate = None
+    if not ov.readonly:
+        from .gate import Gate
+
+        gate = Gate()  # checkpoint and restore pause changes through it
+    ops = Operations(ov, gate=gate)
     options = {"default_permissions", "fsname=rewindfs", "subtype=rewindfs", "noatime"}
     if ov.readonly:
         options.add("ro")
@@ -199,6 +205,11 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
             nursery.start_soon(signals)
             nursery.start_soon(ops.commit_loop)
             ops.start_background(nursery)
+            if cfg.state_dir is not None:
+                from .control import attach
+
+                attach(nursery, ops, store, mountpoint=cfg.mountpoint,
+                       state_dir=os.path.abspath(cfg.state_dir))
             started = start_time(os.getpid())
             write_record(cfg.mountpoint, {
                 "pid": os.getpid(), "started": started, "mountpoint": cfg.mountpoint,
