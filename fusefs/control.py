@@ -320,8 +320,9 @@ class Live:
                 "paused": self.gate.paused, "permits": self.gate.permits,
                 "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid()}
 
-    def diff(self) -> dict[str, Any]:
-        """The changes since the last checkpoint (the lower), computed without writing."""
+    def diff(self, unified: bool = False) -> dict[str, Any]:
+        """The changes since the last checkpoint (the lower), computed without writing;
+        with ``unified`` also their unified text diff (``text``)."""
         from store.diff import diff_trees
 
         from . import checkpoint as ck
@@ -329,9 +330,17 @@ class Live:
         base = self.ov.lower.ref
         ref, mw = ck.preview(self.ov)
         changes = diff_trees(mw, base.tree_id, ref.tree_id)  # type: ignore[arg-type]
-        return {"base": str(base), "ref": str(ref),
-                "changes": [{"path": os.fsdecode(c.path), "status": c.status}
-                            for c in changes]}
+        out: dict[str, Any] = {
+            "base": str(base), "ref": str(ref),
+            "changes": [{"path": os.fsdecode(c.path), "status": c.status,
+                         "old_kind": c.old.kind.name.lower() if c.old else None,
+                         "new_kind": c.new.kind.name.lower() if c.new else None}
+                        for c in changes]}
+        if unified:
+            from .textdiff import unified as render
+
+            out["text"] = render(mw, changes)
+        return out
 
     async def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
@@ -346,7 +355,7 @@ class Live:
                                      timeout_s=req.get("timeout_s"))
             return dict(out, ok=True)
         if op == "diff":
-            return dict(self.diff(), ok=True)
+            return dict(self.diff(bool(req.get("unified"))), ok=True)
         raise ValueError(f"unknown control request {op!r}")
 
 
@@ -538,8 +547,8 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self.call({"op": "status"})
 
-    def diff(self) -> dict[str, Any]:
-        return self.call({"op": "diff"})
+    def diff(self, unified: bool = False) -> dict[str, Any]:
+        return self.call({"op": "diff", "unified": unified})
 
 
 def attach(nursery: trio.Nursery, ops: Operations, store: Store, *, mountpoint: str,

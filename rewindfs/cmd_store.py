@@ -74,9 +74,12 @@ def register(sub: Any) -> None:
     p.add_argument("path")
     p.set_defaults(handler=cmd_cat)
 
-    p = sub.add_parser("diff", help="list paths added, removed, modified between two Refs")
+    p = sub.add_parser("diff", help="list paths added, removed, modified between two Refs "
+                                    "(or since the last checkpoint of a mount: diff MNT)")
     p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
+    p.add_argument("b", metavar="B", nargs="?")
+    p.add_argument("--unified", "-u", action="store_true",
+                   help="print a unified text diff of the changed files")
     add_json(p)
     p.set_defaults(handler=cmd_diff)
 
@@ -341,6 +344,10 @@ _STATUS_CHAR = {"added": "A", "removed": "D", "modified": "M", "type_changed": "
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    if args.b is None or args.unified:  # a mount, or text: see rewindfs/cmd_live.py
+        from rewindfs.cmd_live import cmd_diff as live_diff
+
+        return live_diff(args)
     from store.diff import diff
 
     a = parse_ref(args.a)
