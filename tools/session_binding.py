@@ -68,8 +68,9 @@ class SessionToolBinding:
 
     ``hidden``: further paths confined commands must not see. ``permit_timeout_s``: how
     long ``write_permit`` waits for a running checkpoint or restore (None: as long as it
-    takes; the session bounds its own operations by its policy timeout). Raises SessionNotFoundError for an unknown id and SessionClosedError when no
-    host serves the session.
+    takes; the session bounds its own operations by its policy timeout). Raises
+    SessionNotFoundError for an unknown id and SessionClosedError when no host serves the
+    session.
     """
 
     def __init__(self, store: Store | str | os.PathLike[str], session_id: str, *,
