@@ -83,7 +83,9 @@ class SessionToolBinding:
         self.permit_timeout_s = permit_timeout_s
         self._hidden = tuple(os.path.abspath(h) for h in hidden)
         status = self._ask({"op": "status"}, _STATUS_TIMEOUT_S)
-        self._root = os.path.abspath(str(status.get("root") or self.record.root or ""))
+        # A session host answers "root"; a FUSE mount daemon "mountpoint".
+        live_root = status.get("root") or status.get("mountpoint") or self.record.root
+        self._root = os.path.abspath(str(live_root or ""))
         if not os.path.isdir(self._root):
             raise SessionClosedError(session_id)
 
