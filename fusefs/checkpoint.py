@@ -215,6 +215,8 @@ def _dirty_dirs(ov: Overlay) -> tuple[set[int] | None, bool]:
         if not n.upper or n.nlink == 0:
             continue
         if n.kind is Kind.DIR:
+            if n.ino == ROOT_INO and not n.entries:
+                continue  # only the root's own attributes, which no snapshot records
             mark(n.ino)
             if (n.ino in named and n.lower_tree is not None
                     and bearing(ov.lower.store, n.lower_tree)):

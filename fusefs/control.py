@@ -127,7 +127,7 @@ class Live:
                 ref = ck.build(p, store, w)
                 w.commit()
                 ck.crash_point("checkpoint.committed")
-                if list_it:
+                if list_it and (ref != p.base or not self._listed(ref)):
                     store.add_snapshot(ref, origin, label)
                 ck.crash_point("checkpoint.listed")
                 return ref, w.packs_written, w.bytes_written
@@ -141,7 +141,7 @@ class Live:
         ck.apply(ov, p, rb)
         self._forget_pending_batches()
         await trio.to_thread.run_sync(ck.drop_data, rb.drop_data)
-        return {"ref": ref, "unchanged": False, "packs": packs, "bytes": nbytes}
+        return {"ref": ref, "unchanged": ref == p.base, "packs": packs, "bytes": nbytes}
 
     def _forget_pending_batches(self) -> None:
         """Batches that failed to write before a reset describe the old upper: drop them."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import blake3
@@ -163,3 +165,41 @@ def strip(listing: dict[bytes, object], *, mtimes: bool = False,
         out[p] = Item(it.kind, it.mode, it.uid if owners else 0, it.gid if owners else 0,
                       it.mtime_ns if mtimes else 0, it.size, it.digest, it.xattrs, it.nlink)
     return out
+
+
+# -- live mounts ----------------------------------------------------------------------------
+
+def cli(store: str | os.PathLike[str], *args: str, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``rewindfs --store STORE ARGS...`` as a user would; output as text."""
+
+    r = subprocess.run([sys.executable, "-m", "rewindfs", "--store", os.fspath(store), *args],
+                       capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if check and r.returncode != 0:
+        raise AssertionError(f"rewindfs {' '.join(args)} exited {r.returncode}: {r.stderr}")
+    return r
+
+
+def client(mnt: str | os.PathLike[str]):  # type: ignore[no-untyped-def]
+    """The control client of the session mounted at ``mnt``."""
+    from fusefs.control import Client
+
+    return Client.for_mount(os.fspath(mnt))
+
+
+def recorded_base(state: str | os.PathLike[str]) -> str:
+    """The base Ref the upper in ``state`` records (read-only; the daemon may be down)."""
+    import sqlite3
+
+    c = sqlite3.connect(f"file:{os.path.join(os.fspath(state), 'upper.sqlite')}?mode=ro",
+                        uri=True)
+    try:
+        return str(c.execute("SELECT value FROM meta WHERE key='base'").fetchone()[0])
+    finally:
+        c.close()
+
+
+def pack_count(store: str | os.PathLike[str]) -> int:
+    d = os.path.join(os.fspath(store), "backend", "packs")
+    return len(os.listdir(d)) if os.path.isdir(d) else 0

@@ -1,0 +1,175 @@
+"""Checkpoint of a live session mount (CONTRACT 3.1, 3.3, 3.4), through real mounts: changes
+made by shell commands, Python, git and a long-running process holding a file open are all
+captured; the Ref is exactly the Ref of what the mount shows; an unchanged mount gives the
+same Ref and writes no pack; inode numbers and ctimes survive; any checkpoint can be mounted
+read-only while the session is live; the CLI prints the Ref and ``--json`` with the
+daemon's ``elapsed_ms``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import fusehelpers as fh
+import pytest
+from ckpt_support import cli, client, pack_count, recorded_base
+
+from store.objects import Store
+from store.ref import Ref
+from store.snapshot import compute_ref
+
+pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
+
+WRITER = r"""
+import sys
+f = open(sys.argv[1], "ab", buffering=0)
+for line in sys.stdin:
+    f.write(line.encode())
+    print("ok", flush=True)
+"""
+
+
+def git(cwd: Path, *args: str) -> str:
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t", GIT_CONFIG_NOSYSTEM="1", HOME=str(cwd))
+    r = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def read_in(store: Path, ref: str, path: str) -> bytes:
+    from store.browse import cat
+
+    st = Store(store)
+    try:
+        return b"".join(cat(st, Ref.parse(ref), path))
+    finally:
+        st.close()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_checkpoint_captures_shell_python_git_and_an_open_writer(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    w = subprocess.Popen([sys.executable, "-c", WRITER, str(m / "log.txt")],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert w.stdin is not None and w.stdout is not None
+        w.stdin.write("one\n")
+        w.stdin.flush()
+        assert w.stdout.readline() == "ok\n"
+        subprocess.run(["sh", "-c", "echo shell > shell.txt && mkdir sh && mv dir/a.txt sh/ "
+                        "&& rm plain.txt && ln exec.sh hard && ln -s sh/a.txt sl"],
+                       cwd=m, check=True)
+        (m / "py.bin").write_bytes(fh.pattern(3 * (1 << 20) + 5, seed=3))
+        os.chmod(m / "ro.txt", 0o640)
+        os.setxattr(m / "dir" / "sub" / "b.txt", "user.k", b"v")
+        with open(m / "big.bin", "r+b") as f:  # one chunk of a lower file changes
+            f.seek((1 << 20) + 7)
+            f.write(b"XYZ")
+        (m / "repo").mkdir()
+        git(m / "repo", "init", "-q")
+        (m / "repo" / "f.txt").write_text("tracked\n")
+        git(m / "repo", "add", "f.txt")
+        git(m / "repo", "commit", "-qm", "first")
+
+        c = client(m)
+        r1 = c.checkpoint()
+        assert r1["elapsed_ms"] > 0 and not r1["unchanged"]
+        assert r1["ref"] == str(compute_ref(m))  # exactly what the mount shows
+        assert recorded_base(d.state) == r1["ref"]  # type: ignore[arg-type]
+
+        # the writer keeps working; its later write is not in the checkpoint
+        w.stdin.write("two\n")
+        w.stdin.flush()
+        assert w.stdout.readline() == "ok\n"
+        assert (m / "log.txt").read_bytes() == b"one\ntwo\n"
+        assert read_in(fuse_store, r1["ref"], "log.txt") == b"one\n"
+        assert read_in(fuse_store, r1["ref"], "big.bin")[(1 << 20) + 7:(1 << 20) + 10] == b"XYZ"
+        r2 = c.checkpoint()
+        assert read_in(fuse_store, r2["ref"], "log.txt") == b"one\ntwo\n"
+        assert git(m / "repo", "status", "--porcelain") == ""
+        assert "first" in git(m / "repo", "log", "--oneline")
+
+        # history: the first checkpoint mounted read-only while the session is live
+        ro = mounter.ro(r1["ref"])
+        assert str(compute_ref(ro.mnt)) == r1["ref"]
+        assert (ro.mnt / "log.txt").read_bytes() == b"one\n"
+        assert (ro.mnt / "sh" / "a.txt").read_bytes() == b"a\n"
+    finally:
+        if w.stdin is not None:
+            w.stdin.close()
+        w.wait(30)
+    r3 = c.checkpoint()  # git status may have refreshed its index since r2
+    mounter.remount(d)
+    assert str(compute_ref(m)) == c.checkpoint()["ref"] == r3["ref"]
+
+
+def test_unchanged_mount_gives_same_ref_and_writes_no_pack(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    packs = pack_count(fuse_store)
+    r = client(d.mnt).checkpoint()
+    assert r["ref"] == lower_ref and r["unchanged"] and r["packs"] == 0
+    assert (d.mnt / "big.bin").read_bytes() == fh.pattern(fh.BIG_SIZE)  # reads change nothing
+    assert client(d.mnt).checkpoint()["ref"] == lower_ref
+    (d.mnt / "new").write_bytes(b"n")
+    r2 = client(d.mnt).checkpoint()
+    assert r2["ref"] != lower_ref
+    packs = pack_count(fuse_store)
+    r3 = client(d.mnt).checkpoint()
+    assert r3["ref"] == r2["ref"] and r3["unchanged"] and pack_count(fuse_store) == packs
+
+
+def test_inode_numbers_and_ctimes_survive_checkpoint_and_remount(
+        mounter: fh.Mounter, lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    (m / "dir" / "sub" / "b.txt").write_bytes(b"changed\n")
+    (m / "new.txt").write_bytes(b"new\n")
+    os.chmod(m / "plain.txt", 0o600)
+    paths = ["dir", "dir/sub", "dir/sub/b.txt", "new.txt", "plain.txt", "link1", "link2",
+             "exec.sh"]
+
+    def ids() -> dict[str, tuple[int, int, int]]:
+        return {p: (s.st_ino, s.st_ctime_ns, s.st_nlink)
+                for p in paths for s in [os.lstat(m / p)]}
+
+    before = ids()
+    client(m).checkpoint()
+    assert ids() == before
+    mounter.remount(d)
+    assert ids() == before
+
+
+def test_cli_checkpoint_status_diff_and_json(mounter: fh.Mounter, fuse_store: Path,
+                                             lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    (m / "plain.txt").write_bytes(b"hello there\n")
+    (m / "added.txt").write_bytes(b"added\n")
+    st = json.loads(cli(fuse_store, "status", str(m), "--json").stdout)
+    assert st["ref"] == lower_ref and st["dirty_inodes"] >= 2 and st["open_handles"] == 0
+    out = cli(fuse_store, "diff", str(m)).stdout
+    assert "M\tplain.txt" in out and "A\tadded.txt" in out
+    text = cli(fuse_store, "diff", str(m), "--unified").stdout
+    assert "-hello world\n+hello there\n" in text and "+added\n" in text
+    r = json.loads(cli(fuse_store, "checkpoint", str(m), "--label", "first", "--json").stdout)
+    assert set(r) >= {"ref", "elapsed_ms"} and r["elapsed_ms"] > 0
+    Ref.parse(r["ref"])
+    assert cli(fuse_store, "diff", str(m)).stdout.strip() == ""
+    listed = json.loads(cli(fuse_store, "list", "--json").stdout)
+    assert any(s["ref"] == r["ref"] and s["label"] == "first" for s in
+               (listed if isinstance(listed, list) else listed.get("snapshots", [])))
+    plain = cli(fuse_store, "checkpoint", str(m)).stdout.strip()
+    assert plain == r["ref"]
+    text = cli(fuse_store, "diff", "-u", lower_ref, r["ref"]).stdout
+    assert "+hello there\n" in text
+    bad = cli(fuse_store, "checkpoint", str(m.parent), check=False)
+    assert bad.returncode == 9 and "Traceback" not in bad.stderr
