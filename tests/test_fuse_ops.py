@@ -389,3 +389,18 @@ def test_link_errors(lower: Path) -> None:
     assert errno_of(os.link, lower / "plain.txt", lower / "ro.txt") == errno.EEXIST
     assert errno_of(os.link, lower / "dir", lower / "dirlink") == errno.EPERM
     assert errno_of(os.link, lower / "missing", lower / "x") == errno.ENOENT
+
+
+@pytest.mark.parametrize("name", ["plain.txt", "new"])
+def test_root_keeps_setuid_bits_on_write_and_truncate(lower: Path, name: str) -> None:
+    """Only a writer without CAP_FSETID loses S_ISUID/S_ISGID (the kernel clears them for
+    it; tests/test_fuse_perms.py covers that side)."""
+    p = lower / name
+    if name == "new":
+        p.write_bytes(b"abcdef")
+    os.chmod(p, 0o6755)
+    os.truncate(p, 3)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o6755
+    with open(p, "r+b") as f:
+        f.write(b"x")
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o6755

@@ -247,6 +247,23 @@ def test_new_inodes_belong_to_the_caller(perm_mount: fh.Daemon) -> None:
     assert r["setgid_mkdir"] == [NOBODY, 1234, 0o2755]  # and the setgid bit on directories
 
 
+def test_unprivileged_write_and_truncate_clear_setuid_bits(perm_mount: fh.Daemon) -> None:
+    m = perm_mount.mnt
+    for name in ("w", "t"):
+        p = m / "own" / f"suid-{name}"
+        p.write_bytes(b"setuid file")
+        os.chown(p, NOBODY, NOBODY)
+        os.chmod(p, 0o6775)
+    r = as_nobody([
+        ("write", "write", [f"{m}/own/suid-w", "x"]),
+        ("after_write", "stat", [f"{m}/own/suid-w"]),
+        ("truncate", "truncate", [f"{m}/own/suid-t", 2]),
+        ("after_truncate", "stat", [f"{m}/own/suid-t"]),
+    ])
+    assert r == {"write": "ok", "after_write": [NOBODY, NOBODY, 0o775], "truncate": "ok",
+                 "after_truncate": [NOBODY, NOBODY, 0o775]}
+
+
 @pytest.mark.skipif(SELFTEST, reason="needs a mount")
 def test_permissions_survive_remount(mounter: fh.Mounter, perm_mount: fh.Daemon) -> None:
     m = perm_mount.mnt
