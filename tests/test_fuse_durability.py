@@ -248,12 +248,26 @@ def test_second_daemon_on_a_state_dir_is_refused(mounter: fh.Mounter, lower_ref:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signals_unmount_cleanly(mounter: fh.Mounter, lower_ref: str, sig: int) -> None:
+@pytest.mark.parametrize("busy", [False, True])
+def test_signals_unmount_cleanly(mounter: fh.Mounter, lower_ref: str, sig: int,
+                                 busy: bool) -> None:
+    """Also while a process still has a file open in the mount (it is then detached)."""
     d = mounter.rw(lower_ref)
     (d.mnt / "before-signal").write_bytes(b"x" * 10000)
-    os.kill(d.pid, sig)
-    assert fh.wait_exit(d, 60) == 0, d.log_tail()
-    assert not fh.is_fuse_mounted(d.mnt)
+    holder = None
+    if busy:
+        holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); "
+                                   "print('open', flush=True); time.sleep(600)",
+                                   str(d.mnt / "plain.txt")], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+    try:
+        os.kill(d.pid, sig)
+        assert fh.wait_exit(d, 60) == 0, d.log_tail()
+        assert not fh.is_fuse_mounted(d.mnt)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
     fh.start(d, with_ref=False)
     assert (d.mnt / "before-signal").read_bytes() == b"x" * 10000
 
