@@ -25,8 +25,10 @@ are ever deleted; other unknown keys are reported and left.
 Order of a run, each step safe if the process dies after it: catch up the index with the
 backend history (``rebuild.catch_up``); mark; write repacked copies of the live objects of
 sparse packs and make them durable; in one index transaction point those objects at their
-new packs, drop the rows of dead packs and repacked packs, and drop ``files_cache`` rows
-naming chunks that are no longer indexed; then delete the packs from the backend (a crash
+new packs, drop the rows of dead packs and repacked packs, drop ``files_cache`` rows
+naming chunks that are no longer indexed and ``dirs_cache`` rows naming a tree that is not
+live (an unreachable tree may stay indexed in a pack that is kept while objects below it
+go, and the dirs cache trusts an indexed tree to be complete: store/dircache.py); then delete the packs from the backend (a crash
 before that leaves unindexed packs, which the next run deletes). Re-running is a no-op.
 """
 
@@ -36,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from . import dircache
 from .errors import BlobNotFoundError, GCError, StoreError
 from .objects import Store
 from .pack import Location, ObjKind, PackBuilder
@@ -62,6 +65,7 @@ class GCReport:
     packs_written: int = 0
     leftover_packs: int = 0
     files_cache_pruned: int = 0
+    dirs_cache_pruned: int = 0
     unknown_keys: list[str] = field(default_factory=list)
 
 
@@ -211,6 +215,7 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
                                              (key,)).rowcount
             c.execute("DELETE FROM packs WHERE key=?", (key,))
         rep.files_cache_pruned = _prune_files_cache(store)
+        rep.dirs_cache_pruned = dircache.prune(c, live)
         c.execute("COMMIT")
     except BaseException:
         c.execute("ROLLBACK")

@@ -6,7 +6,7 @@ points:
 - ``rebuild_index(store)`` recreates ``objects`` and ``packs`` from the pack trailers, the
   snapshot list by replaying ``snapshots/*.json`` records (add, forget) in key order (keys
   start with the zero-padded time in ns, so key order is time order), and the journal from
-  ``journal/<session>/<seq>.json``. The files cache is dropped (it is only a cache);
+  ``journal/<session>/<seq>.json``. The files and dirs caches are dropped (only caches);
   ``named_refs``, ``state_dirs`` and ``leases`` describe this machine and are kept. It sets
   ``unverified_rebuild`` in ``config``: GC refuses to run until ``verify`` passes cleanly,
   since a rebuilt index cannot prove it is complete (a lost pack would go unnoticed).
@@ -248,7 +248,8 @@ def rebuild_index(store: Store) -> RebuildReport:
         c = store.conn
         c.execute("BEGIN IMMEDIATE")
         try:
-            for table in ("objects", "packs", "snapshots", "journal", "files_cache"):
+            for table in ("objects", "packs", "snapshots", "journal", "files_cache",
+                          "dirs_cache"):
                 c.execute(f"DELETE FROM {table}")
             for key, size, rows in packs:
                 c.execute("INSERT INTO packs(key, size, objects) VALUES (?, ?, ?)",

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # table -> (column -> comment). The comments are the documentation of the schema.
 TABLES: dict[str, dict[str, str]] = {
@@ -92,6 +92,24 @@ TABLES: dict[str, dict[str, str]] = {
         "trusted_before_ns": "start time of the snapshot that recorded the row: the row is "
                              "trusted only if mtime_ns and ctime_ns are older than this.",
     },
+    "dirs_cache": {
+        "path": "absolute path (bytes) of a directory seen by a snapshot (primary key); a "
+                "snapshot's root is keyed with a trailing '/'. Meaning and rules of the "
+                "whole table: store/dircache.py.",
+        "own": "the directory's own (st_ino, mtime_ns, ctime_ns) when encoded; while they "
+               "are unchanged, its entry names are those in names.",
+        "names": "its entries as (type hint byte, name) joined by NUL.",
+        "stat_digest": "blake3 over each entry's name and, for a non-directory, its lstat "
+                       "(mode, inode, link count, owner, size, mtime, ctime) as encoded.",
+        "children_digest": "blake3 over its subdirectory entries (name, mode, owner, mtime, "
+                           "xattrs, child tree id): the subdirectories, walked again, must "
+                           "give the same for the row to hold.",
+        "tree_id": "the tree it was encoded to; trusted only while indexed as a tree. GC "
+                   "deletes rows whose tree it does not keep, so a trusted tree is complete.",
+        "trusted_before_ns": "trust horizon of the recording snapshot (as in files_cache); "
+                             "the row exists only if every mtime and ctime it depends on is "
+                             "older, and never for a directory with a hard-linked file below.",
+    },
     "config": {
         "key": "setting name (primary key): schema_version, unverified_rebuild, ...",
         "value": "setting value as text.",
@@ -138,10 +156,14 @@ def create(conn: sqlite3.Connection) -> None:
     db.table("files_cache").create({"path": bytes, "size": int, "mtime_ns": int, "ctime_ns": int,
                               "inode": int, "chunks": bytes, "trusted_before_ns": int},
                              pk="path", if_not_exists=True)
+    db.table("dirs_cache").create({"path": bytes, "own": bytes, "names": bytes,
+                                   "stat_digest": bytes, "children_digest": bytes,
+                                   "tree_id": bytes, "trusted_before_ns": int},
+                                  pk="path", if_not_exists=True)
     db.table("config").create({"key": str, "value": str}, pk="key", if_not_exists=True)
     db.table("leases").create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
                         pk="name", if_not_exists=True)
     db.table("objects").create_index(["pack"], if_not_exists=True)
-    conn.execute("INSERT OR IGNORE INTO config(key, value) VALUES ('schema_version', ?)",
+    conn.execute("INSERT OR REPLACE INTO config(key, value) VALUES ('schema_version', ?)",
                  (str(SCHEMA_VERSION),))
     conn.commit()

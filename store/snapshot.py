@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 import blake3
 import zstandard
 
-from . import chunker
+from . import chunker, dircache
 from .errors import SnapshotError
 from .objects import Store, Writer
 from .pack import ObjKind
@@ -73,6 +73,7 @@ _CLOCK_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)
 _GROUP_THRESHOLD = 64 << 10  # objects below this are grouped by PackBuilder, compressed there
 _INFLIGHT = 4  # large chunks queued for compression at most
 _CACHE_BATCH = 2048  # files cache rows per transaction
+_PREFETCH_ROWS = 65536  # dirs cache rows read in one query at most (about 30 MB)
 _XATTR_UNSUPPORTED = {errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
@@ -85,6 +86,7 @@ class SnapshotResult:
     dirs: int = 0  # directories below the root
     bytes: int = 0  # logical content bytes of the files
     files_read: int = 0  # files whose content was read (not taken from the files cache)
+    dirs_cached: int = 0  # directories taken whole from the dirs cache (entries not opened)
     bytes_read: int = 0  # content bytes read from disk
     packs_written: int = 0
     stored_bytes: int = 0  # pack bytes written
@@ -206,7 +208,7 @@ class _Dir:
     rel: bytes  # root-relative path, b"" for the root
     st: os.stat_result
     xattrs: tuple[tuple[bytes, bytes], ...]
-    names: list[tuple[bytes, int]]  # (name, type hint from the listing)
+    names: list[tuple[bytes, int]]  # (name, type hint) of the entries to walk
     pos: int = 0
     entries: list[Entry] = field(default_factory=list)
     # (index in entries, _Dir whose tree id is pending, or (dev, ino) of a linked file)
@@ -216,9 +218,25 @@ class _Dir:
     # index holds; loaded with one query each when the first file is met
     cache: dict[bytes, tuple[int, int, int, int, bytes, int]] | None = None
     present: set[bytes] = field(default_factory=set)
+    # -- dirs cache (dircache.py), only when recording into a store --
+    row: dircache.Row | None = None  # this directory's row, its tree indexed
+    lstats: dict[bytes, os.stat_result] | None = None  # lstat of each non-directory entry
+    # the row's stat digest matched: ``names`` holds only the subdirectories, the other
+    # entries wait in ``deferred`` until the subdirectories confirm the row or not
+    hit: bool = False
+    deferred: list[tuple[bytes, int]] = field(default_factory=list)
+    child_rows: dict[bytes, dircache.Row] | None = None  # rows of the subdirectories
+    used: list[tuple[bytes, os.stat_result]] = field(default_factory=list)  # stat encoded
 
 
-_HINT_DIR, _HINT_FILE, _HINT_OTHER = 1, 2, 3
+_HINT_DIR, _HINT_FILE, _HINT_OTHER = dircache.HINT_DIR, dircache.HINT_FILE, dircache.HINT_OTHER
+_KIND_HINT = {Kind.DIR: _HINT_DIR, Kind.FILE: _HINT_FILE}
+
+
+def _hint(mode: int) -> int:
+    if stat.S_ISDIR(mode):
+        return _HINT_DIR
+    return _HINT_FILE if stat.S_ISREG(mode) else _HINT_OTHER
 
 
 class _Walker:
@@ -243,6 +261,10 @@ class _Walker:
         self.link_content: dict[tuple[int, int], tuple[int, int, int, tuple[ObjectId, ...],
                                                        tuple[tuple[bytes, bytes], ...]]] = {}
         self.cache_rows: list[tuple[bytes, int, int, int, int, bytes, int]] = []
+        self.dir_rows: list[tuple[bytes, dircache.Row, int]] = []
+        self.use_dirs_cache = store is not None and cache_prefix is not None
+        # every dirs cache row under the root, read in one query when there are few enough
+        self.all_rows: dict[bytes, dircache.Row] | None = None
         self.result = SnapshotResult(Ref(ObjectId(bytes(DIGEST_SIZE))))
 
     def fail(self, rel: bytes, why: str) -> SnapshotError:
@@ -255,21 +277,31 @@ class _Walker:
 
     # -- listing and metadata ------------------------------------------------------
 
-    def _list(self, fd: int, rel: bytes) -> list[tuple[bytes, int]]:
+    def _list(self, fd: int, rel: bytes
+              ) -> tuple[list[tuple[bytes, int]], dict[bytes, os.stat_result] | None]:
+        """The directory's (name, type hint) pairs and, with a dirs cache, the lstat of
+        every entry that is not a directory."""
         out = []
+        lstats: dict[bytes, os.stat_result] | None = {} if self.use_dirs_cache else None
         try:
             with os.scandir(fd) as it:
                 for de in it:
+                    name = os.fsencode(de.name)
                     if de.is_dir(follow_symlinks=False):
                         hint = _HINT_DIR
+                    elif lstats is not None:
+                        st = de.stat(follow_symlinks=False)
+                        hint = _hint(st.st_mode)
+                        if hint != _HINT_DIR:
+                            lstats[name] = st
                     elif de.is_file(follow_symlinks=False):
                         hint = _HINT_FILE
                     else:
                         hint = _HINT_OTHER
-                    out.append((os.fsencode(de.name), hint))
+                    out.append((name, hint))
         except OSError as e:
             raise self.oserror(rel, e) from None
-        return out
+        return out, lstats
 
     def _xattrs(self, fd: int, rel: bytes) -> tuple[tuple[bytes, bytes], ...]:
         try:
@@ -291,9 +323,9 @@ class _Walker:
         out.sort()
         return tuple(out)
 
-    def _open_dir(self, parent_fd: int, name: bytes, rel: bytes) -> _Dir:
+    def _open_dir(self, parent: _Dir, name: bytes, rel: bytes) -> _Dir:
         try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
         except OSError as e:
             raise self.oserror(rel, e) from None
         try:
@@ -301,11 +333,106 @@ class _Walker:
             if self.store_id == (st.st_dev, st.st_ino):
                 raise self.fail(rel, "is the store itself; keep the store outside the tree")
             xattrs = self._xattrs(fd, rel)
-            names = self._list(fd, rel)
+            row = self._child_row(parent, name) if self.use_dirs_cache else None
+            return self._listed(fd, rel, st, xattrs, row)
         except BaseException:
             os.close(fd)
             raise
-        return _Dir(fd, rel, st, xattrs, names)
+
+    def _listed(self, fd: int, rel: bytes, st: os.stat_result,
+                xattrs: tuple[tuple[bytes, bytes], ...], row: dircache.Row | None) -> _Dir:
+        """A _Dir for the directory open at ``fd``: its names from the dirs cache row when
+        the directory's own stat allows it, else from a listing; checked against the row."""
+        if row is not None and row.own == dircache.own_sig(st):
+            got = dircache.lstat_row(fd, row)
+            if got is not None:
+                return self._check_row(_Dir(fd, rel, st, xattrs, got[0], row=row,
+                                            lstats=got[1]), got[2])
+        names, lstats = self._list(fd, rel)
+        d = _Dir(fd, rel, st, xattrs, names, row=row, lstats=lstats)
+        if row is None or lstats is None:
+            return d
+        return self._check_row(d, dircache.stat_digest([(n, lstats.get(n)) for n, _ in names]))
+
+    # -- dirs cache (see dircache.py) -------------------------------------------------
+
+    def _dir_key(self, rel: bytes) -> bytes:
+        assert self.cache_prefix is not None
+        return self.cache_prefix + rel
+
+    def _child_row(self, parent: _Dir, name: bytes) -> dircache.Row | None:
+        """The row of ``parent``'s subdirectory ``name``; the rows of all of ``parent``'s
+        subdirectories are read with one query when the first one is opened."""
+        if self.all_rows is not None:
+            return self.all_rows.get(self._dir_key(parent.rel + b"/" + name if parent.rel
+                                                   else name))
+        if parent.child_rows is None:
+            assert self.store is not None
+            base = self._dir_key(parent.rel + b"/" if parent.rel else b"")
+            rows = dircache.load(self.store.conn, [base + n for n, hint in parent.names
+                                                   if hint == _HINT_DIR])
+            parent.child_rows = {k[len(base):]: v for k, v in rows.items()}
+        return parent.child_rows.get(name)
+
+    @staticmethod
+    def _check_row(d: _Dir, digest: bytes) -> _Dir:
+        """Make ``d`` a candidate hit if ``digest``, the stat digest of its entries, is its
+        row's. The hints of the entries the row lists come from their lstat on a miss."""
+        assert d.row is not None and d.lstats is not None
+        names = d.names
+        if digest == d.row.stat_digest:
+            d.hit = True
+            d.deferred = [nh for nh in names if nh[1] != _HINT_DIR]
+            d.names = [nh for nh in names if nh[1] == _HINT_DIR]
+        else:
+            lstats = d.lstats
+            d.names = [(n, h if h == _HINT_DIR else _hint(lstats[n].st_mode)) for n, h in names]
+        return d
+
+    def _confirm(self, d: _Dir) -> bool:
+        """With every subdirectory of a candidate hit walked: True (and ``d.tree_id`` set)
+        if they give the row's children digest; else the deferred entries are walked."""
+        assert d.row is not None and d.lstats is not None
+        d.hit = False
+        if d.late or dircache.children_digest(d.entries) != d.row.children_digest:
+            d.names, d.pos, d.deferred = d.deferred, 0, []
+            return False
+        d.tree_id = ObjectId(d.row.tree_id)
+        r = self.result
+        r.dirs_cached += 1
+        files = 0
+        for name, _ in d.deferred:
+            st = d.lstats[name]
+            if stat.S_ISREG(st.st_mode):
+                files += 1
+                r.bytes += st.st_size
+        r.files += files
+        if files and self.progress is not None:
+            self.progress(r.files, r.bytes)
+        d.deferred = []
+        return True
+
+    def _record(self, d: _Dir) -> None:
+        """Queue a dirs cache row for ``d``, just encoded, unless a timestamp it depends on
+        is not older than this snapshot's horizon (the same-tick rule)."""
+        assert d.tree_id is not None
+        subdirs = [e for e in d.entries if e.kind is Kind.DIR]
+        if len(subdirs) + len(d.used) != len(d.entries):
+            return
+        newest = max(d.st.st_mtime_ns, d.st.st_ctime_ns)
+        for _, st in d.used:
+            newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
+        if newest >= self.horizon:
+            return
+        items: list[tuple[bytes, os.stat_result | None]] = [(e.name, None) for e in subdirs]
+        items.extend(d.used)
+        names = dircache.encode_names((e.name, _KIND_HINT.get(e.kind, _HINT_OTHER))
+                                      for e in d.entries)
+        row = dircache.Row(dircache.own_sig(d.st), names, dircache.stat_digest(items),
+                           dircache.children_digest(subdirs), d.tree_id)
+        self.dir_rows.append((self._dir_key(d.rel), row, self.horizon))
+        if len(self.dir_rows) >= _CACHE_BATCH:
+            self.flush_cache()
 
     # -- the walk --------------------------------------------------------------------
 
@@ -317,8 +444,16 @@ class _Walker:
             raise self.oserror(b"", e) from None
         if self.store_id == (st.st_dev, st.st_ino):
             raise self.fail(b"", "is the store itself")
-        root = _Dir(-1, b"", st, (), self._list(self.root_fd, b""))
-        root.fd = self.root_fd
+        row = None
+        if self.use_dirs_cache:
+            assert self.store is not None
+            key = self._dir_key(b"")
+            self.all_rows = dircache.load_under(self.store.conn, key, _PREFETCH_ROWS)
+            if self.all_rows is not None:
+                row = self.all_rows.get(key)
+            else:
+                row = dircache.load(self.store.conn, [key]).get(key)
+        root = self._listed(self.root_fd, b"", st, (), row)
         stack = [root]
         try:
             while stack:
@@ -329,6 +464,8 @@ class _Walker:
                     child = self._entry(d, name, hint)
                     if child is not None:
                         stack.append(child)
+                    continue
+                if d.hit and not self._confirm(d):
                     continue
                 stack.pop()
                 self._finish_dir(d, stack[-1] if stack else None)
@@ -344,7 +481,7 @@ class _Walker:
     def _entry(self, d: _Dir, name: bytes, hint: int) -> _Dir | None:
         rel = d.rel + b"/" + name if d.rel else name
         if hint == _HINT_DIR:
-            return self._open_dir(d.fd, name, rel)
+            return self._open_dir(d, name, rel)
         if hint == _HINT_FILE:
             self._file(d, name, rel)
             return None
@@ -354,7 +491,7 @@ class _Walker:
             raise self.oserror(rel, e) from None
         m = st.st_mode
         if stat.S_ISDIR(m):
-            return self._open_dir(d.fd, name, rel)
+            return self._open_dir(d, name, rel)
         if stat.S_ISREG(m):
             self._file(d, name, rel)
         elif stat.S_ISLNK(m):
@@ -367,10 +504,12 @@ class _Walker:
                 raise self.fail(rel, "changed while read")
             d.entries.append(Entry(name, Kind.SYMLINK, stat.S_IMODE(m), st.st_uid, st.st_gid,
                                    st.st_mtime_ns, len(target), target=target))
+            d.used.append((name, st))
         elif stat.S_ISFIFO(m) or stat.S_ISSOCK(m):
             kind = Kind.FIFO if stat.S_ISFIFO(m) else Kind.SOCKET
             d.entries.append(Entry(name, kind, stat.S_IMODE(m), st.st_uid, st.st_gid,
                                    st.st_mtime_ns))
+            d.used.append((name, st))
         elif stat.S_ISCHR(m) or stat.S_ISBLK(m):
             raise self.fail(rel, "is a device node; snapshots do not hold devices")
         else:
@@ -389,9 +528,16 @@ class _Walker:
         if (st.st_mtime_ns, st.st_ctime_ns) != (d.st.st_mtime_ns, d.st.st_ctime_ns):
             raise self.fail(d.rel, "changed while read (entries added or removed)")
         d.names = []
-        if not d.late:
+        d.lstats = None
+        d.row = None
+        d.child_rows = None
+        if d.tree_id is None and not d.late:
             d.tree_id = self.sink.tree(d.entries)
+            if self.use_dirs_cache:
+                self._record(d)
+        if d.tree_id is not None:
             d.entries = []
+            d.used = []
         if parent is None:
             return
         self.result.dirs += 1
@@ -459,6 +605,7 @@ class _Walker:
             self.links.setdefault(key, []).append(rel)
             d.late.append((len(d.entries), key))
         d.entries.append(ent)
+        d.used.append((name, st))
         r = self.result
         r.files += 1
         r.bytes += st.st_size
@@ -555,7 +702,10 @@ class _Walker:
         return tuple(chunks)
 
     def flush_cache(self) -> None:
-        if not self.cache_rows or self.store is None:
+        """Write the queued files cache and dirs cache rows in one transaction. Either may
+        be written before the snapshot commits: both are trusted only once what they name
+        is indexed."""
+        if not (self.cache_rows or self.dir_rows) or self.store is None:
             return
         c = self.store.conn
         c.execute("BEGIN IMMEDIATE")
@@ -563,11 +713,13 @@ class _Walker:
             c.executemany(
                 "INSERT OR REPLACE INTO files_cache(path, size, mtime_ns, ctime_ns, inode, "
                 "chunks, trusted_before_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", self.cache_rows)
+            dircache.write(c, self.dir_rows)
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")
             raise
         self.cache_rows = []
+        self.dir_rows = []
 
 
 def _sig(st: os.stat_result) -> tuple[int, int, int, int, int]:

@@ -11,9 +11,9 @@ backend but lack their row (``rebuild.catch_up``; what a crash between the two l
 that is the index lagging, not a broken invariant. Otherwise verify changes nothing, except
 that a clean full run clears ``unverified_rebuild`` so GC may run again. Packs that no index
 row names are crash leftovers for GC, not problems. Verify never raises for a broken
-store; it returns the problems found (empty when healthy). ``files_cache`` rows are hints
-that the snapshot code re-checks against the index before trusting them, so a row naming a
-chunk that is gone is not a problem (GC prunes such rows).
+store; it returns the problems found (empty when healthy). ``files_cache`` and
+``dirs_cache`` rows are hints that the snapshot code re-checks against the index before
+trusting them, so a row naming an object that is gone is not a problem (GC prunes them).
 """
 
 from __future__ import annotations

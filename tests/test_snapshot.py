@@ -24,10 +24,12 @@ import treegen
 
 from store.browse import cat, ls, resolve
 from store.errors import SnapshotError, SnapshotNotFoundError, StoreError
+from store.gc import gc
 from store.objects import Store
 from store.ref import Ref
 from store.snapshot import compute_ref, run_snapshot, snapshot
 from store.tree import Kind
+from store.verify import verify
 
 CS = 64 << 10
 
@@ -192,11 +194,31 @@ def test_deleted_chunk_is_not_trusted_from_the_cache(tmp_path: Path, small: Stor
     first = run_snapshot(small, src)
     entry = resolve(small, first.ref, b"f")
     assert entry is not None
-    # The chunk disappears from the index (as after gc of a forgotten snapshot).
-    small.conn.execute("DELETE FROM objects WHERE id=?", (entry.chunks[0],))
+    # The chunk and the tree holding it disappear from the index (as after gc of a
+    # forgotten snapshot); the files cache row still names the chunk.
+    small.conn.execute("DELETE FROM objects WHERE id IN (?, ?)",
+                       (entry.chunks[0], first.ref.tree_id))
     again = run_snapshot(small, src)
-    assert again.ref == first.ref and again.files_read == 1
+    assert again.ref == first.ref and again.files_read == 1 and again.dirs_cached == 0
     assert small.has(entry.chunks[0])
+
+
+def test_caches_after_forget_and_gc(tmp_path: Path, small: Store) -> None:
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "f").write_bytes(b"content\n")
+    (src / "g").write_bytes(b"other\n")
+    wait_next_second()
+    run_snapshot(small, src)
+    first = run_snapshot(small, src)
+    assert first.files_read == 0 and first.dirs_cached == 3
+    assert small.forget(first.ref)
+    report = gc(small)
+    assert report.dirs_cache_pruned == 3 and not small.has(first.ref.tree_id)
+    again = run_snapshot(small, src)
+    assert again.ref == first.ref and (again.files_read, again.dirs_cached) == (2, 0)
+    assert verify(small) == []
+    assert b"".join(cat(small, again.ref, b"a/b/f")) == b"content\n"
 
 
 # -- fail closed --------------------------------------------------------------------------
