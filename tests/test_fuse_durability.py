@@ -304,3 +304,16 @@ def test_ro_lower_content_after_remount_is_exact(mounter: fh.Mounter, lower_ref:
     mounter.remount(d)
     assert os.stat(d.mnt / "plain.txt").st_mtime_ns == MTIME_NS
     assert (d.mnt / "big.bin").read_bytes() == pattern(BIG_SIZE)
+
+
+def test_state_dir_inside_the_mount_point_is_refused(fuse_store: Path, lower_ref: str,
+                                                     tmp_path: Path) -> None:
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    r = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(fuse_store), "mount",
+                        lower_ref, str(mnt), "--state", str(mnt / "state"), "--foreground"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and r.stderr.strip()
+    assert not fh.is_fuse_mounted(mnt)
+    assert not (mnt / "state").exists()
