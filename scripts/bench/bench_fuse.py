@@ -333,7 +333,17 @@ def report(res: dict[str, dict[str, dict[str, Any]]], files: int) -> str:
               + ["rewindfs/tmpfs", "rewindfs/ext4", "rewindfs/fuse-overlayfs",
                  "FUSE requests", "CPU us/request", "rewindfs CPU s", "fuse-overlayfs CPU s"])
     text = [f"Tree: Django {DJANGO[1]} sdist ({files} files) + its .git + a 256 MiB file",
-            markdown_table(header, rows), "", "Goals:"]
+            markdown_table(header, rows), ""]
+    ops_rows = []
+    for key, label in WORKLOADS:
+        rw = res.get("rewindfs", {}).get(key)
+        if rw and rw.get("by_op"):
+            top = sorted(rw["by_op"].items(), key=lambda kv: -kv[1])[:6]
+            ops_rows.append([label, ", ".join(f"{op} {n}" for op, n in top)])
+    if ops_rows:
+        text += ["rewindfs requests by operation (median run):",
+                 markdown_table(["workload", "most frequent requests"], ops_rows), ""]
+    text.append("Goals:")
     text += goals(res)
     return "\n".join(text)
 
