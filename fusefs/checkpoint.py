@@ -232,25 +232,37 @@ def _dirty_dirs(ov: Overlay) -> tuple[set[int] | None, bool]:
     return (None if broken else dirty), groups
 
 
-def number(ov: Overlay, parent: int, name: bytes, e: Entry) -> tuple[int, int]:
+_KEEP = object()
+
+
+def number(ov: Overlay, parent: int, name: bytes, e: Entry,
+           origins: dict[int, bytes | None] | None = None) -> tuple[int, int]:
     """(inode number, ctime) that lower entry ``e`` named ``name`` in directory ``parent``
-    has or would get on lookup, without making a node (the rule of ``inodes.py``)."""
+    has or would get on lookup, without making a node (the rule of ``inodes.py``).
+    ``origins`` overrides the origin of nodes in memory (a restore being planned)."""
     o = origin_key(parent, name, e)
     nodes = ov.nodes
+
+    def origin_of(n: Node) -> bytes | None:
+        if origins is None:
+            return n.origin
+        got = origins.get(n.ino, _KEEP)
+        return n.origin if got is _KEEP else got  # type: ignore[return-value]
+
     known = ov.by_origin.get(o)
     if known is not None:
         return known, nodes[known].ctime_ns
     pin = ov.pins.get(o)
     if pin is not None:
         other = nodes.get(pin[0])
-        if other is None or other.origin == o:
+        if other is None or origin_of(other) == o:
             return pin
     salt = 0
     while True:
         ino = derive_ino(o, salt)
         other = nodes.get(ino)
         if other is not None:
-            if other.origin == o:
+            if origin_of(other) == o:
                 return ino, other.ctime_ns
         elif ov.pinned.get(ino, o) == o:
             return ino, e.mtime_ns

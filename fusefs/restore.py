@@ -66,6 +66,7 @@ class SwapPlan:
     meta: list[tuple[int, Entry]] = field(default_factory=list)
     dirs: list[tuple[int, ObjectId]] = field(default_factory=list)
     invalidation: Invalidation = field(default_factory=Invalidation)
+    origins: dict[int, bytes] = field(default_factory=dict)  # kept inodes' new identity
     changes: int = 0
 
 
@@ -89,13 +90,13 @@ def verify(store: Store, current: Ref, target: Ref) -> list[Change]:
 
 
 def content_changed(a: Entry, b: Entry) -> bool:
-    """True if an inode cannot carry over from ``a`` to ``b``: kind, content or hard-link
-    group differ (directories: never; their entries are their own paths)."""
+    """True if an inode cannot carry over from ``a`` to ``b``: kind or content differ
+    (directories: never; their entries are their own paths)."""
     if a.kind is not b.kind:
         return True
     if a.kind is Kind.DIR:
         return False
-    return content_digest(a) != content_digest(b) or a.link_group != b.link_group
+    return content_digest(a) != content_digest(b)
 
 
 def _split(path: bytes) -> tuple[bytes, bytes]:
@@ -136,7 +137,12 @@ class _Trees:
 
 def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase) -> SwapPlan:
     """Plan the swap of clean overlay ``ov`` to ``target`` (event-loop thread). Changes
-    only ``ov.pins``/``pinned``/``next_ino`` (new numbers must be reserved before commit)."""
+    only ``ov.pins``/``pinned``/``next_ino`` (new numbers must be reserved before commit).
+
+    Two passes: first every path present on both sides (an inode kept, maybe under a new
+    identity when only its hard-link group changed) and every removal, then the paths that
+    need a number (added, content changed), so an added name of a hard-link group joins the
+    inode its other names keep."""
     store = ov.lower.store
     old = _Trees(store, ov.lower.root_tree)
     new = _Trees(store, target.tree_id)
@@ -145,6 +151,9 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase) -> Sw
     covered: set[bytes] = set()
     refresh: set[bytes] = set()
     inv = sp.invalidation
+    origins: dict[int, bytes | None] = {}  # planned origin of nodes kept or detached
+    owner: dict[bytes, int] = {}  # new origin -> the number it resolves to
+    numbered: list[tuple[int, bytes, Entry, int | None]] = []  # for the second pass
 
     def ino_of_dir(path: bytes) -> int:
         got = dir_ino.get(path)
@@ -155,6 +164,11 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase) -> Sw
             got = dir_ino[path] = number(ov, ino_of_dir(head), name, e)[0]
         return got
 
+    def detach(no: int) -> None:
+        if no not in sp.detach and origins.get(no) is None:
+            sp.detach.append(no)
+            origins[no] = None
+
     for c in changes:
         anc = _ancestors(c.path)
         if any(a in covered for a in anc[1:]):
@@ -163,43 +177,69 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase) -> Sw
         head, name = _split(c.path)
         parent = ino_of_dir(head)
         a, b = c.old, c.new
-        renumber = a is not None and b is not None and content_changed(a, b)
+        if a is not None and b is not None and not content_changed(a, b):
+            no = number(ov, parent, name, a, origins)[0]
+            oa, ob = origin_key(parent, name, a), origin_key(parent, name, b)
+            if a.kind is Kind.DIR:
+                dir_ino[c.path] = no
+            if oa == ob:
+                sp.meta.append((no, b))
+                inv.inodes.append(no)
+                continue
+            # Same content, new hard-link group: the inode stays under its new identity,
+            # unless that identity is already another inode's (groups merged) or the
+            # inode already took another identity (a group split).
+            if ob not in owner and not origins.get(no):
+                owner[ob] = no
+                origins[no] = ob
+                sp.meta.append((no, b))
+                inv.inodes.append(no)
+                if (ov.pins[ob][0] if ob in ov.pins else derive_ino(ob)) != no:
+                    _set_pin(ov, rb, ob, no, ov.nodes[no].ctime_ns if no in ov.nodes
+                             else b.mtime_ns)
+                continue
+            if ob in owner and not origins.get(no):
+                detach(no)
+            numbered.append((parent, name, b, None))
+            inv.entries.append((parent, name))
+            continue
         old_no = None
-        if a is not None and (b is None or renumber):
-            old_no = number(ov, parent, name, a)[0]
-            sp.detach.append(old_no)
+        if a is not None:
+            old_no = number(ov, parent, name, a, origins)[0]
+            detach(old_no)
             if a.kind is Kind.DIR:
                 covered.add(c.path)
-        if b is not None and (a is None or renumber):
+        if b is not None:
             if b.kind is Kind.DIR:
                 covered.add(c.path)
-            new_no, ctime = number(ov, parent, name, b)
-            if new_no == old_no:
-                new_no = ov.next_ino
-                ov.next_ino += 1
-                ctime = b.mtime_ns
-            # Pin the number unless a fresh lookup would give it anyway, so it stays the
-            # same once detached inodes that shifted it are gone.
-            o = origin_key(parent, name, b)
-            pin = ov.pins.get(o)
-            natural = pin[0] if pin is not None else derive_ino(o)
-            if natural != new_no:
-                _set_pin(ov, rb, o, new_no, ctime)
-        if a is None or b is None or renumber:
-            inv.entries.append((parent, name))
-        else:
-            no = number(ov, parent, name, b)[0]
-            sp.meta.append((no, b))
-            inv.inodes.append(no)
-            if b.kind is Kind.DIR:
-                dir_ino[c.path] = no
+            numbered.append((parent, name, b, old_no))
+        inv.entries.append((parent, name))
+
+    for parent, name, b, old_no in numbered:
+        o = origin_key(parent, name, b)
+        if o in owner:
+            continue  # another name of the same inode already has its number
+        new_no, ctime = number(ov, parent, name, b, origins)
+        if new_no == old_no or (new_no in ov.nodes and origins.get(new_no, b"") is None):
+            new_no = ov.next_ino  # the path's content changed: never the old number
+            ov.next_ino += 1
+            ctime = b.mtime_ns
+        owner[o] = new_no
+        # Pin the number unless a fresh lookup would give it anyway, so it stays the
+        # same once detached inodes that shifted it are gone.
+        pin = ov.pins.get(o)
+        natural = pin[0] if pin is not None else derive_ino(o)
+        if natural != new_no:
+            _set_pin(ov, rb, o, new_no, ctime)
+
     for path in sorted(refresh):
         tid = new.tree_id(path)
-        if tid is None or any(a in covered for a in _ancestors(path)[1:]) or path in covered:
+        if tid is None or path in covered or any(a in covered for a in _ancestors(path)[1:]):
             continue
         no = ino_of_dir(path)
         sp.dirs.append((no, tid))
         inv.inodes.append(no)
+    sp.origins = {i: o for i, o in origins.items() if o is not None}
     rb.ref = target
     kept_rows(ov, rb, target.tree_id)
     return sp
@@ -239,6 +279,11 @@ def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
         if m is not None:
             m.mode, m.uid, m.gid, m.mtime_ns = e.mode, e.uid, e.gid, e.mtime_ns
             m.xattrs = dict(e.xattrs)
+            if ino in sp.origins:
+                m.origin = sp.origins[ino]
+            if m.kind is not Kind.DIR:
+                m.nlink = m.lower_links = (ov.lower.link_count(e.link_group)
+                                           if e.link_group is not None else 1)
     for ino, tid in sp.dirs:
         d = nodes.get(ino)
         if d is not None and d.kind is Kind.DIR:
