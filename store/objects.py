@@ -260,7 +260,12 @@ class Store:
         self.backend.sync()
 
     def add_snapshot(self, ref: Ref, origin: str, label: str | None = None) -> None:
-        """List ``ref`` (durably, then in the index). Re-listing updates label and time."""
+        """List ``ref`` (durably, then in the index). Re-listing updates the time and
+        origin; it keeps the label unless a new one is given (``label=None`` keeps it)."""
+        if label is None:
+            row = self.conn.execute("SELECT label FROM snapshots WHERE ref=?",
+                                    (str(ref),)).fetchone()
+            label = None if row is None else row[0]
         now = time.time_ns()
         key = f"snapshots/{now:020d}-{os.getpid()}-add.json"
         self._history_put(key, {"op": "add", "ref": str(ref), "time_ns": now,

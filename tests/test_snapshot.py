@@ -26,6 +26,7 @@ from store.browse import cat, ls, resolve
 from store.errors import SnapshotError, SnapshotNotFoundError, StoreError
 from store.gc import gc
 from store.objects import Store
+from store.rebuild import rebuild_index
 from store.ref import Ref
 from store.snapshot import compute_ref, run_snapshot, snapshot
 from store.tree import Kind
@@ -441,6 +442,22 @@ def test_snapshot_is_listed_with_origin_and_label(tmp_path: Path, store: Store) 
     ref = snapshot(store, src, label="first", origin="seed")
     [info] = store.list_snapshots()
     assert (info.ref, info.origin, info.label) == (ref, "seed", "first")
+
+
+def test_resnapshot_without_a_label_keeps_the_label(tmp_path: Path, store: Store) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    ref = snapshot(store, src, label="release 1")
+    assert snapshot(store, src) == ref
+    store.add_snapshot(ref, "checkpoint")
+    [info] = store.list_snapshots()
+    assert (info.origin, info.label) == ("checkpoint", "release 1")
+    assert snapshot(store, src, label="release 2") == ref
+    assert [i.label for i in store.list_snapshots()] == ["release 2"]
+    # The history objects say the same: a rebuilt index keeps the label too.
+    rebuild_index(store)
+    assert [i.label for i in store.list_snapshots()] == ["release 2"]
+    assert verify(store) == []
 
 
 # -- browse ------------------------------------------------------------------------------
