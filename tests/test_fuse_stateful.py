@@ -2,7 +2,7 @@
 
 Hypothesis applies the same random program of create, write, truncate, rename (plain,
 RENAME_NOREPLACE, RENAME_EXCHANGE), link, symlink, unlink (also with handles open), mkdir,
-rmdir, chmod, user xattrs, fsync and remount to a directory of a read-write mount (which
+rmdir, chmod, user xattrs, fsync, remount and ``kill -9`` after fsyncdir to a directory of a read-write mount (which
 starts as a copy of the template that lives in the lower snapshot) and to a copy of the same
 template on tmpfs. After every step it compares the outcome (success or errno), the whole
 trees (kind, permission bits, owner, size, content, link target, user xattrs, st_nlink, which
@@ -298,10 +298,30 @@ class OverlayVsTmpfs(RuleBasedStateMachine):
         CTX.mounter.unmount(d)
         if d.state is not None:  # a clean unmount leaves a sound upper
             assert fh.upper_problems(d.state, d.store) == []
-        fh.start(d, with_ref=False)
+        CTX.mounter.restart(d)
         CTX.remounts += 1
         CTX.steps += 1
         assert inode_map(self.mnt) == before, "inode numbers changed across a remount"
+
+    @rule(dice=st.integers(0, 7))
+    def fsyncdir_then_kill9(self, dice: int) -> None:
+        """fsyncdir makes every earlier change durable (CONTRACT 2.5): after ``kill -9`` and
+        a remount the tree is exactly what it was."""
+        if dice:
+            return
+        self._close_all()
+        before = inode_map(self.mnt)
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        d = CTX.daemon
+        CTX.mounter.kill9(d)
+        CTX.mounter.restart(d)
+        CTX.remounts += 1
+        CTX.steps += 1
+        assert inode_map(self.mnt) == before, "inode numbers changed across kill -9"
 
     # -- checks after every step -------------------------------------------------------------
 
