@@ -27,7 +27,7 @@ How a snapshot uses a row (store/snapshot.py):
 - Hard links: a directory holding a hard-linked file anywhere below it is never recorded
   (its tree depends on where the file's other names are); a file that gains a second name
   changes its link count and ctime, so an existing row stops matching.
-- Completeness: a row is trusted only while its tree id is indexed as a tree. An indexed
+- Completeness: a row is trusted only while its tree id is indexed. An indexed
   tree is complete (a writer indexes a tree in the same transaction as every new object
   below it) except after GC, which keeps unreachable objects of packs it does not rewrite:
   so GC deletes every row whose tree it does not keep live (``prune``).
@@ -48,7 +48,6 @@ from typing import NamedTuple
 
 import blake3
 
-from .pack import ObjKind
 from .tree import Entry, Kind
 
 HINT_DIR, HINT_FILE, HINT_OTHER = 1, 2, 3
@@ -133,7 +132,7 @@ def lstat_row(fd: int, row: Row) -> tuple[list[tuple[bytes, int]],
 def children_digest(entries: list[Entry]) -> bytes:
     """The digest over the subdirectory entries among ``entries`` (all with tree ids)."""
     if not entries:
-        return _NO_CHILDREN
+        return NO_CHILDREN
     parts = []
     for e in sorted((e for e in entries if e.kind is Kind.DIR), key=_name):
         assert e.tree_id is not None
@@ -148,7 +147,8 @@ def children_digest(entries: list[Entry]) -> bytes:
     return blake3.blake3(b"".join(parts)).digest()
 
 
-_NO_CHILDREN = blake3.blake3(b"").digest()
+NO_CHILDREN = blake3.blake3(b"").digest()
+"""The children digest of a directory without subdirectories."""
 
 
 def _first(item: tuple[bytes, object]) -> bytes:
@@ -160,14 +160,14 @@ def _name(e: Entry) -> bytes:
 
 
 def load(conn: sqlite3.Connection, keys: list[bytes]) -> dict[bytes, Row]:
-    """The rows of ``keys`` whose tree is indexed as a tree, by key."""
+    """The rows of ``keys`` whose tree is indexed, by key."""
     out: dict[bytes, Row] = {}
     for i in range(0, len(keys), _BATCH):
         batch = keys[i:i + _BATCH]
         q = ("SELECT d.path, d.own, d.names, d.stat_digest, d.children_digest, d.tree_id "
-             "FROM dirs_cache d JOIN objects o ON o.id = d.tree_id AND o.kind = ? "
+             "FROM dirs_cache d JOIN objects o ON o.id = d.tree_id "
              "WHERE d.path IN (" + ",".join("?" * len(batch)) + ")")
-        for path, *rest in conn.execute(q, [int(ObjKind.TREE), *batch]):
+        for path, *rest in conn.execute(q, batch):
             out[path] = Row(*rest)
     return out
 
@@ -177,9 +177,9 @@ def load_under(conn: sqlite3.Connection, prefix: bytes, cap: int) -> dict[bytes,
     one query; None if there are more than ``cap`` rows (then ask per directory)."""
     end = prefix[:-1] + bytes((prefix[-1] + 1,)) if prefix and prefix[-1] < 255 else None
     q = ("SELECT d.path, d.own, d.names, d.stat_digest, d.children_digest, d.tree_id "
-         "FROM dirs_cache d JOIN objects o ON o.id = d.tree_id AND o.kind = ? "
+         "FROM dirs_cache d JOIN objects o ON o.id = d.tree_id "
          "WHERE d.path >= ?" + (" AND d.path < ?" if end is not None else "") + " LIMIT ?")
-    args: list[object] = [int(ObjKind.TREE), prefix]
+    args: list[object] = [prefix]
     if end is not None:
         args.append(end)
     args.append(cap + 1)

@@ -50,7 +50,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -323,7 +323,9 @@ class _Walker:
         out.sort()
         return tuple(out)
 
-    def _open_dir(self, parent: _Dir, name: bytes, rel: bytes) -> _Dir:
+    def _open_dir(self, parent: _Dir, name: bytes, rel: bytes) -> _Dir | None:
+        """Open the subdirectory ``name`` of ``parent`` for walking; or, if it is a dirs
+        cache hit without subdirectories, add its entry to ``parent`` and return None."""
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
         except OSError as e:
@@ -333,18 +335,54 @@ class _Walker:
             if self.store_id == (st.st_dev, st.st_ino):
                 raise self.fail(rel, "is the store itself; keep the store outside the tree")
             xattrs = self._xattrs(fd, rel)
-            row = self._child_row(parent, name) if self.use_dirs_cache else None
-            return self._listed(fd, rel, st, xattrs, row)
+            row = self._child_row(parent, name, rel) if self.use_dirs_cache else None
+            got = leaf = None
+            if row is not None and row.own == dircache.own_sig(st):
+                got = dircache.lstat_row(fd, row)
+                if (got is not None and got[2] == row.stat_digest
+                        and row.children_digest == dircache.NO_CHILDREN):
+                    leaf = row
+            if leaf is None or got is None:
+                return self._listed(fd, rel, st, xattrs, row, got)
+            after = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
+        os.close(fd)
+        # A leaf directory whose row holds: its entries are never opened.
+        if (after.st_mtime_ns, after.st_ctime_ns) != (st.st_mtime_ns, st.st_ctime_ns):
+            raise self.fail(rel, "changed while read (entries added or removed)")
+        r = self.result
+        r.dirs += 1
+        r.dirs_cached += 1
+        self._count_cached(got[1].values())
+        parent.entries.append(Entry(name, Kind.DIR, stat.S_IMODE(st.st_mode), st.st_uid,
+                                    st.st_gid, st.st_mtime_ns, tree_id=ObjectId(leaf.tree_id),
+                                    xattrs=xattrs))
+        return None
+
+    def _count_cached(self, lstats: Iterable[os.stat_result]) -> None:
+        """Count the regular files of a directory taken from the dirs cache."""
+        r = self.result
+        files = 0
+        for st in lstats:
+            if stat.S_ISREG(st.st_mode):
+                files += 1
+                r.bytes += st.st_size
+        r.files += files
+        if files and self.progress is not None:
+            self.progress(r.files, r.bytes)
 
     def _listed(self, fd: int, rel: bytes, st: os.stat_result,
-                xattrs: tuple[tuple[bytes, bytes], ...], row: dircache.Row | None) -> _Dir:
+                xattrs: tuple[tuple[bytes, bytes], ...], row: dircache.Row | None,
+                got: tuple[list[tuple[bytes, int]], dict[bytes, os.stat_result], bytes] | None
+                = None) -> _Dir:
         """A _Dir for the directory open at ``fd``: its names from the dirs cache row when
-        the directory's own stat allows it, else from a listing; checked against the row."""
+        the directory's own stat allows it (``got``: what ``dircache.lstat_row`` gave, if
+        already asked), else from a listing; checked against the row."""
         if row is not None and row.own == dircache.own_sig(st):
-            got = dircache.lstat_row(fd, row)
+            if got is None:
+                got = dircache.lstat_row(fd, row)
             if got is not None:
                 return self._check_row(_Dir(fd, rel, st, xattrs, got[0], row=row,
                                             lstats=got[1]), got[2])
@@ -360,12 +398,13 @@ class _Walker:
         assert self.cache_prefix is not None
         return self.cache_prefix + rel
 
-    def _child_row(self, parent: _Dir, name: bytes) -> dircache.Row | None:
-        """The row of ``parent``'s subdirectory ``name``; the rows of all of ``parent``'s
-        subdirectories are read with one query when the first one is opened."""
+    def _child_row(self, parent: _Dir, name: bytes, rel: bytes) -> dircache.Row | None:
+        """The row of ``parent``'s subdirectory ``name`` (at ``rel``): from the rows read
+        at the start, or else the rows of all of ``parent``'s subdirectories are read with
+        one query when the first one is opened."""
         if self.all_rows is not None:
-            return self.all_rows.get(self._dir_key(parent.rel + b"/" + name if parent.rel
-                                                   else name))
+            assert self.cache_prefix is not None
+            return self.all_rows.get(self.cache_prefix + rel)
         if parent.child_rows is None:
             assert self.store is not None
             base = self._dir_key(parent.rel + b"/" if parent.rel else b"")
@@ -398,17 +437,8 @@ class _Walker:
             d.names, d.pos, d.deferred = d.deferred, 0, []
             return False
         d.tree_id = ObjectId(d.row.tree_id)
-        r = self.result
-        r.dirs_cached += 1
-        files = 0
-        for name, _ in d.deferred:
-            st = d.lstats[name]
-            if stat.S_ISREG(st.st_mode):
-                files += 1
-                r.bytes += st.st_size
-        r.files += files
-        if files and self.progress is not None:
-            self.progress(r.files, r.bytes)
+        self.result.dirs_cached += 1
+        self._count_cached(d.lstats[name] for name, _ in d.deferred)
         d.deferred = []
         return True
 

@@ -288,3 +288,17 @@ def test_cached_snapshots_equal_uncached_walks(tmp_path_factory: pytest.TempPath
         r = run_snapshot(s, src)
         assert r.ref == compute_ref(src, chunk_size=CS), (op, counter[0])
     s.close()
+
+
+def test_a_store_of_an_older_schema_gets_the_table(tmp_path: Path) -> None:
+    s = Store(tmp_path / "store", chunk_size=CS)
+    s.conn.execute("DROP TABLE dirs_cache")
+    s.conn.execute("UPDATE config SET value='1' WHERE key='schema_version'")
+    s.close()
+    s = Store(tmp_path / "store")
+    src = tmp_path / "src"
+    deep_tree(src)
+    r = run_snapshot(s, src)
+    assert r.ref == compute_ref(src, chunk_size=CS)
+    assert s.config_value("schema_version") == "3"
+    assert s.conn.execute("SELECT COUNT(*) FROM dirs_cache").fetchone() is not None
