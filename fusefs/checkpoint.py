@@ -91,6 +91,7 @@ class FileJob:
     lower_len: int
     present: frozenset[int]
     data_path: str | None
+    inline: bytes | None = None  # a small file's whole content (``Node.inline``)
 
 
 @dataclass(slots=True, eq=False)
@@ -134,6 +135,7 @@ class Plan:
     dirs: list[DirPlan] = field(default_factory=list)
     placements: list[Placement] = field(default_factory=list)
     upper_inos: set[int] = field(default_factory=set)
+    uppers: list[Node] = field(default_factory=list)  # nodes with an upper row when planned
     unchanged: bool = False
     full_walk: bool = False
     groups: bool = False
@@ -187,16 +189,16 @@ def entry_of(n: Node, name: bytes) -> Entry:
     return Entry(name, n.kind, n.mode, n.uid, n.gid, n.mtime_ns, xattrs=xattrs)
 
 
-def _dirty_dirs(ov: Overlay) -> tuple[set[int] | None, bool]:
+def _dirty_dirs(ov: Overlay, uppers: list[Node]) -> tuple[set[int] | None, bool]:
     """(inodes of the directories to walk, None meaning all; whether hard-link groups may
-    have changed)."""
+    have changed). ``uppers``: the nodes with an upper row."""
     nodes = ov.nodes
     dirty: set[int] = set()
     broken = False
     groups = False
     named: set[int] = set()  # inodes named by an upper dentry (created, linked or moved)
-    for n in nodes.values():
-        if n.upper and n.kind is Kind.DIR and n.nlink > 0 and n.entries:
+    for n in uppers:
+        if n.kind is Kind.DIR and n.nlink > 0 and n.entries:
             named.update(ino for ino, _c in n.entries.values() if ino)
 
     def mark(ino: int) -> None:
@@ -211,8 +213,8 @@ def _dirty_dirs(ov: Overlay) -> tuple[set[int] | None, bool]:
                 return
             ino = d.parent
 
-    for n in list(nodes.values()):
-        if not n.upper or n.nlink == 0:
+    for n in uppers:
+        if n.nlink == 0:
             continue
         if n.kind is Kind.DIR:
             if n.ino == ROOT_INO and not n.entries:
@@ -342,7 +344,8 @@ class _Planner:
                 upper = ov.upper
                 data = upper.data_path(n.ino) if (n.has_data and upper is not None) else None
                 dp.files[idx] = FileJob(n.size, tuple(n.lower_chunks), n.lower_len,
-                                        frozenset(n.present), data)
+                                        frozenset(n.present), data,
+                                        bytes(n.inline) if n.inline is not None else None)
                 if self.groups and n.nlink > 1:
                     self._member(n.ino, (n, n.ino, n.ctime_ns), cpath, dp, idx, d.ino, name)
         return dp, walk
@@ -390,11 +393,13 @@ class _Planner:
 def plan(ov: Overlay) -> Plan:
     """Walk ``ov`` and plan the checkpoint (see the module docstring). Must run where no
     request changes the overlay meanwhile (its event-loop thread, mutations paused)."""
-    dirty, groups = _dirty_dirs(ov)
+    uppers = [n for n in ov.nodes.values() if n.upper]  # the one pass over every node
+    dirty, groups = _dirty_dirs(ov, uppers)
     if dirty is not None and not dirty and not groups:
-        return Plan(ov.lower.ref, unchanged=True)
+        return Plan(ov.lower.ref, unchanged=True, uppers=uppers)
     p = _Planner(ov, dirty, groups).run()
-    p.upper_inos = {n.ino for n in ov.nodes.values() if n.upper}
+    p.uppers = uppers
+    p.upper_inos = {n.ino for n in uppers}
     return p
 
 
@@ -430,6 +435,10 @@ def file_chunks(job: FileJob, store: Store, w: Sink) -> tuple[ObjectId, ...]:
         out: list[ObjectId] = []
         for i, (lo, ln) in enumerate(chunker.chunk_spans(job.size, cs)):
             hi = lo + ln
+            if job.inline is not None:
+                data = job.inline[lo:hi]
+                out.append(w.put_chunk(data + bytes(ln - len(data))))
+                continue
             from_lower = i < len(job.lower_chunks) and i not in job.present and lo < job.lower_len
             if from_lower and hi <= job.lower_len:
                 cid = ObjectId(job.lower_chunks[i])
@@ -452,6 +461,19 @@ def file_chunks(job: FileJob, store: Store, w: Sink) -> tuple[ObjectId, ...]:
             os.close(fd)
 
 
+def _remember_tree(store: Store, tree_id: ObjectId, entries: list[Entry]) -> None:
+    """Put a tree just encoded into the store's decoded-tree cache: the next checkpoint
+    and the overlay read exactly these directories again (saves decoding them)."""
+    cache = getattr(store, "_trees", None)
+    lock = getattr(store, "_cache_lock", None)
+    if cache is None or lock is None:
+        return
+    tree = Tree(tuple(sorted(entries, key=lambda e: e.name)))
+    with lock:
+        if tree_id not in cache:
+            cache[tree_id] = tree
+
+
 def build(p: Plan, store: Store, w: Sink) -> Ref:
     """Store the planned chunks and trees through ``w`` (not committed) and return the Ref.
     Safe in a worker thread: reads only the plan, the data files and the store."""
@@ -465,6 +487,7 @@ def build(p: Plan, store: Store, w: Sink) -> Ref:
             assert child.tree_id is not None
             ents[idx] = replace(ents[idx], tree_id=child.tree_id)
         dp.tree_id = w.put_tree(ents)
+        _remember_tree(store, dp.tree_id, ents)
     assert p.root.tree_id is not None
     return Ref(p.root.tree_id)
 
@@ -504,12 +527,14 @@ def inode_row(n: Node, *, lower_tree: bytes | None = None,
             n.target or None, origin)
 
 
-def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes) -> None:
-    """Fill ``rb`` with the rows the upper keeps: orphans (origin cleared) and the root."""
+def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes,
+              uppers: Iterable[Node] | None = None) -> None:
+    """Fill ``rb`` with the rows the upper keeps: orphans (origin cleared) and the root.
+    ``uppers`` (the nodes with an upper row, if known) saves a pass over every node."""
     rb.rows = []
     rb.xattrs = {}
-    for n in ov.nodes.values():
-        if n.upper and n.nlink == 0:
+    for n in (ov.nodes.values() if uppers is None else uppers):
+        if n.upper and n.nlink == 0 and ov.nodes.get(n.ino) is n:
             rb.rows.append(inode_row(n))
             if n.xattrs:
                 rb.xattrs[n.ino] = sorted(n.xattrs.items())
@@ -559,7 +584,7 @@ def prepare(ov: Overlay, p: Plan, ref: Ref) -> Rebase:
         if ov.pins.get(o) != (pl.ino, pl.ctime_ns) or ov.pinned.get(pl.ino) != o:
             _set_pin(ov, rb, o, pl.ino, pl.ctime_ns)
     assert p.root.tree_id is not None
-    kept_rows(ov, rb, p.root.tree_id)
+    kept_rows(ov, rb, p.root.tree_id, p.uppers)
     if ov.upper is not None:
         rb.drop_data = [ov.upper.data_path(i) for i in p.upper_inos
                         if (n := ov.nodes.get(i)) is None or n.nlink > 0]
@@ -658,7 +683,7 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     root.lower_tree = p.root.tree_id
     if root.upper:
         root.entries = {}
-    _forget_origins(ov)
+    _forget_origins(ov, p.uppers)
     kept = {r[0] for r in rb.rows}
     ov._dirty_ino = {i for i in ov._dirty_ino if i not in ov.nodes or i in kept}
     ov._dirty_dent = set()
@@ -668,11 +693,13 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
         h.refresh()
 
 
-def _forget_origins(ov: Overlay) -> None:
-    """Rebuild ``by_origin`` from the upper nodes left, and clear the origin of every inode
-    no name reaches any more (so no lookup of the new lower resolves to it)."""
+def _forget_origins(ov: Overlay, candidates: Iterable[Node]) -> None:
+    """Rebuild ``by_origin`` from the upper nodes left among ``candidates`` (every node
+    that had an upper row), and clear the origin of every inode no name reaches any more
+    (orphans, and unlinked lower files still open), so no lookup of the new lower resolves
+    to it."""
     ov.by_origin = {}
-    for n in ov.nodes.values():
+    for n in list(candidates) + [h.node for h in ov.handles.values()]:
         if n.nlink == 0 and n.ino != ROOT_INO:
             n.origin = None
         elif n.upper and n.origin is not None:
@@ -691,6 +718,7 @@ class Result:
     bytes_written: int = 0
     dirs_encoded: int = 0
     full_walk: bool = False
+    uppers: list[Node] = field(default_factory=list, repr=False)  # had a row before
 
 
 def checkpoint_overlay(ov: Overlay, *, origin: str = "checkpoint", label: str | None = None,
@@ -705,7 +733,7 @@ def checkpoint_overlay(ov: Overlay, *, origin: str = "checkpoint", label: str | 
         if list_it:
             store.add_snapshot(ref, origin, label)
         res = Result(ref, p.unchanged, w.packs_written, w.bytes_written, len(p.dirs),
-                     p.full_walk)
+                     p.full_walk, p.uppers)
     if p.unchanged:
         return res
     rb = prepare(ov, p, ref)

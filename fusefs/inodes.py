@@ -73,14 +73,16 @@ class Node:
     (ino 0 is a whiteout; None while the directory has no upper row), ``parent`` is the
     parent directory's number. Files: bytes ``[0, lower_len)`` come from ``lower_chunks``
     except chunks in ``present``, which live in the data file, as does everything beyond.
-    ``lower_links`` counts the names of a non-directory still visible from lower.
+    A small file made in the mount keeps its content in ``inline`` instead (only while
+    ``upper``; the rest up to ``size`` reads as zeros); it has then no lower content and no
+    data file. ``lower_links`` counts the names of a non-directory still visible from lower.
     ``nlookup`` is the kernel's lookup count, ``nopen`` the open handles.
     """
 
     __slots__ = ("ino", "kind", "mode", "uid", "gid", "size", "atime_ns", "mtime_ns",
                  "ctime_ns", "nlink", "rdev", "target", "lower_chunks", "lower_len",
                  "present", "lower_tree", "entries", "parent", "lower_links", "xattrs",
-                 "origin", "upper", "nlookup", "nopen", "fd", "has_data")
+                 "origin", "upper", "nlookup", "nopen", "fd", "has_data", "inline")
 
     def __init__(self, ino: int, kind: Kind, mode: int, uid: int, gid: int,
                  time_ns: int) -> None:
@@ -108,6 +110,7 @@ class Node:
         self.nopen = 0
         self.fd: int | None = None
         self.has_data = False
+        self.inline: bytearray | None = None
 
     @classmethod
     def from_entry(cls, ino: int, e: Entry, origin: bytes | None, parent: int,

@@ -18,9 +18,10 @@ import logging
 import os
 import time
 import traceback
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from time import perf_counter
 from typing import Any, Protocol, TypeVar, cast
 
 import pyfuse3
@@ -95,6 +96,7 @@ def _boundary(fn: F) -> F:
     @functools.wraps(fn)
     async def handler(self: Operations, *args: Any) -> Any:
         self.counts[op] += 1
+        t0 = perf_counter()
         try:
             return await fn(self, *args)
         except FUSEError:
@@ -104,6 +106,8 @@ def _boundary(fn: F) -> F:
         except Exception as e:  # the boundary: a request never kills the daemon
             self.log_unexpected(op, e)
             raise FUSEError(errno.EIO) from None
+        finally:
+            self.seconds[op] += perf_counter() - t0
 
     return cast(F, handler)
 
@@ -127,6 +131,7 @@ class Operations(pyfuse3.Operations):
         self.gate: Gate = gate or OpenGate()
         self.upper_lock = upper_lock or trio.Lock()
         self.counts: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)  # wall time in handlers
         self.errors = 0
         self._failed: list[Batch] = []
         self._inflight: dict[bytes, trio.Event] = {}
@@ -252,9 +257,11 @@ class Operations(pyfuse3.Operations):
                 self.log_unexpected("commit", e)
 
     def stats(self) -> dict[str, Any]:
-        """Requests served per operation, and the daemon's CPU time (s)."""
+        """Requests served per operation, seconds spent inside each operation's handler
+        (wall time, awaits included), and the daemon's CPU time (s)."""
         t = os.times()
         return {"requests": dict(self.counts), "total": sum(self.counts.values()),
+                "handler_s": {k: round(v, 6) for k, v in self.seconds.items()},
                 "cpu_s": t.user + t.system, "errors": self.errors, "time": time.time()}
 
     # -- names -----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from store.tree import NAME_MAX, Entry, Kind
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
 from .lower import Lower
-from .upper import Batch, Loaded, Upper, bitmap, iter_data_files, unbitmap
+from .upper import INLINE_MAX, Batch, Loaded, Upper, bitmap, iter_data_files, unbitmap
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -43,6 +43,7 @@ XATTR_SIZE_MAX = 65536
 # upper dentry with cookie c. Lower trees are immutable and upper cookies only grow, so a
 # cookie names the same entry for the whole life of a directory (PYFUSE3.md trap 4).
 UPPER_BASE = 1 << 40
+INLINE_BUDGET = 256 << 20  # inline content kept in memory at most; beyond, data files
 
 _KIND_OF_FMT = {stat.S_IFREG: Kind.FILE, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK: Kind.SOCKET}
 
@@ -113,6 +114,7 @@ class Overlay:
         self._dirty_xattr: set[int] = set()
         self._dirty_data: set[int] = set()
         self._unlink_after: list[str] = []
+        self.inline_bytes = 0  # total inline content in memory
         if upper is not None:
             self._load(upper.load())
         if ROOT_INO not in self.nodes:
@@ -142,6 +144,9 @@ class Overlay:
             n.present = unbitmap(r["present"])
             n.target = r["target"] or b""
             n.origin = r["origin"]
+            if r["inline"] is not None:
+                n.inline = bytearray(r["inline"])
+                self.inline_bytes += len(n.inline)
             n.upper = True
             if n.kind is Kind.DIR:
                 n.entries = {}
@@ -298,12 +303,14 @@ class Overlay:
             return
         if not n.upper:
             del self.nodes[n.ino]
+            self._drop_inline(n)
             return
         if n.nlink > 0:
             return
         # Unlinked and unused: free it. Its row goes in the next commit; its data file
         # only after that commit (see the crash table in upper.py).
         del self.nodes[n.ino]
+        self._drop_inline(n)
         if n.origin is not None and self.by_origin.get(n.origin) == n.ino:
             del self.by_origin[n.origin]
         self._close_fd(n)
@@ -337,6 +344,10 @@ class Overlay:
         n.upper = True
         if n.kind is Kind.DIR and n.entries is None:
             n.entries = {}
+        if n.kind is Kind.FILE:
+            self._drop_inline(n)  # content from lower (inline left by a rebase is stale)
+            if not n.lower_len and not n.has_data:
+                self._go_inline(n)
         if n.origin is not None:
             self.by_origin[n.origin] = n.ino
         if n.xattrs:
@@ -405,6 +416,8 @@ class Overlay:
         if kind is Kind.DIR:
             n.entries = {}
             n.parent = d.ino
+        elif kind is Kind.FILE:
+            self._go_inline(n)
         self.nodes[ino] = n
         self._dirty_ino.add(ino)
         return n
@@ -623,8 +636,9 @@ class Overlay:
                 atime_ns: int | None = None, mtime_ns: int | None = None,
                 ctime_ns: int | None = None) -> Node:
         """chmod/chown/truncate/utimens; copies no data of a lower file (truncate down only
-        shortens its lower range). Kills setuid/setgid as Linux does on chown and
-        truncate."""
+        shortens its lower range). Clearing setuid/setgid on write, truncate and chown is
+        the kernel's (it sends the new mode here), as for any FUSE file system without
+        ``handle_killpriv``."""
         self._mut()
         n = self._node(ino)
         now = self.clock()
@@ -639,12 +653,7 @@ class Overlay:
         if size is not None:
             self._truncate(n, size)
             n.mtime_ns = now
-            if mode is None:
-                self._kill_priv(n)
         if uid is not None or gid is not None:
-            if n.kind is not Kind.DIR and mode is None and (
-                    (uid is not None and uid != n.uid) or (gid is not None and gid != n.gid)):
-                self._kill_priv(n)
             if uid is not None:
                 n.uid = uid
             if gid is not None:
@@ -658,14 +667,24 @@ class Overlay:
         n.ctime_ns = now if ctime_ns is None else ctime_ns
         return n
 
-    @staticmethod
-    def _kill_priv(n: Node) -> None:
-        if n.mode & stat.S_ISUID:
-            n.mode &= ~stat.S_ISUID
-        if n.mode & (stat.S_ISGID | stat.S_IXGRP) == stat.S_ISGID | stat.S_IXGRP:
-            n.mode &= ~stat.S_ISGID
+    def _drop_inline(self, n: Node) -> None:
+        if n.inline is not None:
+            self.inline_bytes -= len(n.inline)
+            n.inline = None
+
+    def _go_inline(self, n: Node) -> None:
+        """Keep the content of ``n`` (a file without lower content or data file) in its row,
+        while the budget allows."""
+        if self.inline_bytes < INLINE_BUDGET and n.size <= INLINE_MAX:
+            n.inline = bytearray()
 
     def _truncate(self, n: Node, size: int) -> None:
+        if n.inline is not None:
+            if size < len(n.inline):
+                self.inline_bytes -= len(n.inline) - size
+                del n.inline[size:]
+            n.size = size
+            return
         if size < n.size:
             if size < n.lower_len:
                 n.lower_len = size
@@ -680,6 +699,8 @@ class Overlay:
                 self._close_idle_fd(n)
         n.size = size
         self._dirty_data.add(n.ino)
+        if size == 0 and not n.has_data:
+            self._go_inline(n)
 
     # -- xattrs --------------------------------------------------------------------------
 
@@ -823,6 +844,9 @@ class Overlay:
         end = min(off + size, n.size)
         if off >= end:
             return b""
+        if n.inline is not None and n.upper:
+            data = bytes(n.inline[off:end])
+            return data if len(data) == end - off else data + bytes(end - off - len(data))
         cs = self.cs
         if n.lower_len <= off or (not n.lower_chunks):
             return self._pread(n, off, end - off)
@@ -863,9 +887,14 @@ class Overlay:
         if h.flags & os.O_APPEND:
             off = n.size
         self._copy_up(n)
+        end = off + len(data)
+        if n.inline is not None:
+            if end <= INLINE_MAX:
+                self._write_inline(n, off, data)
+                return len(data)
+            self._spill(n)
         fd = self._fd(n, create=True)
         assert fd is not None
-        end = off + len(data)
         cs = self.cs
         if data and off < n.lower_len:
             for i in range(off // cs, (min(end, n.lower_len) - 1) // cs + 1):
@@ -882,11 +911,35 @@ class Overlay:
         if end > n.size:
             n.size = end
         n.mtime_ns = n.ctime_ns = self.clock()
-        if n.mode & (stat.S_ISUID | stat.S_ISGID):
-            self._kill_priv(n)
         self._close_idle_fd(n)
         self._dirty_data.add(n.ino)
         return len(data)
+
+    def _write_inline(self, n: Node, off: int, data: bytes) -> None:
+        buf = n.inline
+        assert buf is not None
+        before = len(buf)
+        if off > before:
+            buf.extend(bytes(off - before))
+        buf[off:off + len(data)] = data
+        self.inline_bytes += len(buf) - before
+        end = off + len(data)
+        if end > n.size:
+            n.size = end
+        n.mtime_ns = n.ctime_ns = self.clock()
+
+    def _spill(self, n: Node) -> None:
+        """Move inline content to a data file (the file grew beyond ``INLINE_MAX``)."""
+        buf = n.inline
+        assert buf is not None
+        fd = self._fd(n, create=True)
+        assert fd is not None
+        os.ftruncate(fd, 0)
+        if buf:
+            os.pwrite(fd, buf, 0)
+        self.inline_bytes -= len(buf)
+        n.inline = None
+        self._dirty_data.add(n.ino)
 
     def sync_fd(self, fh: int) -> int | None:
         """A new descriptor of ``fh``'s data file for fsync (the caller closes it), or None
@@ -1010,7 +1063,8 @@ class Overlay:
                     n.parent if n.kind is Kind.DIR else 0,
                     n.lower_tree if n.kind is Kind.DIR else None,
                     b"".join(n.lower_chunks) or None, n.lower_len, bitmap(n.present),
-                    n.target or None, n.origin))
+                    n.target or None, n.origin,
+                    bytes(n.inline) if n.inline is not None else None))
             else:
                 b.deleted.append(ino)
         for parent, name in self._dirty_dent:

@@ -43,6 +43,8 @@ Invariants, each checked by ``check`` under the stable name in brackets:
   plus unshadowed lower ones when the store is at hand).
 - [cookie] readdir cookies of dentries are distinct and below next_cookie.
 - [xattr-owner] every xattr belongs to an inode row and is in the ``user.`` namespace.
+- [inline] inline content belongs to a file without lower content or data file, and is
+  no longer than the file's size nor ``INLINE_MAX``.
 - [data-owner] every data file belongs to a regular-file row.
 - [data-size] no data file is longer than its file's size.
 - [present-range] ``present`` marks only chunks below ``ceil(lower_len / chunk_size)``.
@@ -119,6 +121,9 @@ TABLES: dict[str, dict[str, str]] = {
         "target": "symlinks: the target bytes.",
         "origin": "lower identity (see inodes.origin_key) of an inode copied up from lower; "
                   "NULL for inodes created in the mount and for the root.",
+        "inline": "files: the whole content of a small file kept here instead of a data "
+                  "file (bytes beyond it up to size read as zeros); NULL otherwise. Not in "
+                  "INODE_COLUMNS: a row written without it has no inline content.",
     },
     "dentries": {
         "parent": "directory inode holding the name.",
@@ -146,7 +151,7 @@ CREATE TABLE IF NOT EXISTS inodes (
   lower_links INTEGER NOT NULL, size INTEGER NOT NULL, atime_ns INTEGER NOT NULL,
   mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, parent INTEGER NOT NULL,
   lower_tree BLOB, lower_chunks BLOB, lower_len INTEGER NOT NULL, present BLOB,
-  target BLOB, origin BLOB);
+  target BLOB, origin BLOB, inline BLOB);
 CREATE TABLE IF NOT EXISTS dentries (
   parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
   cookie INTEGER NOT NULL, PRIMARY KEY (parent, name)) WITHOUT ROWID;
@@ -160,10 +165,12 @@ CREATE TABLE IF NOT EXISTS pins (
 INODE_COLUMNS = ("ino", "kind", "mode", "uid", "gid", "nlink", "lower_links", "size",
                  "atime_ns", "mtime_ns", "ctime_ns", "parent", "lower_tree", "lower_chunks",
                  "lower_len", "present", "target", "origin")
-_INSERT_INODE = (f"INSERT OR REPLACE INTO inodes({', '.join(INODE_COLUMNS)}) "
-                 f"VALUES ({', '.join('?' * len(INODE_COLUMNS))})")
+ROW_COLUMNS = INODE_COLUMNS + ("inline",)
+_INSERT_INODE = (f"INSERT OR REPLACE INTO inodes({', '.join(ROW_COLUMNS)}) "
+                 f"VALUES ({', '.join('?' * len(ROW_COLUMNS))})")
 
-InodeRow = tuple  # the INODE_COLUMNS, in order
+InodeRow = tuple  # the ROW_COLUMNS, in order
+INLINE_MAX = 16 << 10  # files up to this size made in the mount live in their row
 
 
 def bitmap(bits: set[int]) -> bytes | None:
@@ -261,6 +268,9 @@ class Upper:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(_DDL)
+            cols = {r[1] for r in conn.execute("PRAGMA table_info(inodes)")}
+            if "inline" not in cols:  # an upper made before inline content existed
+                conn.execute("ALTER TABLE inodes ADD COLUMN inline BLOB")
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
             if meta.get("format", FORMAT) != FORMAT:
                 raise UpperFormatError(state_dir, f"unknown upper format {meta['format']!r}")
@@ -315,7 +325,8 @@ class Upper:
         orphans = c.execute("DELETE FROM dentries WHERE parent NOT IN "
                             "(SELECT ino FROM inodes WHERE kind=1)").rowcount
         c.execute("COMMIT")
-        sizes = dict(c.execute("SELECT ino, size FROM inodes WHERE kind=2").fetchall())
+        sizes = dict(c.execute("SELECT ino, size FROM inodes WHERE kind=2 "
+                               "AND inline IS NULL").fetchall())
         removed = cut = 0
         for ino, path in iter_data_files(self.data_dir):
             if ino not in sizes:
@@ -511,8 +522,14 @@ def check(state_dir: str, store: object | None = None) -> list[Problem]:
             why = "lower_chunks does not cover exactly lower_len bytes"
         elif r["lower_len"] > r["size"] or r["lower_len"] < 0:
             why = "lower_len outside [0, size]"
+        elif kind != 2 and r["inline"] is not None:
+            why = "non-file with inline content"
         if why:
             bad("kind-fields", f"inode {ino}: {why}")
+        if kind == 2 and r["inline"] is not None and (
+                r["lower_len"] or chunks or r["present"] or len(r["inline"]) > r["size"]
+                or len(r["inline"]) > INLINE_MAX):
+            bad("inline", f"inode {ino}: inline content with lower content or too long")
         if kind == 2:
             limit = -(-r["lower_len"] // cs)
             if any(i >= limit for i in unbitmap(r["present"])):
@@ -613,6 +630,8 @@ def check(state_dir: str, store: object | None = None) -> list[Problem]:
         r = rows.get(ino)
         if r is None or r["kind"] != 2:
             bad("data-owner", f"data file {dpath} belongs to no file row")
+        elif r["inline"] is not None:
+            bad("inline", f"inode {ino} has inline content and a data file")
         elif os.stat(dpath).st_size > r["size"]:
             bad("data-size", f"data file of inode {ino} is longer than size {r['size']}")
 

@@ -20,7 +20,7 @@ from fusefs.errors import BaseMismatchError, NoBaseError, StateLockedError
 from fusefs.inodes import DERIVED_BIT, ROOT_INO, Node
 from fusefs.lower import Lower
 from fusefs.overlay import RENAME_EXCHANGE, RENAME_NOREPLACE, Overlay
-from fusefs.upper import Upper, check
+from fusefs.upper import INLINE_MAX, Upper, check
 from store.objects import Store
 from store.ref import Ref
 from store.snapshot import snapshot
@@ -297,6 +297,30 @@ def test_truncate_down_and_up_over_lower_data(env: Env, ov: Overlay) -> None:
     assert read(ov, "big.bin") == want
 
 
+def test_small_files_live_inline_and_spill_when_they_grow(env: Env, ov: Overlay) -> None:
+    assert env.ov is not None and env.ov.upper is not None
+    up = env.ov.upper
+    i = write(ov, "small", b"tiny")
+    n = ov.getattr(i)
+    assert n.inline == b"tiny" and not n.has_data
+    write(ov, "small", b"X", flags=os.O_WRONLY, off=10)  # a hole inside inline content
+    assert read(ov, "small") == b"tiny" + bytes(6) + b"X"
+    ov.setattr(i, size=100)
+    assert read(ov, "small") == b"tiny" + bytes(6) + b"X" + bytes(89)
+    big = bytes(range(256)) * (INLINE_MAX // 128)
+    write(ov, "small", big, flags=os.O_WRONLY, off=50)
+    assert n.inline is None and os.path.exists(up.data_path(i))
+    want = (b"tiny" + bytes(6) + b"X" + bytes(39) + big)
+    assert read(ov, "small") == want
+    write(ov, "lowertrunc", b"")  # a lower file truncated to 0 becomes inline too
+    write(ov, "hello.txt", b"rewritten")
+    assert ov.getattr(ino(ov, "hello.txt")).inline == b"rewritten"
+    ov.commit()
+    ov = env.crash()
+    assert read(ov, "small") == want
+    assert read(ov, "hello.txt") == b"rewritten" and read(ov, "dir/hard.txt") == b"rewritten"
+
+
 def test_sparse_file_holes_read_zeros(env: Env, ov: Overlay) -> None:
     write(ov, "sparse", b"end", off=10 * CS + 7)
     assert node(ov, "sparse").size == 10 * CS + 10
@@ -538,13 +562,16 @@ def test_new_inodes_take_caller_and_setgid_group(env: Env, ov: Overlay) -> None:
     assert (sd.uid, sd.gid) == (30, 20) and sd.mode & stat.S_ISGID
 
 
-def test_chown_and_write_kill_setuid(env: Env, ov: Overlay) -> None:
+def test_setuid_bits_are_left_to_the_kernel(env: Env, ov: Overlay) -> None:
+    # The kernel clears S_ISUID/S_ISGID for writers without CAP_FSETID by sending a mode
+    # change itself; the model keeps what it is told (a root writer keeps them).
     i = write(ov, "suid", b"x")
     ov.setattr(i, mode=0o6755)
     ov.setattr(i, uid=99)
-    assert ov.getattr(i).mode == 0o755
-    ov.setattr(i, mode=0o4755)
     write(ov, "suid", b"y", flags=os.O_WRONLY)
+    ov.setattr(i, size=0)
+    assert ov.getattr(i).mode == 0o6755
+    ov.setattr(i, uid=5, mode=0o755)  # what the kernel sends for an unprivileged chown
     assert ov.getattr(i).mode == 0o755
 
 
@@ -633,6 +660,7 @@ BREAKERS = {
     "present-range": "UPDATE inodes SET present=x'ff' WHERE kind=2",
     "origin-unique": "INSERT INTO pins VALUES (x'01', 5, 0), (x'02', 5, 0)",
     "closure": "DELETE FROM inodes WHERE ino=1",
+    "inline": "UPDATE inodes SET inline=x'00' WHERE lower_len > 0",
 }
 
 
@@ -640,7 +668,9 @@ BREAKERS = {
 def test_check_names_each_broken_invariant(env: Env, ov: Overlay, name: str) -> None:
     d = ov.mkdir(ROOT_INO, b"newdir", 0o755, 0, 0)
     ov.mkdir(d.ino, b"inner", 0o755, 0, 0)
-    f = write(ov, "newdir/f", b"content")
+    f = write(ov, "newdir/f", b"c" * (INLINE_MAX + 1))  # big enough for a data file
+    write(ov, "newdir/small", b"inline")
+    ov.setattr(ino(ov, "big.bin"), mode=0o600)  # a row with lower content
     ov.unlink(ROOT_INO, b"hello.txt")  # a whiteout
     ov.close()
     assert check(env.state, env.store) == []
@@ -653,7 +683,7 @@ def test_check_names_each_broken_invariant(env: Env, ov: Overlay, name: str) -> 
         os.makedirs(os.path.join(env.state, "data", "07"), exist_ok=True)
         Path(env.state, "data", "07", "7").write_bytes(b"stray")
     else:
-        Path(env.state, "data", f"{f & 0xFF:02x}", str(f)).write_bytes(b"x" * 100)
+        Path(env.state, "data", f"{f & 0xFF:02x}", str(f)).write_bytes(b"x" * (INLINE_MAX + 9))
     found = {p.name for p in check(env.state, env.store)}
     assert name in found, found
     os.rename(env.state, env.state + ".broken")  # keep the fixture's final check quiet
