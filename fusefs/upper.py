@@ -58,6 +58,10 @@ Crash windows (``kill -9`` of the daemon or power loss; ``fsync`` means fsync/fs
 |                                               | since is in the data files but rows    |
 |                                               | (size, presence) are older: the file   |
 |                                               | reads as of the last commit's size     |
+| inline content changed since the last commit | the content of the last commit (it    |
+|                                               | lives in memory until then)            |
+| a file spilled from inline to a data file     | the inline content of the last commit; |
+|                                               | the data file is removed at open       |
 | data written, copy-up bit not yet committed   | chunk reads from lower again (the data |
 |                                               | file's bytes there are ignored)        |
 | data file longer than the committed size      | cut to the size at open (recovery)     |
