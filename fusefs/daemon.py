@@ -233,7 +233,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         code = 9
     ready("the kernel ended the session before it was initialized")  # no-op once ready
     try:
-        ov.close()
+        ops.close()
     except Exception as e:
         log.error("persisting the upper at unmount failed: %s: %s", type(e).__name__, e)
         code = 9

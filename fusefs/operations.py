@@ -247,6 +247,16 @@ class Operations(pyfuse3.Operations):
 
     persist = commit
 
+    def close(self) -> None:
+        """At unmount, after the event loop ended: write any batch that failed earlier, then
+        persist everything durably and close the upper (``Overlay.close``)."""
+        upper = self.ov.upper
+        if upper is not None:
+            failed, self._failed = self._failed, []
+            for b in failed:
+                upper.write(b)
+        self.ov.close()
+
     async def commit_loop(self, interval: float = COMMIT_INTERVAL_S) -> None:
         """Batch commits between fsyncs (CONTRACT 2.5): every ``interval`` seconds."""
         while True:
