@@ -63,6 +63,7 @@ from .errors import (
     SnapshotError,
 )
 from .objects import Store
+from .pack import Location
 from .ref import ObjectId, Ref
 from .snapshot import compute_ref_fd
 from .tree import PATH_MAX, Entry, Kind
@@ -154,14 +155,27 @@ class _Extractor:
     sockets: int = 0
     # hard-link group id -> (root-relative path, (dev, ino), the first member's entry)
     links: dict[bytes, tuple[bytes, tuple[int, int], Entry]] = field(default_factory=dict)
+    # where the chunks and child trees of the directories being filled are stored, found
+    # with one query per directory; each is dropped when used (a repeat is located again)
+    locs: dict[bytes, Location] = field(default_factory=dict)
 
     def tree(self, tree_id: ObjectId, rel: bytes) -> tuple[Entry, ...]:
         try:
-            return self.store.get_tree(tree_id).entries
+            entries = self.store.get_tree(tree_id, self.locs.pop(tree_id, None)).entries
         except ObjectNotFoundError:
             where = os.fsdecode(rel) or "."
             raise IntegrityError(str(self.ref), f"tree {tree_id.hex()} of {where!r} is "
                                  "missing from the store") from None
+        want: list[ObjectId] = []
+        zero = chunker.zero_chunk_id(self.store.chunk_size)
+        for e in entries:
+            if e.kind is Kind.FILE:
+                want.extend(c for c in e.chunks if c != zero)
+            elif e.kind is Kind.DIR and e.tree_id is not None:
+                want.append(e.tree_id)
+        if want:
+            self.locs.update(self.store.locate_many(want))
+        return entries
 
     def run(self, dest_fd: int) -> None:
         stack = [_Open(dest_fd, b"", self.tree(self.ref.tree_id, b""))]
@@ -252,7 +266,7 @@ class _Extractor:
                     off += want
                     continue
                 try:
-                    data = self.store.read_object(cid)
+                    data = self.store.read_object(cid, self.locs.pop(cid, None))
                 except ObjectNotFoundError:
                     raise IntegrityError(str(self.ref), f"chunk {cid.hex()} of "
                                          f"{os.fsdecode(rel)!r} is missing") from None

@@ -26,7 +26,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import zstandard
@@ -46,6 +46,8 @@ from .tree import Entry, Tree, decode_tree, encode_tree
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_LEVEL = 3
 CONFIG_KEY = "config.json"
+_OBJ_KINDS = {int(k): k for k in ObjKind}
+_CODECS = {int(c): c for c in Codec}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +160,24 @@ class Store:
         return Location(oid, ObjKind(row[0]), row[1], row[2], row[3], Codec(row[4]), row[5],
                         row[6])
 
+    def locate_many(self, oids: Iterable[ObjectId]) -> dict[bytes, Location]:
+        """Where each of ``oids`` is stored, by id, in one query per 500 ids; ids that are
+        not indexed are left out."""
+        ids = list(dict.fromkeys(oids))
+        out: dict[bytes, Location] = {}
+        for i in range(0, len(ids), 500):
+            batch = ids[i:i + 500]
+            for row in self.conn.execute(
+                    "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, "
+                    "raw_length FROM objects WHERE id IN (" + ",".join("?" * len(batch)) + ")",
+                    batch):
+                kind, codec = _OBJ_KINDS.get(row[1]), _CODECS.get(row[5])
+                if kind is None or codec is None:
+                    raise IntegrityError(row[0].hex(), "index row has an unknown kind or codec")
+                out[row[0]] = Location(ObjectId(row[0]), kind, row[2], row[3], row[4], codec,
+                                       row[6], row[7])
+        return out
+
     def _record(self, loc: Location) -> bytes:
         key = (loc.pack, loc.rec_offset)
         with self._cache_lock:
@@ -181,13 +201,15 @@ class Store:
                     self._records.popitem(last=False)
         return plain
 
-    def read_object(self, oid: ObjectId) -> bytes:
-        """Return the plaintext of ``oid``, verified against its id.
+    def read_object(self, oid: ObjectId, loc: Location | None = None) -> bytes:
+        """Return the plaintext of ``oid``, verified against its id; ``loc``, if given, is
+        where ``locate``/``locate_many`` found it.
 
         Raises ObjectNotFoundError if it is not indexed and IntegrityError if the stored
         bytes are missing, do not decompress or do not hash to ``oid``.
         """
-        loc = self.locate(oid)
+        if loc is None or loc.oid != oid:
+            loc = self.locate(oid)
         try:
             plain = self._record(loc)
         except IntegrityError:
@@ -203,14 +225,15 @@ class Store:
             raise IntegrityError(oid.hex(), "stored bytes do not hash to the object id")
         return data
 
-    def get_tree(self, tree_id: ObjectId) -> Tree:
-        """Return the decoded tree ``tree_id`` (verified; cached, trees are immutable)."""
+    def get_tree(self, tree_id: ObjectId, loc: Location | None = None) -> Tree:
+        """Return the decoded tree ``tree_id`` (verified; cached, trees are immutable);
+        ``loc`` as for ``read_object``."""
         with self._cache_lock:
             t = self._trees.get(tree_id)
             if t is not None:
                 self._trees.move_to_end(tree_id)
                 return t
-        t = decode_tree(self.read_object(tree_id), tree_id.hex())
+        t = decode_tree(self.read_object(tree_id, loc), tree_id.hex())
         with self._cache_lock:
             self._trees[tree_id] = t
             while len(self._trees) > 8192:

@@ -202,43 +202,50 @@ def encode_tree(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
     return bytes(out)
 
 
-class _Reader:
-    __slots__ = ("buf", "pos", "tid")
+class _Malformed(Exception):
+    """Raised inside the decoder; becomes IntegrityError with the tree's id."""
 
-    def __init__(self, buf: bytes, tid: str) -> None:
-        self.buf = buf
-        self.pos = 0
-        self.tid = tid
+    def __init__(self, pos: int, why: str) -> None:
+        self.pos = pos
+        self.why = why
 
-    def fail(self, why: str) -> IntegrityError:
-        return IntegrityError(self.tid, f"malformed tree at byte {self.pos}: {why}")
 
-    def varint(self) -> int:
-        n = shift = 0
-        buf = self.buf
-        while True:
-            if self.pos >= len(buf):
-                raise self.fail("truncated varint")
-            b = buf[self.pos]
-            self.pos += 1
-            n |= (b & 0x7F) << shift
-            if not b & 0x80:
-                if b == 0 and shift:
-                    raise self.fail("non-canonical varint")
-                return n
-            shift += 7
-            if shift > 70:
-                raise self.fail("varint too long")
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at ``pos``; one and two bytes are the
+    fast paths (names, modes, owners, small sizes)."""
+    end = len(buf)
+    if pos + 1 < end:
+        b = buf[pos]
+        if b < 0x80:
+            return b, pos + 1
+        c = buf[pos + 1]
+        if 0 < c < 0x80:
+            return (b & 0x7F) | (c << 7), pos + 2
+    n = shift = 0
+    while True:
+        if pos >= end:
+            raise _Malformed(pos, "truncated varint")
+        b = buf[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            if b == 0 and shift:
+                raise _Malformed(pos, "non-canonical varint")
+            return n, pos
+        shift += 7
+        if shift > 70:
+            raise _Malformed(pos, "varint too long")
 
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise self.fail("truncated")
-        b = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return b
 
-    def blob(self) -> bytes:
-        return self.take(self.varint())
+def _take(buf: bytes, pos: int, n: int) -> tuple[bytes, int]:
+    """(``n`` bytes at ``pos``, position after them)."""
+    end = pos + n
+    if end > len(buf):
+        raise _Malformed(pos, "truncated")
+    return buf[pos:end], end
+
+
+_KINDS = {int(k): k for k in Kind}
 
 
 def decode_tree(data: bytes, tree_id: str = "tree") -> Tree:
@@ -247,72 +254,97 @@ def decode_tree(data: bytes, tree_id: str = "tree") -> Tree:
     Raises IntegrityError for malformed or non-canonical bytes and ArchiveEntryError for a
     hostile name (``/``, NUL, ``.``, ``..``, empty, over 255 bytes).
     """
-    r = _Reader(data, tree_id)
-    if r.take(len(MAGIC)) != MAGIC:
-        raise r.fail("bad magic")
-    count = r.varint()
-    if count > len(data):
-        raise r.fail("entry count larger than the object")
+    try:
+        return Tree(tuple(_decode_entries(bytes(data))))
+    except _Malformed as e:
+        raise IntegrityError(tree_id, f"malformed tree at byte {e.pos}: {e.why}") from None
+
+
+def _decode_entries(buf: bytes) -> list[Entry]:
+    if buf[:len(MAGIC)] != MAGIC:
+        raise _Malformed(0, "bad magic" if len(buf) >= len(MAGIC) else "truncated")
+    count, pos = _varint(buf, len(MAGIC))
+    size_limit = len(buf)
+    if count > size_limit:
+        raise _Malformed(pos, "entry count larger than the object")
     entries: list[Entry] = []
-    prev: bytes | None = None
+    prev = b""
+    kinds = _KINDS
     for _ in range(count):
-        name = r.blob()
+        n, pos = _varint(buf, pos)
+        name, pos = _take(buf, pos, n)
         check_name(name)
-        if prev is not None and name <= prev:
-            raise r.fail("names not strictly increasing")
+        if name <= prev:
+            raise _Malformed(pos, "names not strictly increasing")
         prev = name
-        try:
-            kind = Kind(r.take(1)[0])
-        except ValueError:
-            raise r.fail("unknown kind") from None
-        mode = r.varint()
+        if pos >= size_limit:
+            raise _Malformed(pos, "truncated")
+        kind = kinds.get(buf[pos])
+        pos += 1
+        if kind is None:
+            raise _Malformed(pos, "unknown kind")
+        mode, pos = _varint(buf, pos)
         if mode & ~0o7777:
-            raise r.fail("mode has bits outside 07777")
-        uid = r.varint()
-        gid = r.varint()
-        mtime_ns = _unzigzag(r.varint())
-        size = r.varint()
+            raise _Malformed(pos, "mode has bits outside 07777")
+        uid, pos = _varint(buf, pos)
+        gid, pos = _varint(buf, pos)
+        zz, pos = _varint(buf, pos)
+        mtime_ns = _unzigzag(zz)
+        size, pos = _varint(buf, pos)
         chunks: tuple[ObjectId, ...] = ()
         tree_id_: ObjectId | None = None
         target = b""
         if kind is Kind.DIR:
             if size:
-                raise r.fail("dir with a size")
-            tree_id_ = ObjectId(r.take(DIGEST_SIZE))
+                raise _Malformed(pos, "dir with a size")
+            raw, pos = _take(buf, pos, DIGEST_SIZE)
+            tree_id_ = ObjectId(raw)
         elif kind is Kind.FILE:
-            n = r.varint()
-            if n * DIGEST_SIZE > len(data):
-                raise r.fail("chunk count larger than the object")
-            raw = r.take(n * DIGEST_SIZE)
-            chunks = tuple(ObjectId(raw[i:i + DIGEST_SIZE]) for i in range(0, len(raw), DIGEST_SIZE))
+            n, pos = _varint(buf, pos)
+            if n * DIGEST_SIZE > size_limit:
+                raise _Malformed(pos, "chunk count larger than the object")
+            raw, pos = _take(buf, pos, n * DIGEST_SIZE)
+            if n == 1:
+                chunks = (ObjectId(raw),)
+            elif n:
+                chunks = tuple(ObjectId(raw[i:i + DIGEST_SIZE])
+                               for i in range(0, len(raw), DIGEST_SIZE))
         elif kind is Kind.SYMLINK:
-            target = r.blob()
+            n, pos = _varint(buf, pos)
+            target, pos = _take(buf, pos, n)
             if len(target) != size:
-                raise r.fail("symlink size differs from its target length")
+                raise _Malformed(pos, "symlink size differs from its target length")
         elif size:
-            raise r.fail("special file with a size")
-        nx = r.varint()
-        xattrs = []
-        prevx: bytes | None = None
-        for _ in range(nx):
-            k = r.blob()
-            v = r.blob()
-            if prevx is not None and k <= prevx:
-                raise r.fail("xattrs not strictly increasing")
-            prevx = k
-            xattrs.append((k, v))
-        flag = r.take(1)[0]
-        if flag == 0:
-            group = None
-        elif flag == 1:
-            group = r.take(DIGEST_SIZE)
-        else:
-            raise r.fail("bad link flag")
+            raise _Malformed(pos, "special file with a size")
+        nx, pos = _varint(buf, pos)
+        xattrs: tuple[tuple[bytes, bytes], ...] = ()
+        if nx:
+            found = []
+            prevx: bytes | None = None
+            for _ in range(nx):
+                n, pos = _varint(buf, pos)
+                k, pos = _take(buf, pos, n)
+                n, pos = _varint(buf, pos)
+                v, pos = _take(buf, pos, n)
+                if prevx is not None and k <= prevx:
+                    raise _Malformed(pos, "xattrs not strictly increasing")
+                prevx = k
+                found.append((k, v))
+            xattrs = tuple(found)
+        if pos >= size_limit:
+            raise _Malformed(pos, "truncated")
+        flag = buf[pos]
+        pos += 1
+        group: bytes | None = None
+        if flag == 1:
+            group, pos = _take(buf, pos, DIGEST_SIZE)
+        elif flag != 0:
+            raise _Malformed(pos, "bad link flag")
         entries.append(Entry(name, kind, mode, uid, gid, mtime_ns, size, chunks, tree_id_,
-                             target, tuple(xattrs), group))
-    if r.pos != len(data):
-        raise r.fail("trailing bytes")
-    return Tree(tuple(entries))
+                             target, xattrs, group))
+    if pos != size_limit:
+        raise _Malformed(pos, "trailing bytes")
+    return entries
 
 
 EMPTY_TREE = encode_tree([])
