@@ -86,6 +86,8 @@ class Live:
         self.mountpoint = mountpoint
         self.state_dir = state_dir
         self._busy = trio.Lock()  # one checkpoint or restore at a time
+        self.phases: dict[str, float] = {}  # ms per step of the last checkpoint or restore
+        self._t = 0.0
         self.on_restored: Callable[[Ref], None] | None = None
         self.closing = False
 
@@ -115,12 +117,15 @@ class Live:
 
         ov = self.ov
         store = self.store
+        lap = self._lap
         p = ck.plan(ov)
+        lap("plan")
         if p.unchanged:
             ref = p.base
             if list_it and not self._listed(ref):
                 await trio.to_thread.run_sync(store.add_snapshot, ref, origin, label)
-            return {"ref": ref, "unchanged": True, "packs": 0, "bytes": 0}
+            return {"ref": ref, "unchanged": True, "packs": 0, "bytes": 0,
+                    "uppers": p.uppers}
 
         def work() -> tuple[Ref, int, int]:
             with store.writer() as w:
@@ -133,15 +138,30 @@ class Live:
                 return ref, w.packs_written, w.bytes_written
 
         ref, packs, nbytes = await trio.to_thread.run_sync(work)
+        lap("build_commit_list")
         rb = ck.prepare(ov, p, ref)
         upper = ov.upper
         assert upper is not None
         await trio.to_thread.run_sync(ck.reset_upper, upper, rb)
+        lap("reset_upper")
         ck.crash_point("checkpoint.reset")
         ck.apply(ov, p, rb)
         self._forget_pending_batches()
+        lap("apply")
         await trio.to_thread.run_sync(ck.drop_data, rb.drop_data)
-        return {"ref": ref, "unchanged": ref == p.base, "packs": packs, "bytes": nbytes}
+        lap("drop_data")
+        return {"ref": ref, "unchanged": ref == p.base, "packs": packs, "bytes": nbytes,
+                "uppers": p.uppers}
+
+    def _lap(self, name: str) -> None:
+        """Record the time since the previous lap under ``name`` (ms, in ``phases``)."""
+        now = time.perf_counter()
+        self.phases[name] = round((now - self._t) * 1000, 3)
+        self._t = now
+
+    def _start_laps(self) -> None:
+        self.phases = {}
+        self._t = time.perf_counter()
 
     def _forget_pending_batches(self) -> None:
         """Batches that failed to write before a reset describe the old upper: drop them."""
@@ -164,14 +184,18 @@ class Live:
         if self.ov.upper is None:
             raise CheckpointError(trigger, "a read-only mount has nothing to checkpoint")
         async with self._busy:
+            self._start_laps()
             async with self.gate.exclusive():
                 with trio.move_on_after(timeout_s or DEFAULT_TIMEOUT_S) as cs:
                     await self.gate.no_permits()
                 if cs.cancelled_caught:
                     raise CheckpointError(trigger, "a write permit was still held after "
                                                    f"{timeout_s or DEFAULT_TIMEOUT_S} s")
+                self._lap("permits")
                 await self._syncfs()
+                self._lap("syncfs")
                 async with self.gate.paused_for():
+                    self._lap("drain")
                     async with self.ops.upper_lock:
                         try:
                             done = await self._freeze(origin=origin, label=label)
@@ -182,7 +206,8 @@ class Live:
         log.info("checkpoint (%s) -> %s in %.1f ms%s", trigger, done["ref"], ms,
                  " (unchanged)" if done["unchanged"] else "")
         return {"ref": str(done["ref"]), "elapsed_ms": ms, "unchanged": done["unchanged"],
-                "packs": done["packs"], "bytes": done["bytes"], "trigger": trigger}
+                "packs": done["packs"], "bytes": done["bytes"], "trigger": trigger,
+                "phases": dict(self.phases)}
 
     async def restore(self, ref: Ref | str, *, discard: bool = False,
                       timeout_s: float | None = None,
@@ -206,6 +231,7 @@ class Live:
         ov = self.ov
         append_error: BaseException | None = None
         async with self._busy, self.gate.exclusive():
+            self._start_laps()
             self.gate.pause(opens=True)
             ck.crash_point("restore.paused")
             try:
@@ -221,7 +247,9 @@ class Live:
                                        if n else f"a write permit still held after {wait} s")
                 # Verified against the current lower before anything changes (the clean
                 # tree below differs, so the swap diffs again).
+                self._lap("wait_writers")
                 await trio.to_thread.run_sync(rs.verify, self.store, ov.lower.ref, target)
+                self._lap("verify")
                 async with self.ops.upper_lock:
                     pre: Ref | None = None
                     rb0: ck.Rebase
@@ -233,17 +261,21 @@ class Live:
                                                f"pre-restore checkpoint failed: {e}") from e
                         pre = done["ref"]
                         rb0 = ck.Rebase(ov.lower.ref)
+                        uppers = done["uppers"]
                     else:
-                        rb0 = await self._clean_discard()
+                        rb0, uppers = await self._clean_discard()
                     ck.crash_point("restore.checkpointed")
                     try:
                         changes = await trio.to_thread.run_sync(
                             rs.verify, self.store, ov.lower.ref, target)
+                        self._lap("diff")
                         ck.crash_point("restore.verified")
-                        sp = rs.plan_swap(ov, changes, target, rb0)
+                        sp = rs.plan_swap(ov, changes, target, rb0, uppers)
+                        self._lap("plan_swap")
                         upper = ov.upper
                         assert upper is not None
                         await trio.to_thread.run_sync(ck.reset_upper, upper, sp.rebase)
+                        self._lap("reset_upper")
                     except BaseException:
                         if discard:  # the discard freeze is applied in memory: record it
                             await self._persist_rebase(rb0)
@@ -251,6 +283,7 @@ class Live:
                     ck.crash_point("restore.swapped")
                     rs.apply_swap(ov, sp)
                     self._forget_pending_batches()
+                    self._lap("apply_swap")
                 if self.on_restored is not None:
                     try:
                         self.on_restored(target)
@@ -261,14 +294,17 @@ class Live:
                 self.gate.resume(opens=True)  # release the parked requests on every path
             inv = rs.known_to_kernel(ov, sp.invalidation)
             await trio.to_thread.run_sync(invalidate, inv)
+            self._lap("invalidate")
             await trio.to_thread.run_sync(ck.drop_data, sp.rebase.drop_data)
+            self._lap("drop_data")
         ms = (time.perf_counter() - t0) * 1000
         log.info("restore -> %s in %.1f ms (%d changes, %d invalidated)", target, ms,
                  sp.changes, len(inv))
         if append_error is not None:
             raise RestoreError(RestoreError.APPEND_FAILED, str(target), append_error)
         return {"ref": str(target), "pre_restore": str(pre) if pre else None,
-                "changes": sp.changes, "invalidated": len(inv), "elapsed_ms": ms}
+                "changes": sp.changes, "invalidated": len(inv), "elapsed_ms": ms,
+                "phases": dict(self.phases)}
 
     async def _clean_discard(self) -> Any:
         """Freeze the upper without listing it and rebase onto it in memory only (the
@@ -281,7 +317,7 @@ class Live:
         store = self.store
         p = ck.plan(ov)
         if p.unchanged:
-            return ck.Rebase(ov.lower.ref)
+            return ck.Rebase(ov.lower.ref), p.uppers
 
         def work() -> Ref:
             with store.writer() as w:
@@ -292,7 +328,7 @@ class Live:
         ref = await trio.to_thread.run_sync(work)
         rb = ck.prepare(ov, p, ref)
         ck.apply(ov, p, rb)
-        return rb
+        return rb, p.uppers
 
     async def _persist_rebase(self, rb: Any) -> None:
         import trio

@@ -135,11 +135,13 @@ class _Trees:
         return tid
 
 
-def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase) -> SwapPlan:
+def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
+              uppers: list[Node] | None = None) -> SwapPlan:
     """Plan the swap of clean overlay ``ov`` to ``target`` (event-loop thread). Changes
     only ``ov.pins``/``pinned``/``next_ino`` (new numbers must be reserved before commit).
 
-    Two passes: first every path present on both sides (an inode kept, maybe under a new
+    ``uppers``: the nodes that had an upper row before the overlay was cleaned, if known
+    (saves a pass over every node). Two passes: first every path present on both sides (an inode kept, maybe under a new
     identity when only its hard-link group changed) and every removal, then the paths that
     need a number (added, content changed), so an added name of a hard-link group joins the
     inode its other names keep."""
@@ -241,7 +243,7 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase) -> Sw
         inv.inodes.append(no)
     sp.origins = {i: o for i, o in origins.items() if o is not None}
     rb.ref = target
-    kept_rows(ov, rb, target.tree_id)
+    kept_rows(ov, rb, target.tree_id, uppers)
     return sp
 
 
@@ -267,9 +269,10 @@ def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
     switch_lower(ov, sp.target)
     nodes = ov.nodes
     children: dict[int, list[Node]] = defaultdict(list)
-    for n in nodes.values():
-        if n.ino != ROOT_INO:
-            children[n.parent].append(n)
+    if any((d := nodes.get(i)) is not None and d.kind is Kind.DIR for i in sp.detach):
+        for n in nodes.values():  # only when a directory goes: its subtree goes too
+            if n.ino != ROOT_INO:
+                children[n.parent].append(n)
     for ino in sp.detach:
         gone = nodes.get(ino)
         if gone is not None:
@@ -326,16 +329,17 @@ class Result:
     invalidation: Invalidation
 
 
-def clean(ov: Overlay, *, discard: bool, label: str | None = None) -> tuple[Ref | None, Rebase]:
+def clean(ov: Overlay, *, discard: bool,
+          label: str | None = None) -> tuple[Ref | None, Rebase, list[Node]]:
     """Make every change of ``ov`` part of its lower: a listed ``pre_restore`` checkpoint,
     or with ``discard`` an unlisted freeze applied in memory only (the upper keeps the old
     base until the swap commits). Returns (the checkpoint Ref or None, the rebase whose pins
-    the swap must also record)."""
+    the swap must also record, the nodes that had an upper row)."""
     from .checkpoint import apply, build, checkpoint_overlay, plan, prepare
 
     if not discard:
         res = checkpoint_overlay(ov, origin="pre_restore", label=label)
-        return res.ref, Rebase(res.ref)
+        return res.ref, Rebase(res.ref), res.uppers
     store = ov.lower.store
     with store.writer() as w:
         p = plan(ov)
@@ -343,9 +347,7 @@ def clean(ov: Overlay, *, discard: bool, label: str | None = None) -> tuple[Ref 
         w.commit()
     rb = prepare(ov, p, ref)
     apply(ov, p, rb)
-    rb.rows = []
-    rb.xattrs = {}
-    return None, rb
+    return None, rb, p.uppers
 
 
 def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Result:
@@ -364,9 +366,9 @@ def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Resul
         verify_only(target.tree_id)
     except (ObjectNotFoundError, IntegrityError) as e:
         raise RestoreError(RestoreError.SWAP_FAILED, str(target), str(e)) from None
-    pre, rb = clean(ov, discard=discard)
+    pre, rb, uppers = clean(ov, discard=discard)
     changes = verify(store, ov.lower.ref, target)
-    sp = plan_swap(ov, changes, target, rb)
+    sp = plan_swap(ov, changes, target, rb, uppers)
     reset_upper(ov.upper, sp.rebase)
     apply_swap(ov, sp)
     drop_data(rb.drop_data)
