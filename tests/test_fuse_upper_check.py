@@ -141,11 +141,18 @@ def break_data_owner(s: Path) -> None:
 
 def break_data_size(s: Path) -> None:
     c = db(s)
-    ino, size = c.execute("SELECT ino, size FROM inodes WHERE kind=2 AND lower_len=0 "
-                          "AND size>0 AND nlink>0").fetchone()
-    p = s / "data" / f"{ino & 0xFF:02x}" / str(ino)
-    with open(p, "ab") as f:
-        f.truncate(size + 10)
+    files = data_files(s)
+    assert files, "the sound state has no data file"
+    ino = int(files[0].name)
+    size = one(c, "SELECT size FROM inodes WHERE ino=?", ino)
+    with open(files[0], "ab") as f:
+        f.truncate(int(str(size)) + 10)
+
+
+def break_inline(s: Path) -> None:
+    c = db(s)
+    ino = one(c, "SELECT ino FROM inodes WHERE kind=2 AND lower_len>0")
+    c.execute("UPDATE inodes SET inline=x'41' WHERE ino=?", (ino,))
 
 
 def break_present_range(s: Path) -> None:
@@ -167,7 +174,7 @@ BREAKERS: dict[str, Callable[[Path], None]] = {
     "dir-one-name": break_dir_one_name, "dir-reachable": break_dir_reachable,
     "closure": break_closure,
     "nlink-file": break_nlink_file, "nlink-dir": break_nlink_dir, "cookie": break_cookie,
-    "xattr-owner": break_xattr_owner, "data-owner": break_data_owner,
+    "xattr-owner": break_xattr_owner, "inline": break_inline, "data-owner": break_data_owner,
     "data-size": break_data_size, "present-range": break_present_range,
     "origin-unique": break_origin_unique,
 }
@@ -190,6 +197,7 @@ def sound_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         os.mkdir(mnt / "newdir" / "nested")
         (mnt / "newdir" / "f").write_bytes(b"new file\n")
         (mnt / "newdir" / "g").write_bytes(b"another\n")
+        (mnt / "newdir" / "large").write_bytes(fh.pattern(300_000))  # too big to be inline
         os.link(mnt / "newdir" / "f", mnt / "newdir" / "f2")
         os.setxattr(mnt / "newdir" / "f", "user.k", b"v")
         os.chmod(mnt / "plain.txt", 0o600)
