@@ -173,3 +173,36 @@ def test_cli_checkpoint_status_diff_and_json(mounter: fh.Mounter, fuse_store: Pa
     assert "+hello there\n" in text
     bad = cli(fuse_store, "checkpoint", str(m.parent), check=False)
     assert bad.returncode == 9 and "Traceback" not in bad.stderr
+
+
+def test_checkpoint_waits_for_write_permits(mounter: fh.Mounter, lower_ref: str) -> None:
+    """A tool holding the whole-workspace write permit (Bash) makes a checkpoint wait; a
+    checkpoint that cannot get it in time fails with CheckpointError and changes nothing."""
+    import threading
+
+    from fusefs.session.control import hold_write_permit
+    from fusefs.session.errors import CheckpointError
+
+    d = mounter.rw(lower_ref)
+    c = client(d.mnt)
+    release = threading.Event()
+    held = threading.Event()
+
+    def tool() -> None:
+        with hold_write_permit(c.socket_path, timeout_s=30):
+            held.set()
+            (d.mnt / "by-tool").write_bytes(b"tool output\n")  # writes are not paused
+            release.wait(30)
+
+    t = threading.Thread(target=tool)
+    t.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(CheckpointError):
+            c.checkpoint(timeout_s=0.3)
+        assert c.status()["dirty_inodes"] >= 1 and recorded_base(d.state) == lower_ref  # type: ignore[arg-type]
+    finally:
+        release.set()
+        t.join(30)
+    r = c.checkpoint()
+    assert read_in(d.store, r["ref"], "by-tool") == b"tool output\n"
