@@ -102,6 +102,13 @@ def mark(store: Store, roots: Iterable[ObjectId]) -> set[ObjectId]:
     reachable tree cannot be read or decoded."""
     live: set[ObjectId] = set()
     stack = list(roots)
+    for tid in stack:  # a root naming a chunk is refused, not taken as a chunk below
+        try:
+            kind = store.locate(tid).kind
+        except StoreError as err:
+            raise GCError("mark", tid.hex(), f"cannot find a live root tree ({err})") from err
+        if kind is not ObjKind.TREE:
+            raise GCError("mark", tid.hex(), "a live root names a chunk, not a tree")
     while stack:
         tid = stack.pop()
         if tid in live:

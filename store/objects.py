@@ -240,8 +240,9 @@ class Store:
                 self._trees.popitem(last=False)
         return t
 
-    def root_tree(self, ref: Ref) -> Tree:
-        return self.get_tree(ref.tree_id)
+    def root_tree(self, ref: Ref | str) -> Tree:
+        """The root tree of ``ref`` (InvalidRefError, ObjectNotFoundError, IntegrityError)."""
+        return self.get_tree(Ref.parse(ref).tree_id)
 
     def iter_file(self, entry: Entry) -> Iterator[bytes]:
         """Yield a file entry's content chunk by chunk, each verified."""
@@ -282,9 +283,16 @@ class Store:
         self.backend.put(check_key(key), json.dumps(record, sort_keys=True).encode())
         self.backend.sync()
 
-    def add_snapshot(self, ref: Ref, origin: str, label: str | None = None) -> None:
+    def add_snapshot(self, ref: Ref | str, origin: str, label: str | None = None) -> None:
         """List ``ref`` (durably, then in the index). Re-listing updates the time and
-        origin; it keeps the label unless a new one is given (``label=None`` keeps it)."""
+        origin; it keeps the label unless a new one is given (``label=None`` keeps it).
+
+        Raises InvalidRefError for anything but a Ref, ObjectNotFoundError if its root tree
+        is not indexed and IntegrityError if it names a chunk: nothing is written then.
+        """
+        ref = Ref.parse(ref)
+        if self.locate(ref.tree_id).kind is not ObjKind.TREE:
+            raise IntegrityError(str(ref), "names a chunk, not a tree")
         if label is None:
             row = self.conn.execute("SELECT label FROM snapshots WHERE ref=?",
                                     (str(ref),)).fetchone()
@@ -297,8 +305,10 @@ class Store:
             "INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, key) "
             "VALUES (?, ?, ?, ?, ?)", (str(ref), now, origin, label, key))
 
-    def forget(self, ref: Ref) -> bool:
-        """Drop ``ref`` from the snapshot list; return False if it was not listed."""
+    def forget(self, ref: Ref | str) -> bool:
+        """Drop ``ref`` from the snapshot list; return False if it was not listed.
+        Raises InvalidRefError for anything but a Ref."""
+        ref = Ref.parse(ref)
         if self.conn.execute("SELECT 1 FROM snapshots WHERE ref=?", (str(ref),)).fetchone() is None:
             return False
         now = time.time_ns()
@@ -314,9 +324,11 @@ class Store:
 
     # -- journal (CONTRACT 1.1, 4.5) ----------------------------------------------------
 
-    def append_journal(self, session: str, event: str, ref: Ref, *, epoch: int = 0,
+    def append_journal(self, session: str, event: str, ref: Ref | str, *, epoch: int = 0,
                        trigger: str | None = None, consistency: str | None = None) -> int:
-        """Append one event to ``session``'s journal, durably; return its seq (1, 2, ...)."""
+        """Append one event to ``session``'s journal, durably; return its seq (1, 2, ...).
+        Raises InvalidRefError for anything but a Ref (nothing is written then)."""
+        ref = Ref.parse(ref)
         check_key(f"journal/{session}")
         row = self.conn.execute("SELECT MAX(seq) FROM journal WHERE session=?",
                                 (session,)).fetchone()
