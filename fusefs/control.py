@@ -89,6 +89,9 @@ class Live:
         self.phases: dict[str, float] = {}  # ms per step of the last checkpoint or restore
         self._t = 0.0
         self.on_restored: Callable[[Ref], None] | None = None
+        # Called right after a restore's pre-restore checkpoint (the session journals it
+        # there, before the swap); if it raises, the restore fails and nothing is swapped.
+        self.on_pre_restore: Callable[[Ref], None] | None = None
         self.closing = False
 
     # -- helpers ---------------------------------------------------------------------------
@@ -260,6 +263,8 @@ class Live:
                             raise RestoreError(RestoreError.SWAP_FAILED, str(target),
                                                f"pre-restore checkpoint failed: {e}") from e
                         pre = done["ref"]
+                        if self.on_pre_restore is not None:
+                            self.on_pre_restore(pre)
                         rb0 = ck.Rebase(ov.lower.ref)
                         uppers = done["uppers"]
                     else:
