@@ -13,6 +13,7 @@ import os
 import socket
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import fusehelpers as fh
@@ -120,11 +121,13 @@ def test_utimens_has_ns_precision(lower: Path, name: str) -> None:
 
 
 def test_utime_now(lower: Path) -> None:
-    before = os.stat(lower / "plain.txt").st_ctime_ns
+    """utime(path, None) sets both times to the current time (UTIME_NOW)."""
+    t0 = time.time_ns()
     os.utime(lower / "plain.txt")
     st = os.stat(lower / "plain.txt")
-    assert st.st_mtime_ns > MTIME_NS
-    assert st.st_mtime_ns >= before - 10**9
+    # the kernel's clock is coarse (one jiffy); allow for that, never the snapshot's mtime
+    assert st.st_mtime_ns >= t0 - 50_000_000 and st.st_atime_ns >= t0 - 50_000_000
+    assert st.st_mtime_ns <= time.time_ns()
 
 
 def test_truncate_down_then_up_over_lower_data_reads_zeros(lower: Path) -> None:
