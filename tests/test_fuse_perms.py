@@ -21,6 +21,8 @@ import fusehelpers as fh
 import pytest
 from conftest import SELFTEST, SHARED_TMP_PREFIX
 
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching to uid 65534 needs root")
+
 NOBODY = 65534
 OTHER = 1000
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
