@@ -22,7 +22,7 @@ import re
 import threading
 from typing import Protocol
 
-from .errors import BlobConflictError, BlobNotFoundError, InvalidKeyError
+from .errors import BackendError, BlobConflictError, BlobNotFoundError, InvalidKeyError
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
@@ -108,6 +108,9 @@ class LocalDirBackend:
 
     A put writes a temporary file and renames it into place, so a reader never sees half a
     blob; ``sync()`` fsyncs every file and directory touched since the previous barrier.
+    An OS error (a full disk, EIO, a read-only file system) is ``BackendError`` naming the
+    key and the cause; a put that fails removes its temporary file, so a full disk is not
+    kept full by the attempt.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -127,19 +130,28 @@ class LocalDirBackend:
                 old = f.read()
         except FileNotFoundError:
             old = None
+        except OSError as e:
+            raise _error("put", key, e) from e
         if old is not None:
             if old != data:
                 raise BlobConflictError(key)
             return
         parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            os.makedirs(parent, mode=0o700, exist_ok=True)
-            with self._lock:
-                self._pending_dirs.add(os.path.dirname(parent))
         tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            if not os.path.isdir(parent):
+                os.makedirs(parent, mode=0o700, exist_ok=True)
+                with self._lock:
+                    self._pending_dirs.add(os.path.dirname(parent))
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _error("put", key, e) from e
         with self._lock:
             self._pending_files.add(path)
             self._pending_dirs.add(parent)
@@ -150,14 +162,20 @@ class LocalDirBackend:
                 return f.read()
         except FileNotFoundError:
             raise BlobNotFoundError(key) from None
+        except OSError as e:
+            raise _error("get", key, e) from e
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
         except FileNotFoundError:
             raise BlobNotFoundError(key) from None
+        except OSError as e:
+            raise _error("get", key, e) from e
         try:
             return os.pread(fd, length, offset)
+        except OSError as e:
+            raise _error("get", key, e) from e
         finally:
             os.close(fd)
 
@@ -167,6 +185,8 @@ class LocalDirBackend:
             os.unlink(path)
         except FileNotFoundError:
             raise BlobNotFoundError(key) from None
+        except OSError as e:
+            raise _error("delete", key, e) from e
         with self._lock:
             self._pending_files.discard(path)
             self._pending_dirs.add(os.path.dirname(path))
@@ -191,24 +211,31 @@ class LocalDirBackend:
         with self._lock:
             files, dirs = self._pending_files, self._pending_dirs
             self._pending_files, self._pending_dirs = set(), set()
-        for path in files:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        for path in dirs:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        try:
+            for path in files:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            for path in dirs:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            # Nothing is known durable: the next barrier must try every file again.
+            with self._lock:
+                self._pending_files |= files
+                self._pending_dirs |= dirs
+            raise BackendError(f"cannot make blobs durable: {e.strerror or e}") from e
 
     def remove_stale_temps(self, older_than_s: float = 3600.0) -> int:
         """Delete temporary files of puts interrupted by a crash; return how many.
@@ -231,3 +258,7 @@ class LocalDirBackend:
                 except FileNotFoundError:
                     pass
         return removed
+
+
+def _error(op: str, key: str, e: OSError) -> BackendError:
+    return BackendError(f"cannot {op} {key!r}: {e.strerror or e}")

@@ -18,6 +18,12 @@ The three destination cases:
   nothing touched.
 - anything else, a symlink included: ``NotDirError``.
 
+A materialize killed outright (``kill -9``, power loss) cannot wipe: ``dest`` keeps what was
+written so far (directories still 0700, the last file possibly short). That partial tree is
+never taken for the snapshot: a new materialize into it computes its Ref, finds it differs
+and raises ``DestNotEmptyError`` without touching it. Remove ``dest`` and run it again.
+Nothing is ever written outside ``dest``, killed or not.
+
 Hardening:
 
 - The destination path is walked from ``/`` one component at a time with ``O_NOFOLLOW``:

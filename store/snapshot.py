@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sqlite3
 import stat
 import threading
 import time
@@ -58,7 +59,7 @@ import blake3
 import zstandard
 
 from . import chunker, dircache
-from .errors import SnapshotError
+from .errors import BackendError, SnapshotError
 from .objects import Store, Writer
 from .pack import ObjKind
 from .ref import DIGEST_SIZE, ObjectId, Ref, object_id
@@ -782,33 +783,53 @@ def run_snapshot(store: Store, path: str | os.PathLike[str], *, label: str | Non
     ``workers`` threads compress large new chunks (0: compress inline). Returns only when the
     packs are durable, the index is committed and the snapshot is listed with ``origin`` and
     ``label``. Raises SnapshotError(root, cause) when the tree cannot be read exactly as it
-    is (see the module docstring); nothing it wrote is then referenced.
+    is (see the module docstring), and also when the store cannot be written (a full disk:
+    the cause says so); nothing it wrote is then referenced, and GC removes it.
     """
     horizon = trust_horizon_ns()
     fd, real = _open_root(path)
     try:
-        with store.writer() as w:
-            sink = _StoreSink(w, store.level, workers)
-            walker = _Walker(fd, os.fspath(path), sink, chunk_size=store.chunk_size,
-                             store=store, cache_prefix=os.fsencode(real.rstrip("/")) + b"/",
-                             horizon_ns=horizon, progress=progress)
-            try:
-                tree_id = walker.walk()
-                sink.finish()
-            except BaseException:
-                sink.abort()
-                raise
-            w.commit()
-            ref = Ref(tree_id)
-            store.add_snapshot(ref, origin, label)
-            walker.flush_cache()
-            r = walker.result
-            r.ref = ref
-            r.packs_written = w.packs_written
-            r.stored_bytes = w.bytes_written
-            return r
+        sroot = os.path.realpath(store.root)
+        if _within(sroot, real):
+            raise SnapshotError(os.fspath(path), "the tree holds the store; keep the store "
+                                                 "outside the tree")
+        if _within(real, sroot):
+            raise SnapshotError(os.fspath(path), "the tree is inside the store")
+        return _run(store, path, fd, real, horizon, label, origin, progress, workers)
+    except (BackendError, sqlite3.Error) as e:
+        raise SnapshotError(os.fspath(path), f"cannot write to the store: {e}") from e
     finally:
         os.close(fd)
+
+
+def _within(path: str, top: str) -> bool:
+    """True if ``path`` is ``top`` or below it, by whole components (both canonical)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _run(store: Store, path: str | os.PathLike[str], fd: int, real: str, horizon: int,
+         label: str | None, origin: str, progress: Progress | None,
+         workers: int) -> SnapshotResult:
+    with store.writer() as w:
+        sink = _StoreSink(w, store.level, workers)
+        walker = _Walker(fd, os.fspath(path), sink, chunk_size=store.chunk_size,
+                         store=store, cache_prefix=os.fsencode(real.rstrip("/")) + b"/",
+                         horizon_ns=horizon, progress=progress)
+        try:
+            tree_id = walker.walk()
+            sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        w.commit()
+        ref = Ref(tree_id)
+        store.add_snapshot(ref, origin, label)
+        walker.flush_cache()
+        r = walker.result
+        r.ref = ref
+        r.packs_written = w.packs_written
+        r.stored_bytes = w.bytes_written
+        return r
 
 
 def snapshot(store: Store, path: str | os.PathLike[str], *, label: str | None = None,
