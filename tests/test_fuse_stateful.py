@@ -201,7 +201,7 @@ class OverlayVsTmpfs(RuleBasedStateMachine):
     def link(self, src: str, dst: str) -> None:
         self.both(os.link, src, dst, npaths=2)
 
-    @rule(dest=st.sampled_from(["a", "../a", "dir", "nowhere", "b/a"]),
+    @rule(dest=st.sampled_from(["a", "dir/../a", "dir", "nowhere", "b/a"]),  # stay inside
           path=st.sampled_from(PATHS))
     def symlink(self, dest: str, path: str) -> None:
         self.both(lambda p: os.symlink(dest, p), path)
