@@ -136,13 +136,67 @@ def _open_parent(dest: str, ref: Ref) -> tuple[int, bytes]:
 # -- extraction ------------------------------------------------------------------------
 
 
+_MAX_OPEN_DIRS = 64
+"""Directory fds held open along the current path at most (extraction and wipe alike): a
+deeper tree reopens the ancestors it returns to, so depth never runs out of fds."""
+
+
 @dataclass(slots=True, eq=False)
-class _Open:
-    """A directory being filled: its fd and the entry whose metadata it gets at the end."""
+class _Level:
+    """One directory on the current path: its fd (-1 while parked), its name in its parent
+    and its (st_dev, st_ino), which a reopened fd must show again."""
 
     fd: int
-    rel: bytes
-    entries: tuple[Entry, ...]
+    name: bytes | str
+    ident: tuple[int, int]
+
+
+def _park(levels: list[_Level]) -> None:
+    """Close the fds of the shallowest levels (never the first, nor the last) until at
+    most ``_MAX_OPEN_DIRS`` are open."""
+    open_ = [i for i in range(1, len(levels) - 1) if levels[i].fd >= 0]
+    for i in open_[:max(0, len(open_) + 1 - _MAX_OPEN_DIRS)]:
+        os.close(levels[i].fd)
+        levels[i].fd = -1
+
+
+def _reopen(levels: list[_Level], i: int) -> int:
+    """Open ``levels[i]`` and the parked levels above it again, from the nearest open
+    ancestor, one component at a time without following symlinks; each must be the same
+    directory as before (else OSError: the tree was changed under us)."""
+    j = i
+    while levels[j].fd < 0:
+        j -= 1
+    fd = levels[j].fd
+    for k in range(j + 1, i + 1):
+        lv = levels[k]
+        fd = os.open(lv.name, _DIR_FLAGS, dir_fd=fd)
+        lv.fd = fd
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != lv.ident:
+            raise OSError(errno.ESTALE, "directory replaced while it was being written",
+                          os.fsdecode(lv.name))
+        # Keep only the deepest ones open: they are the ones returned to next.
+        old = k - _MAX_OPEN_DIRS + 1
+        if old > j and old > 0 and levels[old].fd >= 0:
+            os.close(levels[old].fd)
+            levels[old].fd = -1
+    return fd
+
+
+def _close_levels(levels: list[_Level], keep: int) -> None:
+    for lv in levels:
+        if lv.fd >= 0 and lv.fd != keep:
+            os.close(lv.fd)
+        lv.fd = -1
+
+
+@dataclass(slots=True, eq=False)
+class _Open(_Level):
+    """A directory being filled: its fd and the entry whose metadata it gets at the end."""
+
+    rel: bytes = b""
+    entries: tuple[Entry, ...] = ()
     pos: int = 0
     meta: Entry | None = None  # None for the destination itself
 
@@ -184,16 +238,22 @@ class _Extractor:
         return entries
 
     def run(self, dest_fd: int) -> None:
-        stack = [_Open(dest_fd, b"", self.tree(self.ref.tree_id, b""))]
+        st = os.fstat(dest_fd)
+        stack = [_Open(dest_fd, b"", (st.st_dev, st.st_ino), b"",
+                       self.tree(self.ref.tree_id, b""))]
+        levels: list[_Level] = stack  # type: ignore[assignment]
         try:
             while stack:
                 d = stack[-1]
+                if d.fd < 0:
+                    _reopen(levels, len(stack) - 1)
                 if d.pos < len(d.entries):
                     e = d.entries[d.pos]
                     d.pos += 1
                     child = self.entry(d, e)
                     if child is not None:
                         stack.append(child)
+                        _park(levels)
                     continue
                 stack.pop()
                 if d.meta is not None:
@@ -201,10 +261,9 @@ class _Extractor:
                         self.apply_meta(d.fd, d.meta, d.rel)
                     finally:
                         os.close(d.fd)
+                        d.fd = -1
         finally:
-            for d in stack:
-                if d.fd != dest_fd:
-                    os.close(d.fd)
+            _close_levels(levels, dest_fd)
 
     def count(self) -> None:
         self.entries += 1
@@ -230,7 +289,12 @@ class _Extractor:
             entries = self.tree(e.tree_id, rel)
             os.mkdir(e.name, 0o700, dir_fd=d.fd)
             fd = os.open(e.name, _DIR_FLAGS, dir_fd=d.fd)
-            return _Open(fd, rel, entries, meta=e)
+            try:
+                st = os.fstat(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            return _Open(fd, e.name, (st.st_dev, st.st_ino), rel, entries, meta=e)
         if e.kind is Kind.FILE:
             if e.link_group is not None and e.link_group in self.links:
                 self.link(d, e, rel)
@@ -332,40 +396,57 @@ class _Extractor:
 # -- the wipe --------------------------------------------------------------------------
 
 
+@dataclass(slots=True, eq=False)
+class _Emptying(_Level):
+    """A directory being emptied by the wipe, with the names still to remove."""
+
+    names: list[str] = field(default_factory=list)
+
+
 def _wipe_into(fd: int) -> None:
     """Remove everything inside the directory open at ``fd`` without following symlinks;
-    directories are made writable first so read-only ones can be emptied."""
-    stack = [(fd, os.listdir(fd))]
+    directories are made writable first so read-only ones can be emptied. At most
+    ``_MAX_OPEN_DIRS`` fds are held, however deep the tree."""
+    st = os.fstat(fd)
+    stack = [_Emptying(fd, "", (st.st_dev, st.st_ino), os.listdir(fd))]
+    levels: list[_Level] = stack  # type: ignore[assignment]
     try:
         while stack:
-            dfd, names = stack[-1]
-            if not names:
+            top = stack[-1]
+            if top.fd < 0:
+                _reopen(levels, len(stack) - 1)
+            if not top.names:
                 stack.pop()
                 if stack:
-                    os.close(dfd)
-                    parent, pnames = stack[-1]
-                    os.rmdir(pnames.pop(), dir_fd=parent)
+                    os.close(top.fd)
+                    top.fd = -1
+                    parent = stack[-1]
+                    if parent.fd < 0:
+                        _reopen(levels, len(stack) - 1)
+                    os.rmdir(parent.names.pop(), dir_fd=parent.fd)
                 continue
-            name = names[-1]
+            name = top.names[-1]
             try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                cst = os.stat(name, dir_fd=top.fd, follow_symlinks=False)
             except FileNotFoundError:
-                names.pop()
+                top.names.pop()
                 continue
-            if stat.S_ISDIR(st.st_mode):
-                cfd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            if stat.S_ISDIR(cst.st_mode):
+                cfd = os.open(name, _DIR_FLAGS, dir_fd=top.fd)
                 try:
                     os.fchmod(cfd, 0o700)
-                    stack.append((cfd, os.listdir(cfd)))
+                    cst = os.fstat(cfd)
+                    stack.append(_Emptying(cfd, name, (cst.st_dev, cst.st_ino),
+                                           os.listdir(cfd)))
                 except BaseException:
                     os.close(cfd)
                     raise
+                _park(levels)
                 continue
-            os.unlink(name, dir_fd=dfd)
-            names.pop()
+            os.unlink(name, dir_fd=top.fd)
+            top.names.pop()
     finally:
-        for dfd, _ in stack[1:]:
-            os.close(dfd)
+        _close_levels(levels, fd)
 
 
 def _wipe(parent_fd: int, name: bytes, dest_fd: int, created: bool,

@@ -5,10 +5,14 @@ holds is lost or left inconsistent (``verify`` stays clean where the attack wrot
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import resource
 import shutil
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -285,3 +289,74 @@ def test_materialize_of_a_store_copy_leaves_the_original_alone(tmp_path: Path, s
         materialize(copy, ref, tmp_path / "d1")
     materialize(Store(small.root), ref, tmp_path / "d2")
     assert (tmp_path / "d2" / "big.bin").read_bytes() == (tree / "big.bin").read_bytes()
+
+
+# -- deep trees and the fd limit -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fd_limit(n: int) -> Iterator[None]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _chain(s: Store, depth: int, files: bool = False) -> Ref:
+    """A tree ``d/d/.../d/f`` of ``depth`` directories (with ``files``, each level also
+    holds a file ``e``)."""
+    with s.writer() as w:
+        f = Entry(b"f", Kind.FILE, 0o644, 0, 0, 0, 4, (w.put_chunk(b"leaf"),))
+        tid = w.put_tree([f])
+        for _ in range(depth):
+            tid = w.put_tree([Entry(b"d", Kind.DIR, 0o555, 0, 0, 0, tree_id=tid)]
+                             + ([replace(f, name=b"e")] if files else []))
+        w.commit()
+    return Ref(tid)
+
+
+def test_a_tree_deeper_than_the_fd_limit_materializes(tmp_path: Path, small: Store) -> None:
+    ref = _chain(small, 1500)  # 3,001-byte deepest path: within PATH_MAX
+    dest = tmp_path / "dest"
+    with fd_limit(200):
+        materialize(small, ref, dest)
+    leaf = os.path.join(*(["d"] * 1500), "f")
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        assert os.stat(leaf, dir_fd=fd).st_size == 4
+    finally:
+        os.close(fd)
+        # pytest's own clean-up recurses once per level: remove the chain here.
+        subprocess.run(["chmod", "-R", "u+rwx", str(dest)], check=True)
+        subprocess.run(["rm", "-rf", str(dest)], check=True)
+
+
+def test_a_failure_deep_below_the_fd_limit_is_still_wiped(tmp_path: Path, small: Store) -> None:
+    ref = _chain(small, 2100)  # the deepest path is 4,201 bytes: refused near the bottom
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with fd_limit(200), pytest.raises(ArchiveEntryError, match="over 4096"):
+        materialize(small, ref, dest)
+    assert os.listdir(dest) == []
+
+
+def test_an_ancestor_swapped_while_parked_is_noticed(tmp_path: Path, small: Store) -> None:
+    """Ancestors deeper than the fd budget are reopened by name; one replaced meanwhile
+    (here: renamed away and a look-alike put in its place) is refused, and the wipe
+    removes everything, the look-alike included."""
+    ref = _chain(small, 200, files=True)
+    dest = tmp_path / "dest"
+    swapped: list[bool] = []
+
+    def attacker(entries: int, _bytes: int) -> None:
+        if entries >= 260 and not swapped:  # on the way up: levels near the top parked
+            os.rename(dest / "d" / "d", tmp_path / "moved")
+            (dest / "d" / "d").mkdir()
+            (dest / "d" / "d" / "d").mkdir()
+            swapped.append(True)
+
+    with pytest.raises(StoreError, match="replaced"):
+        materialize(small, ref, dest, progress=attacker)
+    assert swapped and not dest.exists()
