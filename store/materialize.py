@@ -481,6 +481,9 @@ def materialize(store: Store, ref: Ref | str, dest: str | os.PathLike[str], *,
     if not isinstance(shown, str):
         shown = os.fsdecode(shown)
     store.get_tree(ref.tree_id)  # ObjectNotFoundError / IntegrityError before any write
+    sroot, target = os.path.realpath(store.root), os.path.abspath(shown)
+    if target == sroot or target.startswith(sroot.rstrip("/") + "/"):
+        raise MaterializeError(str(ref), shown, "the destination is inside the store")
     parent_fd, name = _open_parent(shown, ref)
     try:
         return _materialize_at(store, ref, shown, parent_fd, name, max_entries, max_bytes,

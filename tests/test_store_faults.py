@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import treegen
 
-from store.errors import DestNotEmptyError, SnapshotError
+from store.errors import DestNotEmptyError, MaterializeError, SnapshotError
 from store.gc import gc
 from store.materialize import materialize
 from store.objects import Store
@@ -282,3 +282,17 @@ def test_unreadable_file_behind_a_warm_dirs_cache_fails_closed_for_another_user(
         assert os.waitstatus_to_exitcode(status) == 3
     finally:
         shutil.rmtree(base)
+
+
+def test_materialize_into_the_store_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    s = Store(tmp_path / "store")
+    ref = snapshot(s, src)
+    keys = s.backend.list("")
+    for dest in (tmp_path / "store", tmp_path / "store" / "backend" / "packs" / "out"):
+        with pytest.raises(MaterializeError, match="inside the store"):
+            materialize(s, ref, dest)
+    assert s.backend.list("") == keys and verify(s) == []
+    materialize(s, ref, tmp_path / "store-out")  # a sibling sharing the prefix is fine
