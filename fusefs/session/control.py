@@ -55,8 +55,13 @@ def socket_dir() -> str:
 
 
 def error_reply(e: BaseException) -> dict[str, Any]:
+    """A failed reply for ``e``; ``fields`` carries the error's attributes (exceptions as
+    text) so that a client can raise the same typed error again."""
+    fields = {k: v if v is None or isinstance(v, str | int | float | bool) else str(v)
+              for k, v in vars(e).items() if not k.startswith("_")}
     return {"ok": False, "error": type(e).__name__, "kind": getattr(e, "kind", None),
-            "message": str(e), "exit_code": int(getattr(e, "exit_code", 1) or 1)}
+            "message": str(e), "exit_code": int(getattr(e, "exit_code", 1) or 1),
+            "fields": fields}
 
 
 def raise_reply(reply: dict[str, Any]) -> dict[str, Any]:

@@ -296,6 +296,15 @@ class FixedTree(_DirTree):
             self._reconcile(ref, on_commit, {"session": self.id, "ref": str(ref),
                                              "seq_before": seq_before})
 
+    def write_back(self, ref: Ref) -> None:
+        """Make the root exactly ``ref`` without journaling anything (a FUSE session's final
+        tree, written into the directory it was mounted over, after the unmount). Same log
+        and crash recovery as a restore; ``recover`` rolls an interrupted one back. Raises
+        RestoreError."""
+        with self._root_lock():
+            self._reconcile(ref, None, {"session": f"write-back:{self.id}", "ref": str(ref),
+                                        "seq_before": 0})
+
     def _reconcile(self, ref: Ref, on_commit: OnCommit | None,
                    entry: dict[str, Any]) -> None:
         from store.materialize import materialize

@@ -11,6 +11,10 @@ The workspace is described by a spec, recorded as ``host.json`` in the state dir
 that ``resume`` can start a host with the same configuration::
 
     {"store", "placement", "path", "policy", "required", "ttl", "idle_s"}
+
+and optionally ``timeout_s`` (policy timeout), ``state_base`` and ``backend`` (``fallback``
+when absent; ``auto`` or ``fuse`` open the session on the FUSE backend, whose own session
+process then serves it: this host reports it ready and exits).
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ def config_from_spec(spec: dict[str, Any]) -> WorkspaceConfig:
         raise ValueError(f"unknown placement {mode!r}")
     policy = SnapshotPolicy(spec.get("policy") or "manual",
                             "required" if spec.get("required") else "best_effort",
+                            timeout_s=float(spec.get("timeout_s", 0)),
                             idle_s=float(spec.get("idle_s", 5.0)))
-    return define(p, policy=policy, backend="fallback", lease_ttl_s=float(spec.get("ttl", 30)))
+    return define(p, policy=policy, backend=spec.get("backend") or "fallback",
+                  lease_ttl_s=float(spec.get("ttl", 30)), state_base=spec.get("state_base"))
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -64,6 +70,7 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         line = self.rfile.readline()
+        req: Any = None
         try:
             req = json.loads(line)
             if isinstance(req, dict) and req.get("op") == "write_permit":
@@ -76,6 +83,8 @@ class _Handler(socketserver.StreamRequestHandler):
             self._send(reply)
         except OSError:
             pass  # the client went away
+        finally:
+            self.server.host.replied(req)
 
     def _send(self, reply: dict[str, Any]) -> None:
         self.wfile.write(json.dumps(reply).encode() + b"\n")
@@ -122,6 +131,9 @@ class Host:
             self.done.set()
             return {"ok": True}
         raise ValueError(f"unknown control request {op!r}")
+
+    def replied(self, req: Any) -> None:
+        """Called after the reply to ``req`` was sent (or could not be)."""
 
     def hold_write_permit(self, send: Callable[[dict[str, Any]], None],
                           wait_closed: Callable[[], object]) -> None:
@@ -207,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             s = ws.resume_session(args.resume)
         else:
             s = ws.fork_session(args.fork)
+        if getattr(s._handle, "remote", False):
+            # A FUSE session: its own session process serves it; this host is done.
+            report({"ok": True, "id": s.id, "root": s.root,
+                    "pid": getattr(s._handle, "pid", None)})
+            return 0
         write_json_atomic(os.path.join(s.record.state_dir, SPEC_FILE), spec)
         logfd = os.open(os.path.join(s.record.state_dir, "host.log"),
                         os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)

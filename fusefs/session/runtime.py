@@ -348,17 +348,20 @@ class SessionCore:
                 raise RestoreError(RestoreError.PERMIT_FAILED, sref,
                                    f"writers did not finish within {timeout} s")
             try:
-                return self._restore_locked(ref, discard, cancel)
+                return self._restore_locked(ref, discard, cancel, timeout)
             finally:
                 self.gate.release_exclusive()
 
-    def _restore_locked(self, ref: Ref, discard: bool,
-                        cancel: threading.Event | None) -> Ref | None:
+    def _restore_locked(self, ref: Ref, discard: bool, cancel: threading.Event | None,
+                        timeout_s: float) -> Ref | None:
         sref = str(ref)
         if cancel is not None and cancel.is_set():
             raise RestoreError(RestoreError.CONTEXT_DONE, sref, "cancelled")
         if not self.leases_healthy():
             raise RestoreError(RestoreError.LEASE_UNHEALTHY, sref)
+        restore_live = getattr(self.tree, "restore_live", None)
+        if restore_live is not None:
+            return self._restore_live(ref, discard, restore_live, timeout_s)
         pre = None
         if not discard:
             try:
@@ -381,6 +384,35 @@ class SessionCore:
                 self.latched_fault = f"restore of {sref} done but not journaled: {e.cause}"
             raise
         return pre
+
+    def _restore_live(self, ref: Ref, discard: bool, restore_live: Any,
+                      timeout_s: float) -> Ref | None:
+        """A tree that restores inside its daemon (FUSE): the daemon pauses, checkpoints,
+        verifies and swaps in the order of CONTRACT 3.2; the journal appends happen from
+        its hooks, the pre-restore checkpoint before the swap and ``WorkspaceRestored``
+        right after it."""
+        sref = str(ref)
+        self.store.get_tree(ref.tree_id)  # ObjectNotFoundError before anything changes
+        pres: list[Ref] = []
+
+        def on_pre(pre: Ref) -> None:
+            self.journal.checkpointed(pre, "pre_restore", self.tree.consistency, self.epoch)
+            pres.append(pre)
+
+        def on_commit() -> None:
+            self.journal.restored(ref, self.epoch)
+
+        try:
+            restore_live(ref, discard, timeout_s, None if discard else on_pre, on_commit)
+        except RestoreError as e:
+            if e.kind == RestoreError.ROLLBACK_FAILED:
+                self._fault_terminal(f"restore rollback failed: {e.cause}")
+            elif e.kind == RestoreError.APPEND_FAILED:
+                self.latched_fault = f"restore of {sref} done but not journaled: {e.cause}"
+            raise
+        except Exception as e:
+            raise RestoreError(RestoreError.SWAP_FAILED, sref, e) from e
+        return pres[0] if pres else None
 
     # -- shutdown (CONTRACT 4.9) ---------------------------------------------------------
 

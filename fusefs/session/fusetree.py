@@ -1,0 +1,687 @@
+"""A FUSE session's live tree, inside the session process (CONTRACT 4.0, 4.1, 4.6).
+
+Design: the session process *is* the mount daemon. ``FuseMount`` serves one overlay (lower +
+upper) at the session root on this process's main thread (pyfuse3 allows one mount per
+process and trio's signal handling wants the main thread), and the session runtime
+(``runtime.SessionCore``, in other threads: control socket, lease renewer, policy) reaches
+it through ``FuseTree``, whose ``capture`` and ``restore_live`` call the daemon's own
+checkpoint and restore (``fusefs.control.Live``) on the event loop with
+``trio.from_thread``. Nothing goes through a second process or socket, so a journal append
+happens exactly where the contract puts it (pre-restore checkpoint before the swap,
+``WorkspaceRestored`` right after it). This module runs its own small serving loop instead
+of ``fusefs.daemon.serve`` because the session needs the ``Live`` object and must not serve
+the mount's stand-alone control socket (the session host serves the session's).
+
+Where the upper lives (``upper_dir``): ``<session state>/upper`` for per-session and
+exclusive roots; ``<state base>/roots/<sha256 of the root>/upper`` for a shared root, whose
+one mount serves every session attached to it. Each is registered in the store's
+``state_dirs`` table, so GC keeps what it pins (``pinned_refs``).
+
+Phases of a mount: ``prepare`` (the runtime takes the leases and decides the base: a seed
+or fork Ref, an adopted directory, or the preserved upper) -> ``mounting`` -> ``serving`` ->
+``stopped``. Before the mount, ``capture("seed")`` snapshots the real root (adoption) or
+checkpoints a preserved upper offline; afterwards every capture is a live checkpoint.
+
+Fixed roots (exclusive, shared) are mounted over the real directory. At the last leave the
+mount is unmounted, the final tree (lower + upper, frozen without listing or journaling:
+no synthetic checkpoint) is written back into the directory with the exact reconcile of the
+fallback (``FixedTree.write_back``, rollback log and crash recovery included), and only
+then is the upper cleared. So a fixed root with no upper is authoritative: the next mount
+adopts it again (a resume journals a difference from the restore pointer as a restore),
+while a fixed root that still has an upper was not written back (a crash): the upper is
+mounted again and written back at the next clean shutdown.
+
+Restart (4.6): the upper records its base; a resumed session whose restore pointer differs
+(a crash between the upper's commit and the journal append) journals the recorded base as
+``WorkspaceRestored`` before mounting it, with the preserved upper on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from store.ref import ObjectId, Ref
+
+from .errors import RestoreError, SessionError
+from .fallback import FixedTree, _is_empty_dir, force_rmtree
+from .journal import Journal
+from .live import OnCommit, RollForward
+
+if TYPE_CHECKING:
+    from fusefs.overlay import Overlay
+
+    from .config import WorkspaceConfig
+    from .registry import SessionRecord
+
+log = logging.getLogger("rewindfs.session")
+
+UPPER = "upper"
+ROOTS = "roots"
+ATTACH_FILE = "attach"  # a shared root's process: {"socket", "pid"} of its attach socket
+DAEMON_LOG = "daemon.log"
+MOUNT_OPTIONS = ("default_permissions", "fsname=rewindfs", "subtype=rewindfs", "noatime")
+MUTATION_NOTE_S = 0.02  # the policy hears of mutations at most this often
+
+PREPARE = "prepare"
+MOUNTING = "mounting"
+SERVING = "serving"
+STOPPED = "stopped"
+
+
+# -- state directories ------------------------------------------------------------------------
+
+def root_key(root: str) -> str:
+    return hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def shared_dir(state_base: str, root: str) -> str:
+    """The directory of a shared root's mount: its upper, log and attach lock."""
+    return os.path.join(state_base, ROOTS, root_key(root))
+
+
+def upper_dir(cfg: WorkspaceConfig, record: SessionRecord) -> str:
+    """Where the upper of ``record``'s mount lives (see the module docstring)."""
+    assert record.root is not None
+    if record.mode == "shared":
+        assert cfg.state_base is not None
+        return os.path.join(shared_dir(cfg.state_base, record.root), UPPER)
+    return os.path.join(record.state_dir, UPPER)
+
+
+def _db(d: str) -> str:
+    from fusefs.upper import DB_NAME
+
+    return os.path.join(d, DB_NAME)
+
+
+def has_upper(d: str) -> bool:
+    """True if ``d`` holds an upper (made by a mount and not cleared by a write-back)."""
+    return os.path.exists(_db(d))
+
+
+def _read_only(d: str) -> sqlite3.Connection:
+    # Read-only, without creating anything, and fine while the daemon holds the upper.
+    return sqlite3.connect(f"file:{_db(d)}?mode=ro", uri=True, timeout=60)
+
+
+def upper_base(d: str) -> Ref | None:
+    """The base Ref the upper in ``d`` records, or None if there is no upper."""
+    if not has_upper(d):
+        return None
+    c = _read_only(d)
+    try:
+        row = c.execute("SELECT value FROM meta WHERE key='base'").fetchone()
+    finally:
+        c.close()
+    return Ref.parse(row[0]) if row else None
+
+
+def pinned_refs(d: str) -> list[Ref]:
+    """What the upper in state directory ``d`` pins for GC: its base and every lower tree a
+    row shows through (as Refs of those trees). An existing directory without an upper pins
+    nothing; a missing directory or an unreadable upper raises (GC fails closed)."""
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"state directory {d} is missing")
+    if not has_upper(d):
+        return []
+    c = _read_only(d)
+    try:
+        row = c.execute("SELECT value FROM meta WHERE key='base'").fetchone()
+        trees = c.execute("SELECT DISTINCT lower_tree FROM inodes "
+                          "WHERE lower_tree IS NOT NULL").fetchall()
+    finally:
+        c.close()
+    if row is None:
+        raise ValueError(f"the upper in {d} records no base")
+    out = [Ref.parse(row[0])]
+    out.extend(Ref(ObjectId(bytes(t))) for (t,) in trees)
+    return out
+
+
+def state_dirs_reader(path: str) -> list[Ref]:
+    """``store.gc``'s reader of registered state directories (see ``pinned_refs``)."""
+    return pinned_refs(path)
+
+
+def register_state_dir(store: Any, d: str) -> None:
+    """List ``d`` in the store's ``state_dirs`` table (GC keeps what it pins)."""
+    store.conn.execute("INSERT OR IGNORE INTO state_dirs(path) VALUES (?)",
+                       (os.path.abspath(d),))
+
+
+def unregister_state_dir(store: Any, d: str) -> None:
+    store.conn.execute("DELETE FROM state_dirs WHERE path=?", (os.path.abspath(d),))
+
+
+def clear_upper(d: str) -> None:
+    """Drop the upper in ``d`` after its tree was written back. The database goes first
+    (durably), so a crash part-way leaves no upper rather than a broken one; ``open_overlay``
+    removes any leftovers before a new upper is made."""
+    try:
+        os.unlink(_db(d))
+    except FileNotFoundError:
+        pass
+    _fsync_dir(d)
+    _remove_leftovers(d)
+
+
+def _remove_leftovers(d: str) -> None:
+    from fusefs.upper import DATA_DIR
+
+    for suffix in ("-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_db(d) + suffix)
+    force_rmtree(os.path.join(d, DATA_DIR))
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_overlay(store: Any, d: str, ref: Ref | None, cache_mib: int = 128) -> Overlay:
+    """Open (creating with base ``ref`` if new) and lock the upper in ``d`` and return the
+    overlay over its base. Raises StateLockedError, BaseMismatchError, NoBaseError and the
+    store's ObjectNotFoundError for a base missing from the store."""
+    from fusefs.lower import Lower
+    from fusefs.overlay import Overlay
+    from fusefs.upper import Upper
+
+    if not has_upper(d):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        _remove_leftovers(d)
+    upper = Upper.open(d, store_root=store.root, chunk_size=store.chunk_size, ref=ref)
+    try:
+        store.get_tree(upper.base.tree_id)
+        return Overlay(Lower(store, upper.base, cache_bytes=cache_mib << 20), upper)
+    except BaseException:
+        upper.close()
+        raise
+
+
+def freeze_offline(store: Any, d: str) -> Ref:
+    """The Ref of the tree the (unmounted) upper in ``d`` shows, written to the store but not
+    listed and not journaled; the upper is left as it is."""
+    from fusefs import checkpoint as ck
+
+    ov = open_overlay(store, d, None)
+    try:
+        p = ck.plan(ov)
+        if p.unchanged:
+            return p.base
+        with store.writer() as w:
+            ref = ck.build(p, store, w)
+            w.commit()
+        return ref
+    finally:
+        assert ov.upper is not None
+        ov.upper.close()
+
+
+# -- the mount ------------------------------------------------------------------------------
+
+class FuseMount:
+    """One mount of lower + upper at ``mountpoint``, served by ``run`` on the main thread.
+
+    ``fixed`` roots are written back at the last ``leave``; ``state_base`` holds the
+    write-back's reconcile log; ``log_path`` is the daemon log (also used for the mount
+    record). ``users`` counts the sessions using the mount (one, or several when shared).
+    """
+
+    def __init__(self, store: Any, mountpoint: str, upper: str, *, fixed: bool,
+                 consistency: str, state_base: str, state_dir: str) -> None:
+        self.store = store
+        self.mountpoint = mountpoint
+        self.upper_dir = upper
+        self.fixed = fixed
+        self.consistency = consistency
+        self.state_base = state_base
+        self.state_dir = state_dir  # the session state directory named in the mount record
+        self.base: Ref | None = None  # base of a new upper, decided while preparing
+        self.phase = PREPARE
+        self.ready = threading.Event()  # serving, or failed to mount (see ``error``)
+        self.unmounted = threading.Event()
+        self.error: str | None = None
+        self.live: Any = None  # fusefs.control.Live while serving
+        self.last: dict[str, Any] = {}  # the daemon's last checkpoint or restore reply
+        self.on_mutation: list[Callable[[], None]] = []
+        self._token: Any = None
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closing = False
+        self._finished = False
+        self._restore_lock: Any = None
+        self.root_fd: int | None = None  # the real directory under a fixed root's mount
+
+    # -- users (shared placement) --------------------------------------------------------
+
+    def join(self) -> None:
+        """A session starts using the mount. Raises SessionError once it is closing."""
+        with self._lock:
+            if self._closing:
+                raise SessionError(f"the mount at {self.mountpoint} is closing")
+            self._users += 1
+
+    @property
+    def users(self) -> int:
+        return self._users
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def leave(self) -> None:
+        """A session stops using the mount; the last one unmounts it and writes a fixed
+        root back (CONTRACT 4.1, 4.9). Blocks until that is done."""
+        with self._lock:
+            self._users -= 1
+            last = self._users <= 0
+            if last:
+                self._closing = True
+        if last:
+            self.stop()
+            self.finish()
+
+    # -- preparing -----------------------------------------------------------------------
+
+    def prepare_root(self) -> None:
+        """Create a missing per-session root and, for a fixed root, keep a handle on the
+        real directory before anything is mounted over it."""
+        os.makedirs(self.mountpoint, mode=0o755, exist_ok=True)
+        if self.fixed and self.root_fd is None:
+            self.root_fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY
+                                   | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def check_root(self) -> None:
+        """Refuse to prepare over a root that something is already mounted on."""
+        from fusefs.mounts import is_mounted
+
+        if os.path.isdir(self.mountpoint) and is_mounted(self.mountpoint):
+            raise SessionError(f"{self.mountpoint} is already a mount point (another "
+                               "daemon serves it, or a dead one was not unmounted)")
+
+    # -- serving (main thread) -----------------------------------------------------------
+
+    def run(self, cache_mib: int = 128, max_tasks: int = 8) -> int:
+        """Mount and serve until unmounted (``stop``, SIGTERM/SIGINT, or ``fusermount -u``);
+        then persist the upper durably and unmount. Returns 0, or 9 if the loop or the
+        unmount failed; ``error`` says why a mount never served."""
+        import signal
+
+        import pyfuse3
+        import trio
+
+        from fusefs.control import Live
+        from fusefs.mounts import mount_id, remove_record, start_time, still_mounted, write_record
+        from fusefs.operations import Operations
+
+        self.phase = MOUNTING
+        try:
+            self.prepare_root()
+            register_state_dir(self.store, self.upper_dir)
+            ov = open_overlay(self.store, self.upper_dir, self.base, cache_mib)
+        except Exception as e:
+            return self._failed(f"cannot open the upper: {type(e).__name__}: {e}")
+        gate = _notifying_gate(self)
+        ops = Operations(ov, gate=gate)
+        live = Live(ops, self.store, gate, mountpoint=self.mountpoint,
+                    state_dir=self.state_dir)
+        our_mount: int | None = None
+        init_error: str | None = None
+
+        async def signals(nursery: trio.Nursery) -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as it:
+                async for sig in it:
+                    log.info("signal %d: unmounting %s", sig, self.mountpoint)
+                    live.closing = True
+                    if our_mount is None:
+                        nursery.cancel_scope.cancel()
+                    else:
+                        pyfuse3.terminate()
+                    return
+
+        def serving() -> None:
+            self.phase = SERVING
+            log.info("serving %s at %s (upper %s)", ov.lower.ref, self.mountpoint,
+                     self.upper_dir)
+            self.ready.set()
+
+        async def main() -> None:
+            nonlocal our_mount, init_error
+            self._token = trio.lowlevel.current_trio_token()
+            self._restore_lock = trio.Lock()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(signals, nursery)
+                try:
+                    pyfuse3.init(ops, self.mountpoint, set(MOUNT_OPTIONS))
+                except Exception as e:
+                    init_error = f"cannot mount {self.mountpoint}: {e}"
+                    nursery.cancel_scope.cancel()
+                    return
+                our_mount = mount_id(self.mountpoint)
+                self.live = live
+                write_record(self.mountpoint, {
+                    "pid": os.getpid(), "started": start_time(os.getpid()),
+                    "mountpoint": self.mountpoint, "ref": str(ov.lower.ref),
+                    "state": self.state_dir, "log": os.path.join(self.state_dir, DAEMON_LOG),
+                    "readonly": False})
+                nursery.start_soon(ops.commit_loop)
+                ops.start_background(nursery)
+                ops.on_init = serving
+                await pyfuse3.main(min_tasks=1, max_tasks=max_tasks)
+                nursery.cancel_scope.cancel()
+
+        code = 0
+        try:
+            trio.run(main)
+        except BaseException as e:  # the loop failed: persist what we can, then unmount
+            log.error("serving loop ended: %s: %s", type(e).__name__, e)
+            code = 9
+        self.phase = STOPPED
+        self.live = None
+        try:
+            ops.close()
+        except Exception as e:
+            log.error("persisting the upper at unmount failed: %s: %s", type(e).__name__, e)
+            code = 9
+        if our_mount is not None:
+            try:
+                pyfuse3.close(unmount=still_mounted(self.mountpoint, our_mount))
+            except Exception as e:
+                log.error("unmount of %s failed: %s", self.mountpoint, e)
+                code = 9
+            remove_record(self.mountpoint, os.getpid())
+            log.info("unmounted %s (%d requests)", self.mountpoint, sum(ops.counts.values()))
+        if not self.ready.is_set():
+            self.error = init_error or "the mount ended before it served"
+            log.error("%s", self.error)
+            code = code or 9
+        self.unmounted.set()
+        self.ready.set()
+        return code
+
+    def _failed(self, why: str) -> int:
+        log.error("%s", why)
+        self.error = why
+        self.phase = STOPPED
+        self.unmounted.set()
+        self.ready.set()
+        return 9
+
+    def mutated(self) -> None:
+        for fn in list(self.on_mutation):
+            try:
+                fn()
+            except Exception as e:  # a policy hook must never fail a request
+                log.warning("mutation hook failed: %s", e)
+
+    # -- calls from other threads ----------------------------------------------------------
+
+    def wait_serving(self, timeout_s: float = 120.0) -> None:
+        """Wait until the mount serves. Raises SessionError if it never will."""
+        if not self.ready.wait(timeout_s) or self.phase != SERVING:
+            raise SessionError(f"the mount at {self.mountpoint} is not serving"
+                               + (f": {self.error}" if self.error else ""))
+
+    def call(self, afn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``await afn(*args)`` on the event loop and return its result."""
+        import trio
+
+        self.wait_serving()
+        try:
+            return trio.from_thread.run(afn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise SessionError(f"the mount at {self.mountpoint} has stopped") from None
+
+    def call_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        import trio
+
+        self.wait_serving()
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise SessionError(f"the mount at {self.mountpoint} has stopped") from None
+
+    def checkpoint(self, origin: str) -> Ref:
+        """A live checkpoint (CONTRACT 3.1), listed with ``origin``; returns its Ref."""
+        self.wait_serving()
+        live = self.live
+
+        async def run() -> dict[str, Any]:
+            out: dict[str, Any] = await live.checkpoint(None, "manual", None, origin)
+            return out
+
+        out = self.call(run)
+        self.last = out
+        return Ref.parse(out["ref"])
+
+    def restore(self, ref: Ref, discard: bool, timeout_s: float,
+                on_pre: Callable[[Ref], None] | None, on_commit: OnCommit) -> Ref | None:
+        """A live restore (CONTRACT 3.2): the pre-restore checkpoint (unless ``discard``)
+        goes to ``on_pre`` before the swap, ``on_commit`` right after it. Returns the
+        pre-restore Ref. Raises RestoreError."""
+        self.wait_serving()
+        live = self.live
+
+        async def run() -> dict[str, Any]:
+            async with self._restore_lock:
+                live.on_pre_restore = on_pre
+                live.on_restored = lambda _target: on_commit()
+                try:
+                    out: dict[str, Any] = await live.restore(ref, discard=discard,
+                                                             timeout_s=timeout_s)
+                    return out
+                finally:
+                    live.on_pre_restore = None
+                    live.on_restored = None
+
+        out = self.call(run)
+        self.last = out
+        return Ref.parse(out["pre_restore"]) if out.get("pre_restore") else None
+
+    def stop(self) -> None:
+        """Unmount (if serving) and wait until the upper is persisted and the mount gone."""
+        import trio
+
+        if self.phase == PREPARE:
+            self.phase = STOPPED
+            self.unmounted.set()
+            self.ready.set()
+            return
+        live = self.live
+        if live is not None:
+            live.closing = True
+        if self._token is not None and not self.unmounted.is_set():
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(_terminate, self, trio_token=self._token)
+        self.unmounted.wait()
+
+    def finish(self) -> None:
+        """After the unmount: write a fixed root back (once)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        try:
+            if self.fixed and self.error is None and has_upper(self.upper_dir):
+                self.write_back()
+        finally:
+            if self.root_fd is not None:
+                os.close(self.root_fd)
+                self.root_fd = None
+
+    def write_back(self) -> None:
+        """Make the real directory under the (now unmounted) fixed root hold the final tree
+        exactly, then clear the upper. Refused (logged, the upper kept for the next mount)
+        if the path no longer leads to the directory that was mounted over."""
+        from fusefs.mounts import is_mounted
+
+        if is_mounted(self.mountpoint):
+            log.error("%s is still mounted: not written back (the upper is kept)",
+                      self.mountpoint)
+            return
+        assert self.root_fd is not None
+        a, b = os.fstat(self.root_fd), os.stat(self.mountpoint, follow_symlinks=False)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            log.error("%s is no longer the directory that was mounted over: not written "
+                      "back (the upper is kept)", self.mountpoint)
+            return
+        t0 = time.perf_counter()
+        ref = freeze_offline(self.store, self.upper_dir)
+        tree = FixedTree(self.store, self.mountpoint, "write-back", self.consistency,
+                         self.state_base)
+        tree.write_back(ref)
+        clear_upper(self.upper_dir)
+        log.info("wrote %s back into %s in %.1f ms", ref, self.mountpoint,
+                 (time.perf_counter() - t0) * 1000)
+
+
+def _terminate(mount: FuseMount) -> None:
+    import pyfuse3
+
+    if mount.phase == SERVING or mount.live is not None:
+        pyfuse3.terminate()
+
+
+def _notifying_gate(mount: FuseMount) -> Any:
+    """A ``fusefs.gate.Gate`` that also tells the session policy that a mutation ended (at
+    most every ``MUTATION_NOTE_S``), so on_idle counts the requests through the mount."""
+    from fusefs.gate import Gate
+
+    class NotifyingGate(Gate):
+        _last = 0.0
+
+        @asynccontextmanager
+        async def mutation(self) -> AsyncIterator[None]:
+            async with Gate.mutation(self):
+                yield
+            now = time.monotonic()
+            if now - self._last >= MUTATION_NOTE_S:
+                self._last = now
+                mount.mutated()
+
+    return NotifyingGate()
+
+
+# -- the session's view -------------------------------------------------------------------------
+
+class FuseTree:
+    """``LiveTree`` of one session over ``mount`` (see the module docstring)."""
+
+    def __init__(self, cfg: WorkspaceConfig, record: SessionRecord, mount: FuseMount) -> None:
+        assert cfg.placement is not None and record.root is not None
+        self.cfg = cfg
+        self.record = record
+        self.mount = mount
+        self.root = record.root
+        self.consistency = cfg.placement.consistency
+        self.store: Any = cfg.store if cfg.store is not None else cfg.placement.store
+        self.journal = Journal(self.store, record.id)
+        self._joined = False
+        mount.join()
+        self._joined = True
+
+    @property
+    def _attached(self) -> bool:
+        return self.mount.phase != PREPARE
+
+    def recover(self, roll_forward: RollForward) -> None:
+        """Before mounting: undo a write-back a crash interrupted, then reconcile the upper's
+        recorded base (or, for a written-back fixed root, the directory) with the restore
+        pointer, journaling a difference as a restore (CONTRACT 4.6)."""
+        if self._attached:
+            return  # a shared mount already serving: nothing of it is ours to recover
+        m = self.mount
+        m.check_root()
+        if m.fixed:
+            FixedTree(self.store, self.root, "write-back", self.consistency,
+                      m.state_base).recover(lambda _r, _s: True)
+        pointer = self.journal.restore_pointer()
+        if has_upper(m.upper_dir):
+            base = upper_base(m.upper_dir)
+            if pointer is not None and base is not None and base != pointer:
+                log.warning("session %s: the upper sits on %s, the journal on %s; mounting "
+                            "the upper and journaling it as a restore", self.record.id, base,
+                            pointer)
+                roll_forward(base, self.journal.last_seq())
+        elif pointer is not None:
+            if m.fixed:  # written back at the last shutdown: the directory is the tree
+                m.prepare_root()
+                ref = self._snapshot_root("adopt")
+                if ref != pointer:
+                    roll_forward(ref, self.journal.last_seq())
+                m.base = ref
+            else:
+                m.base = pointer
+
+    def is_empty(self) -> bool:
+        if self._attached or has_upper(self.mount.upper_dir) or self.mount.base is not None:
+            return False
+        return _is_empty_dir(self.root)
+
+    def install(self, ref: Ref) -> None:
+        """Seed or fork: the new upper sits on ``ref``; nothing is copied."""
+        if self._attached or has_upper(self.mount.upper_dir):
+            raise SessionError(f"{self.root} already has a tree; it cannot be seeded")
+        self.store.get_tree(ref.tree_id)
+        self.mount.base = ref
+
+    def _snapshot_root(self, origin: str) -> Ref:
+        from store.snapshot import snapshot
+
+        self.mount.prepare_root()
+        return snapshot(self.store, self.root, origin=origin)
+
+    def capture(self, origin: str) -> Ref:
+        """A live checkpoint; before the mount (adoption, seeding a new session) a snapshot
+        of the real root, or an offline checkpoint of a preserved upper."""
+        m = self.mount
+        if self._attached:
+            return m.checkpoint(origin)
+        if origin != "seed":
+            m.wait_serving()
+            return m.checkpoint(origin)
+        if has_upper(m.upper_dir):
+            from fusefs.checkpoint import checkpoint_overlay
+
+            ov = open_overlay(self.store, m.upper_dir, None)
+            try:
+                return checkpoint_overlay(ov, origin=origin).ref
+            finally:
+                ov.close()
+        ref = self._snapshot_root(origin)
+        m.base = ref
+        return ref
+
+    def restore_live(self, ref: Ref, discard: bool, timeout_s: float,
+                     on_pre: Callable[[Ref], None] | None, on_commit: OnCommit) -> Ref | None:
+        """Pause, wait for writers, checkpoint (``on_pre``), swap, ``on_commit``, resume, all
+        inside the daemon (CONTRACT 3.2). Raises RestoreError."""
+        if not self._attached:
+            raise RestoreError(RestoreError.SWAP_FAILED, str(ref), "the root is not mounted")
+        return self.mount.restore(ref, discard, timeout_s, on_pre, on_commit)
+
+    def swap(self, ref: Ref, seq_before: int, on_commit: OnCommit) -> None:
+        del seq_before  # the upper's recorded base is what recovery compares
+        self.restore_live(ref, True, 60.0, None, on_commit)
+
+    def close(self) -> None:
+        """Leave the mount: the last session unmounts it (and writes a fixed root back)."""
+        if self._joined:
+            self._joined = False
+            self.mount.leave()
