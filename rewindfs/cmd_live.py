@@ -49,10 +49,32 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_status)
 
 
-def _client(mnt: str) -> Any:
-    from fusefs.control import Client
+class _Live:
+    """The control client of the mount at ``mnt``; a daemon that does not answer (gone,
+    or its socket stale) is NotLiveError (exit 9), not a bare OSError."""
 
-    return Client.for_mount(mnt)
+    def __init__(self, mnt: str) -> None:
+        from fusefs.control import Client
+
+        self.mnt = mnt
+        self.client = Client.for_mount(mnt)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.client, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            from fusefs.control import NotLiveError
+
+            try:
+                return fn(*args, **kw)
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
+                raise NotLiveError(self.mnt, f"its daemon does not answer ({e})") from None
+
+        return call
+
+
+def _client(mnt: str) -> Any:
+    return _Live(mnt)
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
