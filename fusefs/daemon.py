@@ -165,17 +165,6 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         options.add("ro")
     if cfg.allow_other:
         options.add("allow_other")
-    try:
-        pyfuse3.init(ops, cfg.mountpoint, options)
-    except Exception as e:
-        ov.close()
-        store.close()
-        err = MountError(cfg.mountpoint, f"cannot mount: {e}")
-        log.error("%s", err)
-        ready(str(err))
-        raise err from None
-
-    our_mount = mount_id(cfg.mountpoint)
     stats_path = cfg.stats_path or (
         os.path.join(os.path.dirname(cfg.log_path), "stats.json") if cfg.log_path else None)
 
@@ -187,7 +176,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
             json.dump(dict(ops.stats(), pid=os.getpid()), f, sort_keys=True)
         os.replace(tmp, stats_path)
 
-    async def signals() -> None:
+    async def signals(nursery: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as it:
             async for sig in it:
                 if sig == signal.SIGUSR1:
@@ -197,24 +186,42 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                         log.error("cannot write stats: %s", e)
                     continue
                 log.info("signal %d: unmounting", sig)
+                if our_mount is None:  # not mounted yet: just leave
+                    nursery.cancel_scope.cancel()
+                    return
                 pyfuse3.terminate()
                 return
 
+    our_mount: int | None = None
+    init_error: MountError | None = None
+
     async def main() -> None:
+        nonlocal our_mount, init_error
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(signals)
+            nursery.start_soon(signals, nursery)
+            # Everything a client may look for once the mount shows up in the mount table
+            # (control socket, mount record) exists before the mount does.
+            if cfg.state_dir is not None:
+                from .control import Live
+                from .control import serve as serve_control
+
+                assert gate is not None
+                live = Live(ops, store, gate, mountpoint=cfg.mountpoint,
+                            state_dir=os.path.abspath(cfg.state_dir))
+                await nursery.start(serve_control, live)
+            write_record(cfg.mountpoint, {
+                "pid": os.getpid(), "started": start_time(os.getpid()),
+                "mountpoint": cfg.mountpoint, "ref": str(ov.lower.ref),
+                "state": cfg.state_dir, "log": cfg.log_path, "readonly": ov.readonly})
+            try:
+                pyfuse3.init(ops, cfg.mountpoint, options)
+            except Exception as e:
+                init_error = MountError(cfg.mountpoint, f"cannot mount: {e}")
+                nursery.cancel_scope.cancel()
+                return
+            our_mount = mount_id(cfg.mountpoint)
             nursery.start_soon(ops.commit_loop)
             ops.start_background(nursery)
-            if cfg.state_dir is not None:
-                from .control import attach
-
-                attach(nursery, ops, store, mountpoint=cfg.mountpoint,
-                       state_dir=os.path.abspath(cfg.state_dir))
-            started = start_time(os.getpid())
-            write_record(cfg.mountpoint, {
-                "pid": os.getpid(), "started": started, "mountpoint": cfg.mountpoint,
-                "ref": str(ov.lower.ref), "state": cfg.state_dir, "log": cfg.log_path,
-                "readonly": ov.readonly})
 
             def serving() -> None:
                 log.info("serving %s at %s%s", ov.lower.ref, cfg.mountpoint,
@@ -231,6 +238,14 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     except BaseException as e:  # the loop itself failed: persist what we can, then leave
         log.error("serving loop ended: %s: %s", type(e).__name__, e)
         code = 9
+    if our_mount is None:  # never mounted
+        remove_record(cfg.mountpoint, os.getpid())
+        ops.close()
+        store.close()
+        err = init_error or MountError(cfg.mountpoint, "the daemon stopped before mounting")
+        log.error("%s", err)
+        ready(str(err))
+        raise err
     ready("the kernel ended the session before it was initialized")  # no-op once ready
     try:
         ops.close()
