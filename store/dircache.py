@@ -2,10 +2,11 @@
 reading or encoding its entries (table ``dirs_cache``, documented in schema.py).
 
 A row, keyed by the directory's absolute path, records what the directory looked like when
-a snapshot encoded it: its own (st_ino, mtime, ctime), its entry names with their types, a
-digest over every non-directory entry's lstat (mode, inode, link count, owner, size, mtime,
-ctime) and every subdirectory's name, a digest over its subdirectory entries as encoded
-(name, mode, owner, mtime, xattrs, child tree id), and the tree id it was encoded to.
+a snapshot encoded it: its own (st_ino, mtime, ctime), the names of its subdirectories and
+of its other entries, a digest over those names and every non-directory entry's lstat
+(mode, inode, link count, owner, size, mtime, ctime), a digest over its subdirectory
+entries as encoded (name, mode, owner, mtime, xattrs, child tree id), and the tree id it
+was encoded to.
 
 How a snapshot uses a row (store/snapshot.py):
 
@@ -50,22 +51,21 @@ import blake3
 
 from .tree import Entry, Kind
 
-HINT_DIR, HINT_FILE, HINT_OTHER = 1, 2, 3
-"""Entry types as a listing gives them: directory, regular file, anything else."""
-
 _OWN = struct.Struct("<Qqq")  # st_ino, mtime_ns, ctime_ns of the directory itself
 _ENT = struct.Struct("<HIQQIIqqq")  # name length, st_mode, ino, nlink, uid, gid, size, m, c
-_DIR_MARK = struct.Struct("<HI")  # name length, S_IFDIR: a subdirectory
 _SUBDIR = struct.Struct("<HIIIqI")  # name length, mode, uid, gid, mtime_ns, xattr count
 _XATTR = struct.Struct("<HI")  # xattr name length, value length
 _BATCH = 500  # keys per lookup query
 
 
 class Row(NamedTuple):
-    """One dirs cache row as a snapshot reads it (see the module docstring)."""
+    """One dirs cache row as a snapshot reads it (see the module docstring): ``subdirs``
+    and ``others`` are the names of the subdirectories and of the other entries, each
+    sorted and joined by NUL (names never hold NUL or ``/``)."""
 
     own: bytes
-    names: bytes
+    subdirs: bytes
+    others: bytes
     stat_digest: bytes
     children_digest: bytes
     tree_id: bytes
@@ -76,57 +76,61 @@ def own_sig(st: os.stat_result) -> bytes:
     return _OWN.pack(st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def encode_names(names: Iterable[tuple[bytes, int]]) -> bytes:
-    """(name, hint) pairs as one blob, in name order: each is the hint byte then the name,
-    joined by NUL (names never hold NUL or ``/``)."""
-    return b"\0".join(bytes((hint,)) + name for name, hint in sorted(names))
+def join_names(names: Iterable[bytes]) -> bytes:
+    """Names sorted and joined by NUL, as a row holds them."""
+    return b"\0".join(sorted(names))
 
 
-def decode_names(blob: bytes) -> list[tuple[bytes, int]]:
-    """The inverse of ``encode_names``."""
-    if not blob:
-        return []
-    return [(n[1:], n[0]) for n in blob.split(b"\0")]
+def split_names(blob: bytes) -> list[bytes]:
+    """The inverse of ``join_names``."""
+    return blob.split(b"\0") if blob else []
 
 
-def stat_digest(items: Iterable[tuple[bytes, os.stat_result | None]]) -> bytes:
-    """The digest over (name, lstat) of a directory's entries, None standing for a
-    subdirectory; order does not matter (names are unique)."""
-    parts = []
-    for name, st in sorted(items, key=_first):
-        if st is None:
-            parts.append(_DIR_MARK.pack(len(name), stat.S_IFDIR))
-        else:
-            parts.append(_ENT.pack(len(name), st.st_mode, st.st_ino, st.st_nlink, st.st_uid,
-                                   st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+def stat_digest(subdirs: Iterable[bytes],
+                others: Iterable[tuple[bytes, os.stat_result]]) -> bytes:
+    """The digest over a directory's subdirectory names and the (name, lstat) of each of
+    its other entries; the order given does not matter."""
+    parts = [join_names(subdirs), b"/"]
+    for name, st in sorted(others, key=_first):
+        parts.append(_ENT.pack(len(name), st.st_mode, st.st_ino, st.st_nlink, st.st_uid,
+                               st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         parts.append(name)
     return blake3.blake3(b"".join(parts)).digest()
 
 
-def lstat_row(fd: int, row: Row) -> tuple[list[tuple[bytes, int]],
-                                          dict[bytes, os.stat_result], bytes] | None:
-    """For the directory open at ``fd`` whose names are ``row``'s: lstat every
-    non-directory; return (names, lstats by name, stat digest), the same as ``stat_digest``
-    gives, or None if an entry is gone or has become a directory (list it instead)."""
-    names = decode_names(row.names)  # in name order, as stat_digest sorts them
-    lstats = {}
-    parts = []
-    pack_ent, pack_dir, s_ifdir = _ENT.pack, _DIR_MARK.pack, stat.S_IFDIR
+class Lstats(NamedTuple):
+    """What ``lstat_row`` found: the lstat of each non-directory by name, their stat
+    digest (as ``stat_digest`` computes it), and the regular files' count and bytes."""
+
+    by_name: dict[bytes, os.stat_result]
+    digest: bytes
+    files: int
+    bytes: int
+
+
+def lstat_row(fd: int, row: Row) -> Lstats | None:
+    """lstat the non-directories that ``row`` names in the directory open at ``fd``;
+    None if one is gone or has become a directory (the directory must be listed)."""
+    by_name = {}
+    parts = [row.subdirs, b"/"]
+    files = nbytes = 0
+    pack, lstat, s_isdir, s_isreg = _ENT.pack, os.stat, stat.S_ISDIR, stat.S_ISREG
     try:
-        for name, hint in names:
-            if hint == HINT_DIR:
-                parts.append(pack_dir(len(name), s_ifdir))
-            else:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    return None
-                lstats[name] = st
-                parts.append(pack_ent(len(name), st.st_mode, st.st_ino, st.st_nlink, st.st_uid,
-                                      st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        for name in split_names(row.others):  # sorted, as stat_digest sorts them
+            st = lstat(name, dir_fd=fd, follow_symlinks=False)
+            mode = st.st_mode
+            if s_isdir(mode):
+                return None
+            by_name[name] = st
+            parts.append(pack(len(name), mode, st.st_ino, st.st_nlink, st.st_uid, st.st_gid,
+                              st.st_size, st.st_mtime_ns, st.st_ctime_ns))
             parts.append(name)
+            if s_isreg(mode):
+                files += 1
+                nbytes += st.st_size
     except OSError:
         return None
-    return names, lstats, blake3.blake3(b"".join(parts)).digest()
+    return Lstats(by_name, blake3.blake3(b"".join(parts)).digest(), files, nbytes)
 
 
 def children_digest(entries: list[Entry]) -> bytes:
@@ -164,7 +168,8 @@ def load(conn: sqlite3.Connection, keys: list[bytes]) -> dict[bytes, Row]:
     out: dict[bytes, Row] = {}
     for i in range(0, len(keys), _BATCH):
         batch = keys[i:i + _BATCH]
-        q = ("SELECT d.path, d.own, d.names, d.stat_digest, d.children_digest, d.tree_id "
+        q = ("SELECT d.path, d.own, d.subdirs, d.others, d.stat_digest, d.children_digest, "
+             "d.tree_id "
              "FROM dirs_cache d JOIN objects o ON o.id = d.tree_id "
              "WHERE d.path IN (" + ",".join("?" * len(batch)) + ")")
         for path, *rest in conn.execute(q, batch):
@@ -176,7 +181,8 @@ def load_under(conn: sqlite3.Connection, prefix: bytes, cap: int) -> dict[bytes,
     """Every row whose key starts with ``prefix`` and whose tree is indexed, by key, in
     one query; None if there are more than ``cap`` rows (then ask per directory)."""
     end = prefix[:-1] + bytes((prefix[-1] + 1,)) if prefix and prefix[-1] < 255 else None
-    q = ("SELECT d.path, d.own, d.names, d.stat_digest, d.children_digest, d.tree_id "
+    q = ("SELECT d.path, d.own, d.subdirs, d.others, d.stat_digest, d.children_digest, "
+         "d.tree_id "
          "FROM dirs_cache d JOIN objects o ON o.id = d.tree_id "
          "WHERE d.path >= ?" + (" AND d.path < ?" if end is not None else "") + " LIMIT ?")
     args: list[object] = [prefix]
@@ -193,8 +199,8 @@ def write(conn: sqlite3.Connection, rows: list[tuple[bytes, Row, int]]) -> None:
     """Insert or replace (key, row, trusted_before_ns) rows, inside the caller's
     transaction."""
     conn.executemany(
-        "INSERT OR REPLACE INTO dirs_cache(path, own, names, stat_digest, children_digest, "
-        "tree_id, trusted_before_ns) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "INSERT OR REPLACE INTO dirs_cache(path, own, subdirs, others, stat_digest, "
+        "children_digest, tree_id, trusted_before_ns) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         [(key, *row, horizon) for key, row, horizon in rows])
 
 

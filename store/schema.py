@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # table -> (column -> comment). The comments are the documentation of the schema.
 TABLES: dict[str, dict[str, str]] = {
@@ -98,10 +98,12 @@ TABLES: dict[str, dict[str, str]] = {
                 "snapshot's root is keyed with a trailing '/'. Meaning and rules of the "
                 "whole table: store/dircache.py.",
         "own": "the directory's own (st_ino, mtime_ns, ctime_ns) when encoded; while they "
-               "are unchanged, its entry names are those in names.",
-        "names": "its entries as (type hint byte, name) joined by NUL.",
-        "stat_digest": "blake3 over each entry's name and, for a non-directory, its lstat "
-                       "(mode, inode, link count, owner, size, mtime, ctime) as encoded.",
+               "are unchanged, its entry names are those in subdirs and others.",
+        "subdirs": "names of its subdirectories, sorted, joined by NUL.",
+        "others": "names of its other entries (files, symlinks, fifos, sockets), sorted, "
+                  "joined by NUL.",
+        "stat_digest": "blake3 over subdirs and each other entry's name and lstat (mode, "
+                       "inode, link count, owner, size, mtime, ctime) as encoded.",
         "children_digest": "blake3 over its subdirectory entries (name, mode, owner, mtime, "
                            "xattrs, child tree id): the subdirectories, walked again, must "
                            "give the same for the row to hold.",
@@ -161,8 +163,8 @@ def create(conn: sqlite3.Connection) -> None:
     # cannot create) keeps rows in key order, so a snapshot reads its rows in one range scan.
     conn.execute("DROP TABLE IF EXISTS dirs_cache")
     conn.execute("CREATE TABLE dirs_cache (path BLOB PRIMARY KEY NOT NULL, own BLOB, "
-                 "names BLOB, stat_digest BLOB, children_digest BLOB, tree_id BLOB, "
-                 "trusted_before_ns INTEGER) WITHOUT ROWID")
+                 "subdirs BLOB, others BLOB, stat_digest BLOB, children_digest BLOB, "
+                 "tree_id BLOB, trusted_before_ns INTEGER) WITHOUT ROWID")
     db.table("config").create({"key": str, "value": str}, pk="key", if_not_exists=True)
     db.table("leases").create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
                         pk="name", if_not_exists=True)

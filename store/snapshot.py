@@ -51,7 +51,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -230,8 +230,7 @@ class _Dir:
     used: list[tuple[bytes, os.stat_result]] = field(default_factory=list)  # stat encoded
 
 
-_HINT_DIR, _HINT_FILE, _HINT_OTHER = dircache.HINT_DIR, dircache.HINT_FILE, dircache.HINT_OTHER
-_KIND_HINT = {Kind.DIR: _HINT_DIR, Kind.FILE: _HINT_FILE}
+_HINT_DIR, _HINT_FILE, _HINT_OTHER = 1, 2, 3
 
 
 def _hint(mode: int) -> int:
@@ -340,8 +339,7 @@ class _Walker:
             got = leaf = None
             if row is not None and row.own == dircache.own_sig(st):
                 got = dircache.lstat_row(fd, row)
-                if (got is not None and got[2] == row.stat_digest
-                        and row.children_digest == dircache.NO_CHILDREN):
+                if got is not None and got.digest == row.stat_digest and not row.subdirs:
                     leaf = row
             if leaf is None or got is None:
                 return self._listed(fd, rel, st, xattrs, row, got)
@@ -356,28 +354,23 @@ class _Walker:
         r = self.result
         r.dirs += 1
         r.dirs_cached += 1
-        self._count_cached(got[1].values())
+        self._count_cached(got.files, got.bytes)
         parent.entries.append(Entry(name, Kind.DIR, stat.S_IMODE(st.st_mode), st.st_uid,
                                     st.st_gid, st.st_mtime_ns, tree_id=ObjectId(leaf.tree_id),
                                     xattrs=xattrs))
         return None
 
-    def _count_cached(self, lstats: Iterable[os.stat_result]) -> None:
+    def _count_cached(self, files: int, nbytes: int) -> None:
         """Count the regular files of a directory taken from the dirs cache."""
         r = self.result
-        files = 0
-        for st in lstats:
-            if stat.S_ISREG(st.st_mode):
-                files += 1
-                r.bytes += st.st_size
         r.files += files
+        r.bytes += nbytes
         if files and self.progress is not None:
             self.progress(r.files, r.bytes)
 
     def _listed(self, fd: int, rel: bytes, st: os.stat_result,
                 xattrs: tuple[tuple[bytes, bytes], ...], row: dircache.Row | None,
-                got: tuple[list[tuple[bytes, int]], dict[bytes, os.stat_result], bytes] | None
-                = None) -> _Dir:
+                got: dircache.Lstats | None = None) -> _Dir:
         """A _Dir for the directory open at ``fd``: its names from the dirs cache row when
         the directory's own stat allows it (``got``: what ``dircache.lstat_row`` gave, if
         already asked), else from a listing; checked against the row."""
@@ -385,13 +378,17 @@ class _Walker:
             if got is None:
                 got = dircache.lstat_row(fd, row)
             if got is not None:
-                return self._check_row(_Dir(fd, rel, st, xattrs, got[0], row=row,
-                                            lstats=got[1]), got[2])
-        names, lstats = self._list(fd, rel)
-        d = _Dir(fd, rel, st, xattrs, names, row=row, lstats=lstats)
-        if row is None or lstats is None:
+                lstats = got.by_name
+                names = [(n, _HINT_DIR) for n in dircache.split_names(row.subdirs)]
+                names.extend((n, _hint(lstats[n].st_mode)) for n in lstats)
+                return self._check_row(_Dir(fd, rel, st, xattrs, names, row=row,
+                                            lstats=lstats), got.digest)
+        names, listed = self._list(fd, rel)
+        d = _Dir(fd, rel, st, xattrs, names, row=row, lstats=listed)
+        if row is None or listed is None:
             return d
-        return self._check_row(d, dircache.stat_digest([(n, lstats.get(n)) for n, _ in names]))
+        digest = dircache.stat_digest((n for n, h in names if h == _HINT_DIR), listed.items())
+        return self._check_row(d, digest)
 
     # -- dirs cache (see dircache.py) -------------------------------------------------
 
@@ -417,16 +414,13 @@ class _Walker:
     @staticmethod
     def _check_row(d: _Dir, digest: bytes) -> _Dir:
         """Make ``d`` a candidate hit if ``digest``, the stat digest of its entries, is its
-        row's. The hints of the entries the row lists come from their lstat on a miss."""
-        assert d.row is not None and d.lstats is not None
-        names = d.names
+        row's: then only its subdirectories are walked until ``_confirm``."""
+        assert d.row is not None
         if digest == d.row.stat_digest:
+            names = d.names
             d.hit = True
             d.deferred = [nh for nh in names if nh[1] != _HINT_DIR]
             d.names = [nh for nh in names if nh[1] == _HINT_DIR]
-        else:
-            lstats = d.lstats
-            d.names = [(n, h if h == _HINT_DIR else _hint(lstats[n].st_mode)) for n, h in names]
         return d
 
     def _confirm(self, d: _Dir) -> bool:
@@ -439,7 +433,13 @@ class _Walker:
             return False
         d.tree_id = ObjectId(d.row.tree_id)
         self.result.dirs_cached += 1
-        self._count_cached(d.lstats[name] for name, _ in d.deferred)
+        files = nbytes = 0
+        for name, _ in d.deferred:
+            st = d.lstats[name]
+            if stat.S_ISREG(st.st_mode):
+                files += 1
+                nbytes += st.st_size
+        self._count_cached(files, nbytes)
         d.deferred = []
         return True
 
@@ -455,11 +455,10 @@ class _Walker:
             newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
         if newest >= self.horizon:
             return
-        items: list[tuple[bytes, os.stat_result | None]] = [(e.name, None) for e in subdirs]
-        items.extend(d.used)
-        names = dircache.encode_names((e.name, _KIND_HINT.get(e.kind, _HINT_OTHER))
-                                      for e in d.entries)
-        row = dircache.Row(dircache.own_sig(d.st), names, dircache.stat_digest(items),
+        names = [e.name for e in subdirs]
+        row = dircache.Row(dircache.own_sig(d.st), dircache.join_names(names),
+                           dircache.join_names(n for n, _ in d.used),
+                           dircache.stat_digest(names, d.used),
                            dircache.children_digest(subdirs), d.tree_id)
         self.dir_rows.append((self._dir_key(d.rel), row, self.horizon))
         if len(self.dir_rows) >= _CACHE_BATCH:
