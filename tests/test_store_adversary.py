@@ -317,29 +317,38 @@ def _chain(s: Store, depth: int, files: bool = False) -> Ref:
     return Ref(tid)
 
 
+@contextlib.contextmanager
+def removed_afterwards(path: Path) -> Iterator[Path]:
+    """Remove ``path`` at the end whatever happens: pytest's own clean-up of old temporary
+    directories recurses once per level and fails on a tree this deep."""
+    try:
+        yield path
+    finally:
+        if path.exists():
+            subprocess.run(["chmod", "-R", "u+rwx", str(path)], check=False)
+            subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
 def test_a_tree_deeper_than_the_fd_limit_materializes(tmp_path: Path, small: Store) -> None:
     ref = _chain(small, 1500)  # 3,001-byte deepest path: within PATH_MAX
-    dest = tmp_path / "dest"
-    with fd_limit(200):
-        materialize(small, ref, dest)
-    leaf = os.path.join(*(["d"] * 1500), "f")
-    fd = os.open(dest, os.O_RDONLY)
-    try:
-        assert os.stat(leaf, dir_fd=fd).st_size == 4
-    finally:
-        os.close(fd)
-        # pytest's own clean-up recurses once per level: remove the chain here.
-        subprocess.run(["chmod", "-R", "u+rwx", str(dest)], check=True)
-        subprocess.run(["rm", "-rf", str(dest)], check=True)
+    with removed_afterwards(tmp_path / "dest") as dest:
+        with fd_limit(200):
+            materialize(small, ref, dest)
+        leaf = os.path.join(*(["d"] * 1500), "f")
+        fd = os.open(dest, os.O_RDONLY)
+        try:
+            assert os.stat(leaf, dir_fd=fd).st_size == 4
+        finally:
+            os.close(fd)
 
 
 def test_a_failure_deep_below_the_fd_limit_is_still_wiped(tmp_path: Path, small: Store) -> None:
     ref = _chain(small, 2100)  # the deepest path is 4,201 bytes: refused near the bottom
-    dest = tmp_path / "dest"
-    dest.mkdir()
-    with fd_limit(200), pytest.raises(ArchiveEntryError, match="over 4096"):
-        materialize(small, ref, dest)
-    assert os.listdir(dest) == []
+    with removed_afterwards(tmp_path / "dest") as dest:
+        dest.mkdir()
+        with fd_limit(200), pytest.raises(ArchiveEntryError, match="over 4096"):
+            materialize(small, ref, dest)
+        assert os.listdir(dest) == []
 
 
 def test_an_ancestor_swapped_while_parked_is_noticed(tmp_path: Path, small: Store) -> None:
@@ -357,6 +366,7 @@ def test_an_ancestor_swapped_while_parked_is_noticed(tmp_path: Path, small: Stor
             (dest / "d" / "d" / "d").mkdir()
             swapped.append(True)
 
-    with pytest.raises(StoreError, match="replaced"):
-        materialize(small, ref, dest, progress=attacker)
-    assert swapped and not dest.exists()
+    with removed_afterwards(dest), removed_afterwards(tmp_path / "moved"):
+        with pytest.raises(StoreError, match="replaced"):
+            materialize(small, ref, dest, progress=attacker)
+        assert swapped and not dest.exists()
