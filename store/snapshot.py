@@ -1,8 +1,9 @@
 """Import a real directory into the store as a snapshot (CONTRACT 1.4).
 
 Owns the directory walk that turns a tree on disk into chunks and trees, the files cache
-that lets an unchanged file be skipped without reading it, and ``compute_ref``, the same walk
-with nothing written. It must never follow a symlink inside the tree, never open a device,
+that lets an unchanged file be skipped without reading it, the use of the dirs cache
+(dircache.py) that lets an unchanged directory be taken without opening its entries, and
+``compute_ref``, the same walk with nothing written. It must never follow a symlink inside the tree, never open a device,
 and never return a Ref for a tree that changed while it was read.
 
 How the walk stays safe and bounded:
@@ -11,11 +12,13 @@ How the walk stays safe and bounded:
   and every file with ``O_NOFOLLOW | O_NONBLOCK``; an fstat after opening must show the
   same inode as the listing, and a file is fstat'ed again after reading: any difference
   (size, mtime, ctime, inode) is ``SnapshotError(root, cause)``. So is a directory whose
-  mtime or ctime moved while its entries were read, an unreadable entry, a device node, and
-  a directory that is the store itself.
+  mtime or ctime moved while its entries were read, an unreadable entry, a device node, a
+  tree that holds the store or lies inside it, and a store that cannot be written (a full
+  disk): nothing written is then referenced.
 - Memory: one open directory (fd and listing) per level of depth, one chunk of content at a
-  time (plus at most ``_INFLIGHT`` chunks queued for compression), and the entries of the
-  directories on the path to a hard-linked file (below).
+  time (plus at most ``_INFLIGHT`` chunks queued for compression), the entries of the
+  directories on the path to a hard-linked file (below), and the dirs cache rows under the
+  root when there are at most ``_PREFETCH_ROWS`` of them (else they are read per directory).
 - Hard links: a file with ``st_nlink > 1`` seen at two or more places in the tree is a
   hard-link group whose id is ``blake3(b"\\0".join(sorted member paths))``, the paths
   root-relative and ``/``-joined. Whether a file has a partner in the tree is known only at
@@ -39,7 +42,13 @@ therefore never be trusted later, and a same-size rewrite within that tick is al
 Write order (CONTRACT 1.3): chunks and trees go through one ``Writer``; ``commit`` makes the
 packs durable and indexes them; the snapshot is listed after that, inside the writer's
 ``with`` block (which holds the GC lock shared). Cache rows may be written earlier: they are
-only trusted once their chunks are found in the index.
+only trusted once what they name (chunks; a tree for the dirs cache) is found in the index.
+
+Dirs cache: see dircache.py for the rules. In the walk, a directory whose row's stat digest
+matches becomes a candidate: only its subdirectories are walked; if they give the row's
+children digest, its tree id is the row's and its other entries are never opened; if not,
+they are walked after all. A candidate without subdirectories is finished on the spot,
+without a ``_Dir``. Rows are recorded for directories just encoded, under the same-tick rule.
 """
 
 from __future__ import annotations
