@@ -1,39 +1,76 @@
-"""The main job: rewindfs end to end on a real source tree, through the ``rewindfs`` CLI.
+"""The main job: rewindfs used the way an agent harness uses it, end to end, unattended.
 
 Usage (from the repository root; ``scripts/mainjob.sh`` runs the set-up first)::
 
-    .venv/bin/python scripts/mainjob.py [SOURCE_DIR]
+    .venv/bin/python scripts/mainjob.py [SOURCE_DIR | --sdist] [--mode auto|session|mount]
+        [--test-cmd CMD] [--scratch DIR]
 
-SOURCE_DIR defaults to this repository. The job uses the default store (``--store`` is not
-given: ``$REWINDFS_STORE``, else ``./agent-data/store``) and works in a scratch directory,
-``agent-data/mainjob/``, that it removes at the end, so the store is all it leaves behind.
-Each step prints the commands it runs, what they answered and how long they took (wall
-clock, interpreter start included; ``in store`` is the time measured inside the command).
-Exit status 0 when every check held, 1 otherwise.
+SOURCE_DIR defaults to this repository; ``--sdist`` takes the pinned Django sdist of the
+benchmarks instead (downloaded with pip once, see ``scripts/bench/common.py``). Every step
+goes through the ``rewindfs`` CLI on the default store (``$REWINDFS_STORE``, else
+``./agent-data/store``) and ordinary programs (git, the project's tests, rm, a text edit):
 
-Steps are methods of ``MainJob`` listed in ``MainJob.steps``; a later feature adds its steps
-there.
+1. stage a copy of the project (leaving out the store, this job's scratch directory and,
+   for this repository, ``agent-data/`` and ``.venv``) and snapshot it: the seed Ref;
+2. start a session on that seed: its root is a FUSE mount (``rewindfs session new --seed
+   REF``; when the CLI's sessions run without FUSE here, ``rewindfs mount REF MNT --state
+   DIR`` serves the same overlay and the live commands act on the mount point);
+3. work in the mount: git (commit, or init + add + commit), the project's tests
+   (``--test-cmd``; default: two quick test files of this repository, else
+   ``python -m compileall`` of the tree);
+4. checkpoint; break things (``rm -rf`` a directory, edit, truncate, chmod, rename, add);
+   ``rewindfs diff`` of the live tree; restore the checkpoint and show the tree is back
+   exactly (every path's kind, mode, size, mtime and content; git sees the same state);
+   the history (``rewindfs log ID``, or the snapshot list in mount mode);
+5. mount the seed read-only and read from it while the session is live; shut down; verify
+   the store.
+
+Each step prints the commands it ran with their wall-clock time, and its own time. The job
+works in a scratch directory (default ``agent-data/mainjob/``) that it removes at the end,
+so the store is all it leaves behind; whatever happens (a failed check, an exception,
+SIGINT, SIGTERM), every mount it made is unmounted (``fusermount3 -uz`` as the last resort)
+and every daemon it started is gone before it exits. Exit status 0 when every check held,
+1 when one failed, 2 for bad arguments.
+
+Steps are methods of ``MainJob`` listed in ``MainJob.steps``.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import shlex
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RW = REPO / ".venv" / "bin" / "rewindfs"
+PY = REPO / ".venv" / "bin" / "python"
+CMD_TIMEOUT_S = 900
+"""No single command of the job may take longer than this (seconds)."""
+
+REPO_TESTS = "tests/test_ref.py tests/test_diff.py"
+"""This repository's tests that the job runs inside the mount (quick, no FUSE of their own)."""
+
+
+TEXT_SUFFIXES = (".py", ".md", ".txt", ".rst", ".toml", ".cfg", ".js", ".html", ".c", ".h")
+"""Files the job prefers to edit when it breaks things."""
 
 
 class CheckFailed(Exception):
     """A step found something other than what rewindfs promises."""
+
+
+# -- small helpers ------------------------------------------------------------------------
 
 
 def rmtree(path: Path) -> None:
@@ -57,86 +94,357 @@ def is_under(path: Path, root: Path) -> bool:
         return False
 
 
-def count_tree(root: Path) -> tuple[int, int]:
-    """(entries, bytes of regular files) under ``root``, symlinks not followed."""
-    n = size = 0
+def rel(arg: str) -> str:
+    """A path under the repository shown relative to it (commands run from there)."""
+    p = Path(arg)
+    if p.is_absolute() and is_under(p, REPO):
+        return str(p.relative_to(REPO)) or "."
+    return arg
+
+
+def mounted(path: Path) -> str | None:
+    """The file system type mounted exactly at ``path`` (from /proc/self/mounts), or None."""
+    want = os.path.abspath(path)
+    found = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            mnt = fields[1].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+            if mnt == want:
+                found = fields[2]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def manifest(root: Path) -> dict[str, tuple[Any, ...]]:
+    """Every path under ``root`` (no symlink followed) -> (kind, mode 07777, size, mtime ns,
+    sha256 of the content or the symlink target). Two equal manifests mean the trees are
+    equal for every program that reads them."""
+    out: dict[str, tuple[Any, ...]] = {}
     for dirpath, dirs, files in os.walk(root):
-        n += len(dirs) + len(files)
-        for f in files:
-            st = os.lstat(os.path.join(dirpath, f))
-            if not os.path.islink(os.path.join(dirpath, f)):
-                size += st.st_size
-    return n, size
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            key = os.path.relpath(p, root)
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISREG(st.st_mode):
+                h = hashlib.sha256()
+                with open(p, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                out[key] = ("file", mode, st.st_size, st.st_mtime_ns, h.hexdigest())
+            elif stat.S_ISLNK(st.st_mode):
+                out[key] = ("symlink", mode, st.st_size, st.st_mtime_ns, os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[key] = ("dir", mode, 0, st.st_mtime_ns, "")
+            else:
+                out[key] = ("other", mode, 0, st.st_mtime_ns, stat.S_IFMT(st.st_mode))
+    return out
+
+
+def manifest_diff(a: dict[str, tuple[Any, ...]], b: dict[str, tuple[Any, ...]]) -> list[str]:
+    """Lines naming the paths where two manifests differ (at most 20)."""
+    lines = []
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            lines.append(f"{k}: {a.get(k)} != {b.get(k)}")
+            if len(lines) == 20:
+                break
+    return lines
+
+
+# -- running commands ---------------------------------------------------------------------
+
+
+class Runner:
+    """Runs and shows commands: each is printed with its wall-clock time."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def run(self, argv: Sequence[str], shown: str, cwd: Path, check: bool = True,
+            timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        print(f"       $ {shown}", end="", flush=True)
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(list(argv), cwd=cwd, env=self.env, text=True,
+                               capture_output=True, timeout=timeout,
+                               stdin=subprocess.DEVNULL, errors="replace")
+        except subprocess.TimeoutExpired as e:
+            print("   [timed out]")
+            raise CheckFailed(f"{shown} took longer than {timeout:.0f} s") from e
+        print(f"   [{time.perf_counter() - t0:.2f} s]")
+        if check and p.returncode != 0:
+            tail = (p.stderr.strip() or p.stdout.strip())[-2000:]
+            raise CheckFailed(f"{shown} exited {p.returncode}: {tail}")
+        return p
+
+    def rw(self, *args: str, check: bool = True, json_out: bool = True,
+           ) -> tuple[Any, subprocess.CompletedProcess[str]]:
+        """``rewindfs ARGS [--json]`` from the repository root: (parsed JSON, process)."""
+        shown = "rewindfs " + " ".join(shlex.quote(rel(a)) for a in args)
+        argv = [str(RW), *args] + (["--json"] if json_out else [])
+        p = self.run(argv, shown, REPO, check=check)
+        data = None
+        if json_out and p.stdout.strip():
+            try:
+                data = json.loads(p.stdout)
+            except json.JSONDecodeError:
+                if check:
+                    raise CheckFailed(f"{shown} printed no JSON: {p.stdout[:500]}") from None
+        return data, p
+
+    def sh(self, line: str, cwd: Path, check: bool = True,
+           timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        """A shell line run in ``cwd`` (shown as ``(cd CWD && LINE)``)."""
+        return self.run(["bash", "-c", line], f"(cd {rel(str(cwd))} && {line})", cwd,
+                        check=check, timeout=timeout)
+
+
+# -- the live workspace: a session, or a mount with a state directory ---------------------
+
+
+class Live:
+    """What the job needs of a live workspace; ``root`` is where programs work."""
+
+    kind = ""
+    root = Path()
+
+    def start(self, seed: str) -> str:
+        raise NotImplementedError
+
+    def checkpoint(self, label: str) -> tuple[str, str]:
+        """(Ref, a note on its timing)."""
+        raise NotImplementedError
+
+    def restore(self, ref: str) -> tuple[str, str]:
+        """(the pre_restore Ref, a note on its timing)."""
+        raise NotImplementedError
+
+    def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
+        """(what, Ref) of the workspace's history, oldest first."""
+        raise NotImplementedError
+
+    def stop(self) -> str:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        """Unmount and end whatever is left, quietly; safe to call at any time."""
+        raise NotImplementedError
+
+
+def daemon_ms(data: Any) -> str:
+    if isinstance(data, dict) and "elapsed_ms" in data:
+        return f"{data['elapsed_ms']:.1f} ms"
+    return "?"
+
+
+def lazy_unmount(path: Path) -> None:
+    if mounted(path):
+        subprocess.run(["fusermount3", "-uz", str(path)], capture_output=True)
+
+
+def end_pid(pid: int | None) -> None:
+    """SIGTERM ``pid`` (a daemon the job started), then SIGKILL after 10 s."""
+    if pid is None or not alive(pid):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+class SessionLive(Live):
+    """``rewindfs session new --seed REF``: the session host is the mount daemon."""
+
+    kind = "session"
+
+    def __init__(self, run: Runner, base: Path, store_root: Path) -> None:
+        self.r = run
+        self.base = base
+        self.store_root = store_root
+        self.id: str | None = None
+        self.pid: int | None = None
+
+    def start(self, seed: str) -> str:
+        data, _ = self.r.rw("session", "new", "--seed", seed, "--base", str(self.base))
+        self.id, self.root = data["id"], Path(data["root"])
+        self.pid = self._pid()
+        return f"session {self.id}, root {rel(str(self.root))}"
+
+    def _pid(self) -> int | None:
+        """The session host's pid, read from its control socket's status reply."""
+        try:
+            from fusefs.session.control import live_host, request
+            from fusefs.session.placement import canonical_path
+            from fusefs.session.registry import Registry
+
+            assert self.id is not None
+            reg = Registry(os.path.join(canonical_path(str(self.store_root)), "sessions"))
+            path = live_host(reg.load(self.id).state_dir)
+            return int(request(path, {"op": "status"})["pid"]) if path else None
+        except Exception:  # noqa: BLE001 - only used to make sure it ends
+            return None
+
+    def checkpoint(self, label: str) -> tuple[str, str]:
+        assert self.id is not None
+        data, _ = self.r.rw("session", "checkpoint", self.id)
+        return data["ref"], f"{daemon_ms(data)} through the CLI"
+
+    def restore(self, ref: str) -> tuple[str, str]:
+        assert self.id is not None
+        data, _ = self.r.rw("session", "restore", self.id, ref)
+        return data.get("pre_restore") or "", f"{daemon_ms(data)} through the CLI"
+
+    def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
+        assert self.id is not None
+        data, p = self.r.rw("log", self.id)
+        _, text = self.r.rw("log", self.id, json_out=False)
+        for line in text.stdout.splitlines():
+            print(f"         {line}")
+        out = []
+        for e in data:
+            what = (f"checkpoint ({e.get('trigger')})" if e.get("event") ==
+                    "WorkspaceCheckpointed" else "restore")
+            out.append((what, e["ref"]))
+        return out
+
+    def stop(self) -> str:
+        assert self.id is not None
+        self.r.rw("session", "shutdown", self.id)
+        sid, self.id = self.id, None
+        return f"session {sid} stopped"
+
+    def cleanup(self) -> None:
+        if self.id is not None:
+            subprocess.run([str(RW), "session", "shutdown", self.id], cwd=REPO,
+                           capture_output=True, timeout=180)
+            self.id = None
+        lazy_unmount(self.root)
+        end_pid(self.pid)
+
+
+class MountLive(Live):
+    """``rewindfs mount REF MNT --state DIR`` and the live commands on ``MNT``."""
+
+    kind = "mount"
+
+    def __init__(self, run: Runner, mnt: Path, state: Path) -> None:
+        self.r = run
+        self.root = mnt
+        self.state = state
+        self.pid: int | None = None
+        self.refs: list[str] = []
+
+    def start(self, seed: str) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        data, _ = self.r.rw("mount", seed, str(self.root), "--state", str(self.state))
+        self.pid = int(data["pid"])
+        return f"daemon pid {self.pid}, upper layer in {rel(str(self.state))}"
+
+    def checkpoint(self, label: str) -> tuple[str, str]:
+        data, _ = self.r.rw("checkpoint", str(self.root), "--label", label)
+        return data["ref"], f"{daemon_ms(data)} inside the daemon"
+
+    def restore(self, ref: str) -> tuple[str, str]:
+        data, _ = self.r.rw("restore", str(self.root), ref)
+        return data.get("pre_restore") or "", f"{daemon_ms(data)} inside the daemon"
+
+    def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
+        data, _ = self.r.rw("list")
+        mine = set(refs.values())
+        out = []
+        for s in data:
+            if s["ref"] in mine:
+                print(f"         {s['origin']:<12} {s['ref']}  {s.get('label') or ''}")
+                out.append((s["origin"], s["ref"]))
+        return out
+
+    def stop(self) -> str:
+        self.r.rw("umount", str(self.root))
+        pid, self.pid = self.pid, None
+        if pid is not None and alive(pid):
+            raise CheckFailed(f"the daemon {pid} is still running after umount")
+        return f"unmounted, daemon {pid} gone"
+
+    def cleanup(self) -> None:
+        lazy_unmount(self.root)
+        end_pid(self.pid)
+
+
+# -- the job ------------------------------------------------------------------------------
 
 
 class MainJob:
-    def __init__(self, source: Path) -> None:
+    def __init__(self, source: Path, mode: str, test_cmd: str | None, scratch: Path) -> None:
         self.source = source.resolve()
-        self.scratch = REPO / "agent-data" / "mainjob"
-        self.original = self.scratch / "original"
-        self.changed = self.scratch / "changed"
-        self.restored = self.scratch / "restored"
-        self.cli_seconds = 0.0
-        self.refs: dict[str, str] = {}
-        self.expected: dict[str, str] = {}
+        self.mode = mode
+        self.scratch = scratch.resolve()
+        self.staged = self.scratch / "project"
+        self.ro = self.scratch / "ro"
+        home = self.scratch / "home"
+        env = dict(os.environ)
+        env.update({"HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1",
+                    "GIT_AUTHOR_NAME": "rewindfs main job", "GIT_AUTHOR_EMAIL": "mainjob@localhost",
+                    "GIT_COMMITTER_NAME": "rewindfs main job",
+                    "GIT_COMMITTER_EMAIL": "mainjob@localhost", "PYTHONDONTWRITEBYTECODE": ""})
+        env.pop("PYTHONDONTWRITEBYTECODE")
+        self.r = Runner(env)
+        self.test_cmd = test_cmd
         self.store_root = Path()
+        self.refs: dict[str, str] = {}
+        self.live: Live | None = None
+        self.ro_pid: int | None = None
+        self.checkpointed: dict[str, tuple[Any, ...]] = {}
+        self.git_state = ""
+        self.broken: dict[str, str] = {}
         self.steps: list[tuple[str, Callable[[], str]]] = [
             ("open the default store", self.open_store),
-            ("stage a copy of the source tree", self.stage),
-            ("snapshot the tree", self.snapshot_original),
-            ("list the snapshots", self.list_snapshots),
-            ("re-snapshot the unchanged tree", self.resnapshot),
-            ("make a changed copy and snapshot it", self.snapshot_changed),
-            ("diff the two snapshots", self.diff),
-            ("browse the first snapshot (ls, cat)", self.browse),
-            ("materialize the first snapshot", self.materialize),
-            ("show the materialized tree is equal", self.compare),
-            ("materialize onto a different tree", self.refuse_overwrite),
+            ("stage a copy of the project", self.stage),
+            ("snapshot it (the seed)", self.snapshot_seed),
+            ("start a session on the seed", self.start),
+            ("git in the mount", self.git),
+            ("run the project's tests in the mount", self.tests),
+            ("checkpoint", self.checkpoint),
+            ("break things", self.break_things),
+            ("what changed since the checkpoint (rewindfs diff)", self.diff_live),
+            ("restore the checkpoint", self.restore),
+            ("the tree is back", self.compare),
+            ("the history", self.history),
+            ("mount the seed read-only and read from it", self.browse_old),
+            ("shut the session down", self.stop),
             ("verify the store", self.verify),
-            ("store statistics", self.stats),
         ]
 
-    # -- plumbing ----------------------------------------------------------------------
-
-    def rw(self, *args: str, check: bool = True) -> tuple[Any, subprocess.CompletedProcess[str]]:
-        """Run ``rewindfs ARGS --json`` from the repository root; return (parsed JSON, the
-        process). Prints the command line."""
-        shown = " ".join(shlex.quote(self.rel(a)) for a in args)
-        print(f"       $ rewindfs {shown}")
-        t0 = time.perf_counter()
-        p = subprocess.run([str(RW), *args, "--json"], cwd=REPO, text=True,
-                           capture_output=True)
-        self.cli_seconds = time.perf_counter() - t0
-        if check and p.returncode != 0:
-            raise CheckFailed(f"rewindfs {shown} exited {p.returncode}: {p.stderr.strip()}")
-        data = json.loads(p.stdout) if p.stdout.strip() else None
-        return data, p
-
-    @staticmethod
-    def rel(arg: str) -> str:
-        """Show paths under the repository relative to it."""
-        p = Path(arg)
-        if p.is_absolute() and is_under(p, REPO):
-            return str(p.relative_to(REPO)) or "."
-        return arg
-
-    @staticmethod
-    def ms(data: Any) -> str:
-        if isinstance(data, dict) and "elapsed_ms" in data:
-            return f" (in store {data['elapsed_ms'] / 1000:.2f} s)"
-        return ""
+    # -- driver --------------------------------------------------------------------------
 
     def run(self) -> int:
-        print(f"rewindfs main job: source {self.source}")
+        print(f"rewindfs main job: project {self.source}")
         if is_under(self.source, self.scratch):
-            print(f"mainjob: the source may not be inside {self.scratch}", file=sys.stderr)
+            print(f"mainjob: the project may not be inside {self.scratch}", file=sys.stderr)
             return 2
         rmtree(self.scratch)
+        (self.scratch / "home").mkdir(parents=True)
         total0 = time.perf_counter()
         ok = True
         try:
             for i, (title, step) in enumerate(self.steps, 1):
-                print(f"[{i:2d}/{len(self.steps)}] {title}")
+                print(f"[{i:2d}/{len(self.steps)}] {title}", flush=True)
                 t0 = time.perf_counter()
                 try:
                     summary = step()
@@ -144,176 +452,328 @@ class MainJob:
                     print(f"       FAILED: {e}")
                     ok = False
                     break
-                print(f"       -> {summary}  [{time.perf_counter() - t0:.2f} s]")
+                print(f"       -> {summary}  [{time.perf_counter() - t0:.2f} s]", flush=True)
         finally:
-            rmtree(self.scratch)
+            left = self.cleanup()
+        if left:
+            ok = False
+            print(f"FAILED: still there after clean-up: {left}")
         print(f"main job {'done' if ok else 'FAILED'} in {time.perf_counter() - total0:.1f} s; "
-              f"left behind: the store {self.rel(str(self.store_root))}")
+              f"nothing mounted or running; left behind: the store "
+              f"{rel(str(self.store_root)) if self.store_root != Path() else '(none)'}")
         return 0 if ok else 1
 
-    # -- steps -------------------------------------------------------------------------
+    def cleanup(self) -> list[str]:
+        """Unmount and end everything the job started, remove the scratch directory; return
+        what is still mounted or running afterwards (nothing, normally)."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if self.live is not None:
+                self.live.cleanup()
+            lazy_unmount(self.ro)
+            end_pid(self.ro_pid)
+            left = []
+            for p in (self.ro, self.live.root if self.live else None):
+                if p is not None and mounted(p):
+                    left.append(f"mount {p}")
+            for pid in (self.ro_pid, getattr(self.live, "pid", None)):
+                if pid is not None and alive(pid):
+                    left.append(f"process {pid}")
+            if not left:
+                rmtree(self.scratch)
+            return left
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    # -- steps ---------------------------------------------------------------------------
 
     def open_store(self) -> str:
-        data, _ = self.rw("init")
+        data, _ = self.r.rw("init")
         self.store_root = Path(data["root"])
-        return f"store {self.rel(data['root'])}, chunk size {data['chunk_size']} B"
+        return f"store {rel(data['root'])}"
 
     def stage(self) -> str:
-        """Copy the source with everything metadata-exact (tar, POSIX format: ns mtimes,
-        xattrs, hard links, modes, owners), leaving out what changes while the job runs:
-        the store, this scratch directory, the repository's agent-data/ and the CLI's own
-        virtualenv."""
+        """Copy the project with its metadata (tar, POSIX format), leaving out what changes
+        while the job runs: the store, the scratch directory, the repository's agent-data/
+        and the CLI's own virtualenv."""
         if is_under(self.source, self.store_root):
-            raise CheckFailed(f"the source {self.source} is inside the store")
+            raise CheckFailed(f"the project {self.source} is inside the store")
         candidates = [p for p in (self.store_root, self.scratch, REPO / "agent-data",
                                   REPO / ".venv")
                       if is_under(p, self.source) and p != self.source]
         excluded = sorted({p for p in candidates
                            if not any(q != p and is_under(p, q) for q in candidates)})
-        self.original.mkdir(parents=True)
-        excl = [f"--exclude=./{p.relative_to(self.source)}" for p in excluded]
-        cmd = (f"tar --format=posix --xattrs --xattrs-include='user.*' -cf - "
-               f"{' '.join(shlex.quote(e) for e in excl)} -C {shlex.quote(str(self.source))} . "
-               f"| tar --xattrs --xattrs-include='user.*' -xpf - "
-               f"-C {shlex.quote(str(self.original))}")
-        p = subprocess.run(cmd, shell=True, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise CheckFailed(f"copying the source failed: {p.stderr.strip()}")
-        n, size = count_tree(self.original)
+        self.staged.mkdir(parents=True)
+        excl = " ".join(shlex.quote(f"--exclude=./{p.relative_to(self.source)}")
+                        for p in excluded)
+        self.r.sh(f"tar --format=posix -cf - {excl} . | tar -xpf - -C {shlex.quote(str(self.staged))}",
+                  self.source)
+        files = size = 0
+        for dirpath, _dirs, names in os.walk(self.staged):
+            for n in names:
+                st = os.lstat(os.path.join(dirpath, n))
+                if stat.S_ISREG(st.st_mode):
+                    files += 1
+                    size += st.st_size
+        if files < 3:
+            raise CheckFailed("the project needs at least 3 regular files")
         left_out = ", ".join(str(p.relative_to(self.source)) for p in excluded) or "nothing"
-        return (f"{self.rel(str(self.original))}: {n:,} entries, {size / 1e6:.1f} MB "
-                f"(left out: {left_out})")
+        return f"{files:,} files, {size / 1e6:.1f} MB (left out: {left_out})"
 
-    def snapshot_original(self) -> str:
-        data, _ = self.rw("snapshot", str(self.original), "--label", "mainjob: original")
-        self.refs["original"] = data["ref"]
-        rate = data["bytes"] / 1e6 / max(data["elapsed_ms"] / 1000, 1e-9)
-        return (f"{data['ref']}: {data['files']:,} files, {data['bytes'] / 1e6:.1f} MB, "
-                f"{rate:.0f} MB/s{self.ms(data)}")
+    def snapshot_seed(self) -> str:
+        data, _ = self.r.rw("snapshot", str(self.staged), "--label", "mainjob: seed")
+        self.refs["seed"] = data["ref"]
+        return (f"{data['ref']}: {data['files']:,} files, {data['bytes'] / 1e6:.1f} MB in "
+                f"{data['elapsed_ms'] / 1000:.2f} s inside the store")
 
-    def list_snapshots(self) -> str:
-        data, _ = self.rw("list")
-        mine = [s for s in data if s["ref"] == self.refs["original"]]
-        if not mine:
-            raise CheckFailed("the snapshot is not in the list")
-        return f"{len(data)} snapshot(s) listed, ours labelled {mine[-1]['label']!r}"
+    def start(self) -> str:
+        notes = []
+        if self.mode in ("auto", "session"):
+            live: Live = SessionLive(self.r, self.scratch / "workspaces", self.store_root)
+            self.live = live
+            what = live.start(self.refs["seed"])
+            fs = mounted(live.root)
+            if fs is None or not fs.startswith("fuse"):
+                if self.mode == "session":
+                    raise CheckFailed(f"the session root {live.root} is not a FUSE mount")
+                notes.append("`rewindfs session new` served a plain directory (its no-FUSE "
+                             "fallback) here, so the job serves the seed with `rewindfs mount "
+                             "REF MNT --state DIR` instead")
+                live.stop()
+                live.cleanup()
+                self.live = None
+        if self.live is None:
+            live = MountLive(self.r, self.scratch / "mnt", self.scratch / "state")
+            self.live = live
+            what = live.start(self.refs["seed"])
+        fs = mounted(self.live.root)
+        if fs is None or not fs.startswith("fuse"):
+            raise CheckFailed(f"{self.live.root} is not a FUSE mount (found {fs})")
+        for n in notes:
+            print(f"       note: {n}")
+        entries = len(os.listdir(self.live.root))
+        return (f"{what}; {rel(str(self.live.root))} is a {fs} mount, {entries} entries at "
+                "its root")
 
-    def resnapshot(self) -> str:
-        packs = self.store_root / "backend" / "packs"
-        before = sorted(packs.iterdir()) if packs.is_dir() else []
-        data, _ = self.rw("snapshot", str(self.original), "--label", "mainjob: original")
-        if data["ref"] != self.refs["original"]:
-            raise CheckFailed(f"unchanged tree gave another Ref: {data['ref']}")
-        after = sorted(packs.iterdir()) if packs.is_dir() else []
-        if after != before:
-            raise CheckFailed(f"re-snapshot of an unchanged tree wrote {len(after) - len(before)}"
-                              " pack(s)")
-        return (f"same Ref, no pack written, {data['files_read']:,} of {data['files']:,} files "
-                f"read again (the rest came from the files cache){self.ms(data)}")
+    @property
+    def root(self) -> Path:
+        assert self.live is not None
+        return self.live.root
 
-    def snapshot_changed(self) -> str:
-        p = subprocess.run(["cp", "-a", str(self.original), str(self.changed)],
-                           capture_output=True, text=True)
-        if p.returncode != 0:
-            raise CheckFailed(f"cp -a failed: {p.stderr.strip()}")
-        files = sorted(
-            Path(d, f) for d, _dirs, fs in os.walk(self.changed) for f in fs
-            if os.path.isfile(os.path.join(d, f)) and not os.path.islink(os.path.join(d, f))
-            and os.access(os.path.join(d, f), os.W_OK) and "/.git/" not in os.path.join(d, f))
+    def git(self) -> str:
+        if (self.root / ".git").is_dir():
+            p = self.r.sh("git status --porcelain | wc -l", self.root)
+            before = int(p.stdout.strip() or 0)
+            self.r.sh("git add -A && git commit -q --allow-empty -m 'work in the mount'",
+                      self.root)
+            done = f"an existing repository: {before} path(s) changed since its HEAD, committed"
+        else:
+            self.r.sh("git init -q && git add -A && git commit -q -m 'work in the mount'",
+                      self.root)
+            done = "git init, add, commit of the whole tree"
+        p = self.r.sh("git status --porcelain && git log --oneline -1", self.root)
+        status = p.stdout.strip().splitlines()
+        if len(status) != 1:
+            raise CheckFailed(f"git status is not clean after the commit: {status[:5]}")
+        return f"{done}; clean status; HEAD {status[-1]}"
+
+    def tests(self) -> str:
+        cmd = self.test_cmd
+        if cmd is None:
+            if self.source == REPO:
+                cmd = f"{shlex.quote(str(PY))} -m pytest -q -p no:cacheprovider {REPO_TESTS}"
+            else:
+                cmd = f"{shlex.quote(str(PY))} -m compileall -q ."
+        p = self.r.sh(cmd, self.root)
+        tail = (p.stdout.strip().splitlines() or ["(no output)"])[-1]
+        return f"passed: {tail}"
+
+    def checkpoint(self) -> str:
+        assert self.live is not None
+        ref, note = self.live.checkpoint("mainjob: after work")
+        self.refs["work"] = ref
+        self.checkpointed = manifest(self.root)
+        self.git_state = self.r.sh("git status --porcelain && git rev-parse HEAD",
+                                   self.root).stdout
+        return f"{ref} ({note}); {len(self.checkpointed):,} paths recorded to compare later"
+
+    def break_things(self) -> str:
+        """rm -rf the largest top-level directory (not .git), and edit, truncate, chmod,
+        rename and add files elsewhere."""
+        tops = [d for d in os.listdir(self.root)
+                if d != ".git" and (self.root / d).is_dir() and not (self.root / d).is_symlink()]
+        if not tops:
+            raise CheckFailed("the project has no directory besides .git to remove")
+
+        def size(d: str) -> int:
+            return sum(1 for k in self.checkpointed if k == d or k.startswith(d + "/"))
+
+        victim = max(sorted(tops), key=size)
+
+        def writable(outside: str) -> list[str]:
+            """Non-empty writable files outside ``outside`` and .git, source files first."""
+            found = sorted(k for k, v in self.checkpointed.items()
+                           if v[0] == "file" and v[1] & 0o200 and v[2] > 0
+                           and not k.startswith(".git/") and "__pycache__" not in k
+                           and not (outside and k.startswith(outside + "/")))
+            text = [k for k in found if k.endswith(TEXT_SUFFIXES)]
+            return text if len(text) >= 3 else found
+
+        files = writable(victim)
+        if len(files) < 3:  # a tiny project: edit files, remove nothing
+            victim, files = "", writable("")
         if len(files) < 3:
-            raise CheckFailed("the source tree needs at least 3 writable regular files")
-        modified, removed, chmodded = files[0], files[len(files) // 2], files[-1]
-        with open(modified, "ab") as f:
-            f.write(b"\n# changed by the rewindfs main job\n")
-        removed.unlink()
-        chmodded.chmod(chmodded.stat().st_mode ^ 0o100)
-        added = self.changed / "MAINJOB-NEW-FILE.txt"
-        added.write_text("a file the main job added\n")
+            raise CheckFailed("the project needs at least 3 non-empty writable files")
+        edited, truncated, renamed = files[0], files[len(files) // 2], files[-1]
+        lines = []
+        if victim:
+            lines.append(f"rm -rf {shlex.quote(victim)}")
+        lines += [f"printf '\\n# broken by the rewindfs main job\\n' >> {shlex.quote(edited)}",
+                  f"truncate -s 0 {shlex.quote(truncated)}",
+                  f"chmod a+x {shlex.quote(edited)}",
+                  f"mv {shlex.quote(renamed)} {shlex.quote(renamed)}.moved",
+                  "echo 'a file the main job added' > MAINJOB-NEW-FILE.txt"]
+        self.r.sh(" && ".join(lines), self.root)
+        self.broken = {edited: "modified", truncated: "modified", renamed: "removed",
+                       renamed + ".moved": "added", "MAINJOB-NEW-FILE.txt": "added"}
+        if victim:
+            self.broken[victim] = "removed"
+        removed = f"removed {victim}/ ({size(victim):,} paths), " if victim else ""
+        p = self.r.sh("git status --short | wc -l", self.root)
+        return (f"{removed}edited {edited}, truncated {truncated}, renamed {renamed}, added "
+                f"MAINJOB-NEW-FILE.txt; git status now lists {p.stdout.strip()} path(s)")
 
-        def key(p: Path) -> str:
-            return str(p.relative_to(self.changed))
-
-        self.expected = {key(modified): "modified", key(removed): "removed",
-                         key(chmodded): "modified", key(added): "added"}
-        self.modified_path = key(modified)
-        data, _ = self.rw("snapshot", str(self.changed), "--label", "mainjob: changed")
-        self.refs["changed"] = data["ref"]
-        return (f"{data['ref']} (edited {key(modified)}, removed {key(removed)}, "
-                f"chmod u^x {key(chmodded)}, added {key(added)}){self.ms(data)}")
-
-    def diff(self) -> str:
-        data, _ = self.rw("diff", self.refs["original"], self.refs["changed"])
+    def diff_live(self) -> str:
+        data, _ = self.r.rw("diff", str(self.root))
         got = {c["path"]: c["status"] for c in data["changes"]}
-        for c in data["changes"]:
-            print(f"         {c['status']:<12} {c['path']}")
-        wrong = {p: s for p, s in self.expected.items() if got.get(p) != s}
+        for c in data["changes"][:12]:
+            print(f"         {c['status']:<9} {c['path']}")
+        if len(data["changes"]) > 12:
+            print(f"         ... {len(data['changes']) - 12} more")
+        wrong = {p: s for p, s in self.broken.items() if got.get(p) != s}
         if wrong:
-            raise CheckFailed(f"diff missed or misreported {wrong}; it said {got}")
-        return f"{len(got)} change(s), the expected {len(self.expected)} among them{self.ms(data)}"
+            raise CheckFailed(f"diff missed or misreported {wrong}")
+        _, p = self.r.rw("diff", "-u", str(self.root), json_out=False)
+        hunk = [ln for ln in p.stdout.splitlines() if "broken by the rewindfs main job" in ln]
+        if not hunk:
+            raise CheckFailed("diff -u does not show the edit")
+        return (f"{len(got)} change(s), the {len(self.broken)} made above among them; "
+                f"diff -u shows the edit: {hunk[0]!r}")
 
-    def browse(self) -> str:
-        data, _ = self.rw("ls", self.refs["original"])
-        names = [e["name"] for e in data]
-        p = subprocess.run([str(RW), "cat", self.refs["original"], self.modified_path],
-                           cwd=REPO, capture_output=True)
-        print(f"       $ rewindfs cat {self.refs['original']} {shlex.quote(self.modified_path)}")
-        if p.returncode != 0:
-            raise CheckFailed(f"cat failed: {p.stderr.decode(errors='replace').strip()}")
-        want = (self.original / self.modified_path).read_bytes()
-        if p.stdout != want:
-            raise CheckFailed("cat gave other bytes than the original file")
-        return (f"root lists {len(names)} entries; cat {self.modified_path} gives the original "
-                f"{len(want):,} bytes, not the edited ones")
-
-    def materialize(self) -> str:
-        data, _ = self.rw("materialize", self.refs["original"], str(self.restored))
-        return f"written to {self.rel(str(self.restored))}{self.ms(data)}"
+    def restore(self) -> str:
+        assert self.live is not None
+        pre, note = self.live.restore(self.refs["work"])
+        if pre:
+            self.refs["pre_restore"] = pre
+        return (f"back at {self.refs['work']} ({note}); the broken state was checkpointed "
+                f"first as {pre or '(none)'}")
 
     def compare(self) -> str:
-        print(f"       $ diff -r --no-dereference {self.rel(str(self.original))} "
-              f"{self.rel(str(self.restored))}")
-        p = subprocess.run(["diff", "-r", "--no-dereference", str(self.original),
-                            str(self.restored)], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise CheckFailed(f"diff -r found differences:\n{p.stdout[:2000]}{p.stderr[:500]}")
-        data, _ = self.rw("snapshot", str(self.restored), "--label", "mainjob: original")
-        if data["ref"] != self.refs["original"]:
-            raise CheckFailed(f"the materialized tree snapshots to {data['ref']}, not "
-                              f"{self.refs['original']}: metadata differs")
-        again, _ = self.rw("materialize", self.refs["original"], str(self.restored))
-        return ("diff -r: equal contents; re-snapshot: the same Ref, so modes, mtimes, links "
-                "and xattrs are equal too; materialize onto the equal tree: nothing to write"
-                f"{self.ms(again)}")
+        now = manifest(self.root)
+        bad = manifest_diff(self.checkpointed, now)
+        if bad:
+            raise CheckFailed("the restored tree differs from the checkpoint:\n" +
+                              "\n".join(bad))
+        git_now = self.r.sh("git status --porcelain && git rev-parse HEAD", self.root).stdout
+        if git_now != self.git_state:
+            raise CheckFailed(f"git sees another state after the restore: {git_now[:500]}")
+        return (f"all {len(now):,} paths equal in kind, mode, size, mtime and content; "
+                "git status clean at the same HEAD")
 
-    def refuse_overwrite(self) -> str:
-        _, p = self.rw("materialize", self.refs["changed"], str(self.restored), check=False)
-        if p.returncode != 6:
-            raise CheckFailed(f"materialize onto a different tree exited {p.returncode}, "
-                              "expected 6 (destination problem)")
-        return f"refused with exit 6, nothing touched: {p.stderr.strip()}"
+    def history(self) -> str:
+        assert self.live is not None
+        events = self.live.history(self.refs)
+        refs = [r for _, r in events]
+        for name in ("seed", "work", "pre_restore"):
+            if name in self.refs and self.refs[name] not in refs:
+                raise CheckFailed(f"the {name} checkpoint {self.refs[name]} is not in the "
+                                  "history")
+        return f"{len(events)} event(s): " + ", ".join(w for w, _ in events)
+
+    def browse_old(self) -> str:
+        self.ro.mkdir()
+        data, _ = self.r.rw("mount", "--ro", self.refs["seed"], str(self.ro))
+        self.ro_pid = int(data["pid"])
+        old = manifest(self.ro)
+        staged = manifest(self.staged)
+        bad = manifest_diff(staged, old)
+        if bad:
+            raise CheckFailed("the read-only mount of the seed differs from the staged "
+                              "project:\n" + "\n".join(bad))
+        some = next(k for k, v in sorted(old.items()) if v[0] == "file")
+        p = self.r.sh(f"head -c 200 {shlex.quote(some)} | wc -c && "
+                      f"touch {shlex.quote(some)} 2>&1 || true", self.ro)
+        if "Read-only file system" not in p.stdout:
+            raise CheckFailed(f"a write to the read-only mount was not refused: {p.stdout}")
+        self.r.rw("umount", str(self.ro))
+        pid, self.ro_pid = self.ro_pid, None
+        if alive(pid):
+            raise CheckFailed(f"the read-only daemon {pid} still runs after umount")
+        return (f"the seed reads back as staged ({len(old):,} paths, all equal) while the "
+                "session is live; writes refused (EROFS); unmounted")
+
+    def stop(self) -> str:
+        assert self.live is not None
+        what = self.live.stop()
+        if mounted(self.root):
+            raise CheckFailed(f"{self.root} is still mounted")
+        pid = getattr(self.live, "pid", None)
+        deadline = time.monotonic() + 30
+        while pid is not None and alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pid is not None and alive(pid):
+            raise CheckFailed(f"the session process {pid} still runs")
+        return f"{what}; {rel(str(self.root))} is no longer a mount"
 
     def verify(self) -> str:
-        data, p = self.rw("verify", check=False)
+        data, p = self.r.rw("verify", check=False)
         if p.returncode != 0 or not data or not data.get("ok"):
             raise CheckFailed(f"verify reported problems: {p.stdout.strip()[:2000]}")
-        return f"no broken invariant{self.ms(data)}"
-
-    def stats(self) -> str:
-        data, _ = self.rw("stats")
-        return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in data.items())
+        stats, _ = self.r.rw("stats")
+        return (f"every object re-hashed, no broken invariant ({daemon_ms(data)}); store: "
+                f"{stats['snapshots']} snapshot(s), {stats['stored_bytes'] / 1e6:.1f} MB stored "
+                f"for {stats['logical_bytes'] / 1e6:.1f} MB")
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) > 1:
-        print("usage: mainjob.py [SOURCE_DIR]", file=sys.stderr)
-        return 2
-    source = Path(argv[0]) if argv else REPO
+    ap = argparse.ArgumentParser(prog="mainjob.py", description=__doc__.split("\n")[0])
+    ap.add_argument("source", nargs="?", help="the project directory (default: this "
+                    "repository)")
+    ap.add_argument("--sdist", action="store_true",
+                    help="use the pinned Django sdist of the benchmarks as the project")
+    ap.add_argument("--mode", choices=("auto", "session", "mount"), default="auto",
+                    help="session: `rewindfs session new`; mount: `rewindfs mount --state`; "
+                    "auto: a session when its root is a FUSE mount, else a mount")
+    ap.add_argument("--test-cmd", help="the project's test command, run in the mount root")
+    ap.add_argument("--scratch", type=Path, default=REPO / "agent-data" / "mainjob",
+                    help="scratch directory, removed at the end (default agent-data/mainjob)")
+    args = ap.parse_args(argv)
+    if args.sdist and args.source:
+        ap.error("give a directory or --sdist, not both")
+    if args.sdist:
+        sys.path.insert(0, str(REPO / "scripts" / "bench"))
+        from common import DJANGO, unpacked_tree
+
+        source = unpacked_tree(*DJANGO)
+    else:
+        source = Path(args.source) if args.source else REPO
     if not source.is_dir():
         print(f"mainjob: {source} is not a directory", file=sys.stderr)
         return 2
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK) or shutil.which("fusermount3") is None:
+        print("mainjob: FUSE is not usable here (/dev/fuse or fusermount3 missing)",
+              file=sys.stderr)
+        return 1
     os.umask(0o022)
-    return MainJob(source).run()
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    return MainJob(source, args.mode, args.test_cmd, args.scratch).run()
 
 
 if __name__ == "__main__":
