@@ -81,7 +81,9 @@ class Store:
     blobs elsewhere (the index and lock stay under ``root``). ``chunk_size`` (bytes, power of
     two from 64 KiB to 8 MiB) and ``level`` (zstd level) are fixed when the store is created;
     later opens read them from the backend. Safe to use from several threads; each thread
-    gets its own SQLite connection.
+    gets its own SQLite connection. A missing index next to a backend holding packs is
+    rebuilt at open (``rebuild-index``: GC then waits for a clean ``verify``); a damaged one
+    is a StoreError saying so.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, backend: BlobBackend | None = None,
@@ -111,7 +113,19 @@ class Store:
                 self.backend.sync()
             self.chunk_size: int = int(cfg["chunk_size"])
             self.level: int = int(cfg["level"])
-            schema.create(self.conn)
+            fresh_index = not os.path.exists(self.index_path)
+            try:
+                schema.create(self.conn)
+            except sqlite3.DatabaseError as e:
+                self.close()
+                raise StoreError(f"the index {self.index_path} is damaged ({e}); move it away "
+                                 "and open the store again to rebuild it from the backend") from None
+            if fresh_index and self.backend.list("packs/"):
+                # The index is only a cache: one lost next to a backend that holds packs is
+                # rebuilt, never started empty (GC would take every pack for a leftover).
+                from .rebuild import rebuild_index  # rebuild.py imports this module
+
+                rebuild_index(self)
         finally:
             os.close(init_fd)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import treegen
 
-from store.errors import DestNotEmptyError, MaterializeError, SnapshotError
+from store.errors import DestNotEmptyError, GCError, MaterializeError, SnapshotError, StoreError
 from store.gc import gc
 from store.materialize import materialize
 from store.objects import Store
@@ -296,3 +296,33 @@ def test_materialize_into_the_store_is_refused(tmp_path: Path) -> None:
             materialize(s, ref, dest)
     assert s.backend.list("") == keys and verify(s) == []
     materialize(s, ref, tmp_path / "store-out")  # a sibling sharing the prefix is fine
+
+
+def test_lost_index_is_rebuilt_and_damaged_index_is_a_typed_error(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(os.urandom(5000))
+    s = Store(tmp_path / "store", chunk_size=CS)
+    kept = snapshot(s, src, label="kept")
+    (src / "g").write_bytes(b"more")
+    gone = snapshot(s, src)
+    s.forget(gone)
+    s.close()
+    index = tmp_path / "store" / "index.sqlite"
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(index) + suffix).unlink(missing_ok=True)
+    s = Store(tmp_path / "store")
+    # The snapshot list comes back from the history objects; GC waits for verify, since a
+    # rebuilt index cannot prove it is complete.
+    assert [(i.ref, i.label) for i in s.list_snapshots()] == [(kept, "kept")]
+    with pytest.raises(GCError):
+        gc(s)
+    assert verify(s) == []
+    gc(s)
+    materialize(s, kept, tmp_path / "out")
+    assert (tmp_path / "out" / "f").read_bytes() == (src / "f").read_bytes()
+    s.close()
+    with open(index, "r+b") as fh:
+        fh.write(b"not a database" * 10)
+    with pytest.raises(StoreError, match="index .* is damaged"):
+        Store(tmp_path / "store")
