@@ -286,12 +286,12 @@ class _Walker:
 
     # -- listing and metadata ------------------------------------------------------
 
-    def _list(self, fd: int, rel: bytes
+    def _list(self, fd: int, rel: bytes, with_lstats: bool
               ) -> tuple[list[tuple[bytes, int]], dict[bytes, os.stat_result] | None]:
-        """The directory's (name, type hint) pairs and, with a dirs cache, the lstat of
-        every entry that is not a directory."""
+        """The directory's (name, type hint) pairs and, ``with_lstats`` (a dirs cache row to
+        check), the lstat of every entry that is not a directory."""
         out = []
-        lstats: dict[bytes, os.stat_result] | None = {} if self.use_dirs_cache else None
+        lstats: dict[bytes, os.stat_result] | None = {} if with_lstats else None
         try:
             with os.scandir(fd) as it:
                 for de in it:
@@ -392,7 +392,7 @@ class _Walker:
                 names.extend((n, _hint(lstats[n].st_mode)) for n in lstats)
                 return self._check_row(_Dir(fd, rel, st, xattrs, names, row=row,
                                             lstats=lstats), got.digest)
-        names, listed = self._list(fd, rel)
+        names, listed = self._list(fd, rel, row is not None)
         d = _Dir(fd, rel, st, xattrs, names, row=row, lstats=listed)
         if row is None or listed is None:
             return d
