@@ -15,7 +15,8 @@ How the walk stays safe and bounded:
   mtime or ctime moved while its entries were read, an unreadable entry, a device node, a
   tree that holds the store or lies inside it, and a store that cannot be written (a full
   disk): nothing written is then referenced.
-- Memory: one open directory (fd and listing) per level of depth, one chunk of content at a
+- Memory: one open directory (fd and listing) per level of depth (so a tree deeper than
+  the process's fd limit fails closed with "Too many open files"), one chunk of content at a
   time (plus at most ``_INFLIGHT`` chunks queued for compression), the entries of the
   directories on the path to a hard-linked file (below), and the dirs cache rows under the
   root when there are at most ``_PREFETCH_ROWS`` of them (else they are read per directory).
