@@ -150,6 +150,9 @@ def _spec_from_args(args: argparse.Namespace, base: dict[str, Any] | None) -> di
         spec["idle_s"] = args.idle
     if args.lease_ttl is not None:
         spec["ttl"] = args.lease_ttl
+    if args.no_fuse:
+        spec["backend"] = "fallback"
+    spec.setdefault("backend", "auto")
     return spec
 
 
@@ -281,16 +284,19 @@ def cmd_shutdown(args: argparse.Namespace) -> int:
         emit(args, {"id": args.id, "state": "stopped"}, f"{args.id} is not running")
         return 0
     pid = int(raise_reply(request(path, {"op": "status"}))["pid"])
-    raise_reply(request(path, {"op": "shutdown"}))
+    # A FUSE session replies once it is shut down; its process lives on while other
+    # sessions of the same shared root use it ("exits": false).
+    exits = raise_reply(request(path, {"op": "shutdown"})).get("exits", True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while exits and time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             break
         time.sleep(0.02)
     else:
-        raise RuntimeError(f"the host of {args.id} (pid {pid}) did not exit")
+        if exits:
+            raise RuntimeError(f"the host of {args.id} (pid {pid}) did not exit")
     emit(args, {"id": args.id, "state": "stopped"}, f"{args.id} stopped")
     return 0
 

@@ -368,11 +368,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from fusefs.session.fusetree import state_dirs_reader
     from store.gc import gc
 
     st = open_store(args)
     t0 = time.perf_counter()
-    report = gc(st)
+    report = gc(st, state_dirs_reader=state_dirs_reader)
     data = jsonable(report)
     if not isinstance(data, dict):
         data = {"report": data}

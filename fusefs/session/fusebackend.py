@@ -328,8 +328,12 @@ class RemoteSession:
             return
         try:
             out = request(self.socket, {"op": "shutdown"})
-        except OSError:
-            out = {"ok": True, "exits": True}  # the process is gone already
+        except (FileNotFoundError, ConnectionRefusedError):
+            out = {"ok": True, "exits": True}  # the process was gone already
+        except OSError as e:
+            self._closed = True
+            raise SessionError(f"the session process of {self.id} failed during its "
+                               f"shutdown: {e}") from e
         self._closed = True
         _check(out)
         if out.get("exits", True) and not _wait_exit(self.pid, EXIT_TIMEOUT_S):

@@ -368,7 +368,12 @@ def main(argv: list[str] | None = None) -> int:
                  os.getpid())
         host = proc.open(sid, bool(args.new), Ref.parse(args.seed) if args.seed else None)
     except BaseException as e:
-        log.error("cannot open the session: %s: %s", type(e).__name__, e)
+        from store.errors import StoreError
+
+        from .errors import SessionError
+
+        log.error("cannot open the session: %s: %s", type(e).__name__, e,
+                  exc_info=not isinstance(e, SessionError | StoreError))
         report(error_reply(e))
         if proc is not None and proc.mount is not None:
             proc.mount.stop()

@@ -143,7 +143,10 @@ def pinned_refs(d: str) -> list[Ref]:
     if row is None:
         raise ValueError(f"the upper in {d} records no base")
     out = [Ref.parse(row[0])]
-    out.extend(Ref(ObjectId(bytes(t))) for (t,) in trees)
+    for (t,) in trees:
+        r = Ref(ObjectId(bytes(t)))
+        if r not in out:
+            out.append(r)
     return out
 
 
@@ -257,6 +260,7 @@ class FuseMount:
         self.ready = threading.Event()  # serving, or failed to mount (see ``error``)
         self.unmounted = threading.Event()
         self.error: str | None = None
+        self.served = False  # the mount served at some point (a fixed root is written back)
         self.live: Any = None  # fusefs.control.Live while serving
         self.last: dict[str, Any] = {}  # the daemon's last checkpoint or restore reply
         self.on_mutation: list[Callable[[], None]] = []
@@ -308,12 +312,22 @@ class FuseMount:
                                    | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     def check_root(self) -> None:
-        """Refuse to prepare over a root that something is already mounted on."""
-        from fusefs.mounts import is_mounted
+        """Before mounting (the caller holds the session's leases): lazily unmount what a
+        killed daemon of ours left at the root (a rewindfs mount whose daemon is gone);
+        refuse any other mount there."""
+        from fusefs.mounts import fstype
 
-        if os.path.isdir(self.mountpoint) and is_mounted(self.mountpoint):
-            raise SessionError(f"{self.mountpoint} is already a mount point (another "
-                               "daemon serves it, or a dead one was not unmounted)")
+        for _ in range(8):
+            t = fstype(self.mountpoint)
+            if t is None:
+                return
+            if t != "fuse.rewindfs" or _served(self.mountpoint):
+                raise SessionError(f"{self.mountpoint} is already a mount point ({t}) that "
+                                   "another daemon serves")
+            log.warning("lazily unmounting the dead mount a killed daemon left at %s",
+                        self.mountpoint)
+            _lazy_unmount(self.mountpoint)
+        raise SessionError(f"cannot unmount the dead mounts at {self.mountpoint}")
 
     # -- serving (main thread) -----------------------------------------------------------
 
@@ -357,6 +371,7 @@ class FuseMount:
 
         def serving() -> None:
             self.phase = SERVING
+            self.served = True
             log.info("serving %s at %s (upper %s)", ov.lower.ref, self.mountpoint,
                      self.upper_dir)
             self.ready.set()
@@ -518,7 +533,7 @@ class FuseMount:
                 return
             self._finished = True
         try:
-            if self.fixed and self.error is None and has_upper(self.upper_dir):
+            if self.fixed and self.served and has_upper(self.upper_dir):
                 self.write_back()
         finally:
             if self.root_fd is not None:
@@ -549,6 +564,34 @@ class FuseMount:
         clear_upper(self.upper_dir)
         log.info("wrote %s back into %s in %.1f ms", ref, self.mountpoint,
                  (time.perf_counter() - t0) * 1000)
+
+
+def _served(path: str) -> bool:
+    """True unless the rewindfs mount at ``path`` has lost its daemon: its mount record
+    names a process that is gone, or (no record) the mount answers ENOTCONN."""
+    import errno
+
+    from fusefs.mounts import alive, read_record
+
+    rec = read_record(path)
+    if rec is not None and isinstance(rec.get("pid"), int):
+        return alive(rec["pid"], rec.get("started"))
+    try:
+        os.statvfs(path)  # never answered from the kernel's caches
+    except OSError as e:
+        return e.errno not in (errno.ENOTCONN, errno.ECONNABORTED)
+    return True
+
+
+def _lazy_unmount(path: str) -> None:
+    import shutil
+    import subprocess
+
+    tool = shutil.which("fusermount3")
+    if tool is not None:
+        subprocess.run([tool, "-uz", path], capture_output=True, timeout=60)
+    else:
+        subprocess.run(["umount", "-l", path], capture_output=True, timeout=60)
 
 
 def _terminate(mount: FuseMount) -> None:

@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         ready.write(json.dumps(data) + "\n")
         ready.close()
 
+    # A FUSE session gets its own session process; from a one-shot host start it directly
+    # rather than through a pre-imported parent that would end with this host.
+    os.environ.setdefault("REWINDFS_SESSION_ZYGOTE", "0")
     try:
         spec = json.loads(args.spec)
         ws = Workspace(config_from_spec(spec))
