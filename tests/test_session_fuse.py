@@ -229,6 +229,26 @@ def test_crash_during_write_back_is_rolled_back_and_written_again(
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
 
+def test_sigterm_shuts_down_in_order_and_writes_back(tmp_path: Path) -> None:
+    root = tmp_path / "project"
+    populate(root, 0)
+    ws = workspace(tmp_path, "exclusive", "fuse", root=root)
+    s = ws.new_session()
+    (root / "work").write_text("unsaved\n")
+    final = ref_of(root)
+    n = len(s.log())
+    pid = _pid(s)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while _state(pid) not in ("Z", "X"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not fh.is_fuse_mounted(root) and ref_of(root) == final
+    assert len(s.log()) == n, "no synthetic checkpoint at shutdown"
+    with ws.new_session() as other:  # both leases were released: the root is free at once
+        assert other.log()[0].ref == final
+
+
 # -- shared placement (CONTRACT 4.1) ---------------------------------------------------------
 
 def test_shared_root_one_daemon_later_sessions_attach_last_to_leave_unmounts(
@@ -398,6 +418,16 @@ def test_cli_session_new_is_a_mount_and_shutdown_unmounts(tmp_path: Path) -> Non
     (root / "f").write_text("through the mount\n")
     ref = cli("session", "checkpoint", str(s["id"]))["ref"]
     assert Ref.parse(str(ref)) == ref_of(root)
+    # The live-mount commands reach the same session through its mount point.
+    (root / "g").write_text("more\n")
+    diff = cli("diff", str(root))
+    assert [c["path"] for c in diff["changes"]] == ["g"]  # type: ignore[union-attr]
+    st = cli("status", str(root))
+    assert st["dirty_inodes"] == 1 and st["ref"] == ref
+    ck = cli("checkpoint", str(root))
+    assert ck["unchanged"] is False and Ref.parse(str(ck["ref"])) == ref_of(root)
+    log = json.loads(_rewindfs("log", str(s["id"]), "--json", store=store).stdout)
+    assert [e["trigger"] for e in log] == ["seed", "manual", "manual"]
     listed = json.loads(_rewindfs("session", "list", "--json", store=store).stdout)
     assert [(r["id"], r["state"]) for r in listed] == [(s["id"], "running")]
     cli("session", "shutdown", str(s["id"]))

@@ -77,15 +77,20 @@ class FuseHost(Host):
         mount = self.process.mount
         if op == "status":
             out = Host.dispatch(self, req)
+            live = mount.live
+            if live is not None:  # the mount's own figures (``rewindfs status MNT``)
+                daemon = mount.call_sync(live.status)
+                out.update({k: v for k, v in daemon.items() if k not in out})
             out.update(mountpoint=mount.mountpoint, state=s.record.state_dir,
                        backend="fuse", users=mount.users)
             return out
         if op == "checkpoint":
             t0 = time.perf_counter()
             out = Host.dispatch(self, req)
+            last = mount.last
             out.update(elapsed_ms=round((time.perf_counter() - t0) * 1000, 3),
-                       unchanged=mount.last.get("unchanged"),
-                       daemon_ms=mount.last.get("elapsed_ms"))
+                       unchanged=last.get("unchanged"), packs=last.get("packs", 0),
+                       bytes=last.get("bytes", 0), phases=last.get("phases"))
             return out
         if op == "restore":
             t0 = time.perf_counter()
@@ -366,22 +371,48 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(proc.log_path(rec))
         log.info("session %s: %s (pid %d)", sid, "new" if args.new else "resume",
                  os.getpid())
-        host = proc.open(sid, bool(args.new), Ref.parse(args.seed) if args.seed else None)
+        proc.mount = mount = proc.make_mount(rec)
     except BaseException as e:
-        from store.errors import StoreError
-
-        from .errors import SessionError
-
-        log.error("cannot open the session: %s: %s", type(e).__name__, e,
-                  exc_info=not isinstance(e, SessionError | StoreError))
+        log.error("cannot open the session: %s: %s", type(e).__name__, e)
         report(error_reply(e))
-        if proc is not None and proc.mount is not None:
-            proc.mount.stop()
         return int(getattr(e, "exit_code", 1) or 1)
-    mount = proc.mount
+    opened: list[FuseHost] = []
+    failed: list[BaseException] = []
+
+    def opener() -> None:
+        # The runtime opens the session (leases, recovery, seed). A new session's tree is
+        # mounted as soon as its base is known (``mount.decided``), while the seed event is
+        # journaled: the root is reported usable only when both are done.
+        try:
+            assert proc is not None
+            opened.append(proc.open(sid, bool(args.new),
+                                    Ref.parse(args.seed) if args.seed else None))
+        except BaseException as e:
+            from store.errors import StoreError
+
+            from .errors import SessionError
+
+            log.error("cannot open the session: %s: %s", type(e).__name__, e,
+                      exc_info=not isinstance(e, SessionError | StoreError))
+            failed.append(e)
+        finally:
+            mount.decided.set()
+
+    ot = threading.Thread(target=opener, name="open", daemon=True)
+    ot.start()
+    mount.decided.wait()
+    if failed:  # before anything was mounted (the runtime released the leases already)
+        ot.join()
+        report(error_reply(failed[0]))
+        return int(getattr(failed[0], "exit_code", 1) or 1)
 
     def lifecycle() -> None:
         mount.ready.wait()
+        ot.join()
+        if failed:  # the session was closed again by the runtime (mount stopped)
+            report(error_reply(failed[0]))
+            return
+        host = opened[0]
         if mount.error is not None:
             try:
                 host.session.shutdown()
@@ -389,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 report(error_reply(RuntimeError(mount.error)))
             return
         try:
+            assert proc is not None
             proc.start_host(host)
             if proc.shared:
                 proc.serve_attach(rec)
@@ -407,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     # every session still open down in the contract's order, then leave.
     proc.stop_attach()
     proc.shutdown_all()
-    if mount.error is not None and code == 0:
-        code = 9
+    if (mount.error is not None or failed) and code == 0:
+        code = int(getattr(failed[0], "exit_code", 9) or 9) if failed else 9
     log.info("session process %d exits with %d", os.getpid(), code)
     return code
 

@@ -270,6 +270,9 @@ class FuseMount:
         self._closing = False
         self._finished = False
         self._restore_lock: Any = None
+        self._stop_requested = False
+        self._initialized = False  # pyfuse3.init succeeded: pyfuse3.main runs or ran
+        self.decided = threading.Event()  # a new session's base is known: mount meanwhile
         self.root_fd: int | None = None  # the real directory under a fixed root's mount
 
     # -- users (shared placement) --------------------------------------------------------
@@ -344,7 +347,10 @@ class FuseMount:
         from fusefs.mounts import mount_id, remove_record, start_time, still_mounted, write_record
         from fusefs.operations import Operations
 
-        self.phase = MOUNTING
+        with self._lock:
+            if self._stop_requested:
+                return self._failed("the session closed before its root was mounted")
+            self.phase = MOUNTING
         try:
             self.prepare_root()
             register_state_dir(self.store, self.upper_dir)
@@ -378,8 +384,12 @@ class FuseMount:
 
         async def main() -> None:
             nonlocal our_mount, init_error
-            self._token = trio.lowlevel.current_trio_token()
             self._restore_lock = trio.Lock()
+            with self._lock:  # a ``stop`` from now on terminates through the token
+                self._token = trio.lowlevel.current_trio_token()
+                if self._stop_requested:
+                    init_error = "the session closed before its root was mounted"
+                    return
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(signals, nursery)
                 try:
@@ -388,6 +398,7 @@ class FuseMount:
                     init_error = f"cannot mount {self.mountpoint}: {e}"
                     nursery.cancel_scope.cancel()
                     return
+                self._initialized = True
                 our_mount = mount_id(self.mountpoint)
                 self.live = live
                 write_record(self.mountpoint, {
@@ -513,17 +524,20 @@ class FuseMount:
         """Unmount (if serving) and wait until the upper is persisted and the mount gone."""
         import trio
 
-        if self.phase == PREPARE:
-            self.phase = STOPPED
-            self.unmounted.set()
-            self.ready.set()
-            return
+        with self._lock:
+            self._stop_requested = True
+            if self.phase == PREPARE:
+                self.phase = STOPPED
+                self.unmounted.set()
+                self.ready.set()
+                return
+            token = self._token
         live = self.live
         if live is not None:
             live.closing = True
-        if self._token is not None and not self.unmounted.is_set():
+        if token is not None and not self.unmounted.is_set():
             with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(_terminate, self, trio_token=self._token)
+                trio.from_thread.run_sync(_terminate, self, trio_token=token)
         self.unmounted.wait()
 
     def finish(self) -> None:
@@ -595,9 +609,11 @@ def _lazy_unmount(path: str) -> None:
 
 
 def _terminate(mount: FuseMount) -> None:
+    """On the event loop: end ``pyfuse3.main`` (which runs once the mount is initialized;
+    before that ``run`` sees the stop request itself)."""
     import pyfuse3
 
-    if mount.phase == SERVING or mount.live is not None:
+    if mount._initialized:
         pyfuse3.terminate()
 
 
@@ -683,6 +699,7 @@ class FuseTree:
             raise SessionError(f"{self.root} already has a tree; it cannot be seeded")
         self.store.get_tree(ref.tree_id)
         self.mount.base = ref
+        self.mount.decided.set()
 
     def _snapshot_root(self, origin: str) -> Ref:
         from store.snapshot import snapshot
@@ -704,11 +721,14 @@ class FuseTree:
 
             ov = open_overlay(self.store, m.upper_dir, None)
             try:
-                return checkpoint_overlay(ov, origin=origin).ref
+                ref = checkpoint_overlay(ov, origin=origin).ref
             finally:
                 ov.close()
+            m.decided.set()
+            return ref
         ref = self._snapshot_root(origin)
         m.base = ref
+        m.decided.set()
         return ref
 
     def restore_live(self, ref: Ref, discard: bool, timeout_s: float,
