@@ -436,3 +436,42 @@ def test_cli_session_new_is_a_mount_and_shutdown_unmounts(tmp_path: Path) -> Non
     assert fh.is_fuse_mounted(root) and (root / "f").read_text() == "through the mount\n"
     cli("session", "shutdown", str(r["id"]))
     assert not fh.is_fuse_mounted(root)
+
+
+@pytest.mark.parametrize("placement", ["exclusive", "shared"])
+def test_cli_processes_racing_for_one_fixed_root(tmp_path: Path, placement: str) -> None:
+    """Exclusive: exactly one wins, the other exits with WorkspaceRootBusyError naming the
+    root. Shared: both get sessions of one mount, served by one daemon."""
+    store = tmp_path / "store"
+    root = tmp_path / "root"
+    populate(root, 0)
+    adopted = ref_of(root)
+    argv = [sys.executable, "-m", "rewindfs", "--store", str(store), "session", "new",
+            "--placement", placement, "--root", str(root), "--json"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=str(REPO), env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    codes = [p.returncode for p in procs]
+    ids = [json.loads(o)["id"] for (o, _), c in zip(outs, codes, strict=True) if c == 0]
+    try:
+        if placement == "exclusive":
+            assert sorted(codes) == [0, 10], outs
+            err = next(e for (_, e), c in zip(outs, codes, strict=True) if c != 0)
+            assert "WorkspaceRootBusyError" in err or "is held by another session" in err
+            assert str(root) in err
+        else:
+            assert codes == [0, 0], outs
+            pids = set()
+            for sid in ids:
+                path = control_path(str(store / "sessions" / sid))
+                assert path is not None
+                pids.add(int(request(path, {"op": "status"}, 30)["pid"]))
+            assert len(pids) == 1, "one daemon serves the shared root"
+        assert fh.is_fuse_mounted(root)
+    finally:
+        for sid in ids:
+            r = _rewindfs("session", "shutdown", sid, store=store)
+            assert r.returncode == 0, r.stderr
+    assert not fh.is_fuse_mounted(root)
+    assert ref_of(root) == adopted, "written back as it was"
