@@ -17,7 +17,7 @@ goes through the ``rewindfs`` CLI on the default store (``$REWINDFS_STORE``, els
    DIR`` serves the same overlay and the live commands act on the mount point);
 3. work in the mount: git (commit, or init + add + commit), the project's tests
    (``--test-cmd``; default: two quick test files of this repository, else
-   ``python -m compileall`` of the tree);
+   ``python -m compileall`` of the project's top-level packages);
 4. checkpoint; break things (``rm -rf`` a directory, edit, truncate, chmod, rename, add);
    ``rewindfs diff`` of the live tree; restore the checkpoint and show the tree is back
    exactly (every path's kind, mode, size, mtime and content; git sees the same state);
@@ -402,8 +402,14 @@ class MainJob:
         env.update({"HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1",
                     "GIT_AUTHOR_NAME": "rewindfs main job", "GIT_AUTHOR_EMAIL": "mainjob@localhost",
                     "GIT_COMMITTER_NAME": "rewindfs main job",
-                    "GIT_COMMITTER_EMAIL": "mainjob@localhost", "PYTHONDONTWRITEBYTECODE": ""})
-        env.pop("PYTHONDONTWRITEBYTECODE")
+                    "GIT_COMMITTER_EMAIL": "mainjob@localhost",
+                    # no background `git gc --auto` changing .git behind the job's back; a
+                    # tree copied with its owners may belong to another uid
+                    "GIT_CONFIG_COUNT": "3", "GIT_CONFIG_KEY_0": "gc.auto",
+                    "GIT_CONFIG_VALUE_0": "0", "GIT_CONFIG_KEY_1": "maintenance.auto",
+                    "GIT_CONFIG_VALUE_1": "false", "GIT_CONFIG_KEY_2": "safe.directory",
+                    "GIT_CONFIG_VALUE_2": "*"})
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         self.r = Runner(env)
         self.test_cmd = test_cmd
         self.store_root = Path()
@@ -584,8 +590,11 @@ class MainJob:
         if cmd is None:
             if self.source == REPO:
                 cmd = f"{shlex.quote(str(PY))} -m pytest -q -p no:cacheprovider {REPO_TESTS}"
-            else:
-                cmd = f"{shlex.quote(str(PY))} -m compileall -q ."
+            else:  # byte-compile the project's top-level Python packages (or every file)
+                pkgs = sorted(d for d in os.listdir(self.root)
+                              if (self.root / d / "__init__.py").is_file())
+                cmd = (f"{shlex.quote(str(PY))} -m compileall -q "
+                       f"{' '.join(shlex.quote(d) for d in pkgs) or '.'}")
         p = self.r.sh(cmd, self.root)
         tail = (p.stdout.strip().splitlines() or ["(no output)"])[-1]
         return f"passed: {tail}"
@@ -648,10 +657,14 @@ class MainJob:
     def diff_live(self) -> str:
         data, _ = self.r.rw("diff", str(self.root))
         got = {c["path"]: c["status"] for c in data["changes"]}
-        for c in data["changes"][:12]:
+        shown = [c for c in data["changes"] if c["path"] != ".git"
+                 and not c["path"].startswith(".git/")]
+        for c in shown[:12]:
             print(f"         {c['status']:<9} {c['path']}")
-        if len(data["changes"]) > 12:
-            print(f"         ... {len(data['changes']) - 12} more")
+        more = len(shown) - 12 if len(shown) > 12 else 0
+        in_git = len(data["changes"]) - len(shown)
+        if more or in_git:
+            print(f"         ... and {more} more, {in_git} under .git")
         wrong = {p: s for p, s in self.broken.items() if got.get(p) != s}
         if wrong:
             raise CheckFailed(f"diff missed or misreported {wrong}")
