@@ -236,7 +236,7 @@ class FuseBackend:
                     reply = None
                 if reply is not None and reply.get("ok"):
                     return RemoteSession(record, reply)
-                if reply is not None and reply.get("error") != "SessionError":
+                if reply is not None and reply.get("error") != "MountClosingError":
                     raise rebuild_error(reply)
                 # The process is closing (its last session left): wait for it to go.
                 _wait_exit(int(rec["pid"]), EXIT_TIMEOUT_S)

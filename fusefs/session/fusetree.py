@@ -77,6 +77,11 @@ SERVING = "serving"
 STOPPED = "stopped"
 
 
+class MountClosingError(SessionError):
+    """The shared mount a session tried to attach to is being unmounted (its last session
+    left): wait for its process to exit and start a new one."""
+
+
 # -- state directories ------------------------------------------------------------------------
 
 def root_key(root: str) -> str:
@@ -242,8 +247,9 @@ class FuseMount:
     """One mount of lower + upper at ``mountpoint``, served by ``run`` on the main thread.
 
     ``fixed`` roots are written back at the last ``leave``; ``state_base`` holds the
-    write-back's reconcile log; ``log_path`` is the daemon log (also used for the mount
-    record). ``users`` counts the sessions using the mount (one, or several when shared).
+    write-back's reconcile log; ``state_dir`` is the session state directory named in the
+    mount record (how ``rewindfs checkpoint MNT`` finds the session's control socket).
+    ``users`` counts the sessions using the mount (one, or several when shared).
     """
 
     def __init__(self, store: Any, mountpoint: str, upper: str, *, fixed: bool,
@@ -278,10 +284,10 @@ class FuseMount:
     # -- users (shared placement) --------------------------------------------------------
 
     def join(self) -> None:
-        """A session starts using the mount. Raises SessionError once it is closing."""
+        """A session starts using the mount. Raises MountClosingError once it is closing."""
         with self._lock:
             if self._closing:
-                raise SessionError(f"the mount at {self.mountpoint} is closing")
+                raise MountClosingError(f"the mount at {self.mountpoint} is closing")
             self._users += 1
 
     @property
