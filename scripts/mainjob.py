@@ -38,6 +38,7 @@ Steps are methods of ``MainJob`` listed in ``MainJob.steps``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -179,13 +180,23 @@ class Runner:
             timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         print(f"       $ {shown}", end="", flush=True)
         t0 = time.perf_counter()
+        # its own process group, so that everything it started dies with it if the job
+        # stops it (timeout, SIGINT, SIGTERM); daemons it starts leave that group themselves
+        proc = subprocess.Popen(list(argv), cwd=cwd, env=self.env, text=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, errors="replace",
+                                start_new_session=True)
         try:
-            p = subprocess.run(list(argv), cwd=cwd, env=self.env, text=True,
-                               capture_output=True, timeout=timeout,
-                               stdin=subprocess.DEVNULL, errors="replace")
-        except subprocess.TimeoutExpired as e:
-            print("   [timed out]")
-            raise CheckFailed(f"{shown} took longer than {timeout:.0f} s") from e
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            print("   [stopped]")
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise CheckFailed(f"{shown} took longer than {timeout:.0f} s") from e
+            raise
+        p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         print(f"   [{time.perf_counter() - t0:.2f} s]")
         if check and p.returncode != 0:
             tail = (p.stderr.strip() or p.stdout.strip())[-2000:]
@@ -447,7 +458,7 @@ class MainJob:
         rmtree(self.scratch)
         (self.scratch / "home").mkdir(parents=True)
         total0 = time.perf_counter()
-        ok = True
+        ok, code = True, 0
         try:
             for i, (title, step) in enumerate(self.steps, 1):
                 print(f"[{i:2d}/{len(self.steps)}] {title}", flush=True)
@@ -459,15 +470,23 @@ class MainJob:
                     ok = False
                     break
                 print(f"       -> {summary}  [{time.perf_counter() - t0:.2f} s]", flush=True)
+        except KeyboardInterrupt:
+            print("\n       interrupted (SIGINT)")
+            ok, code = False, 130
+        except SystemExit as e:
+            print(f"\n       stopped (exit {e.code})")
+            ok, code = False, int(e.code or 1)
         finally:
             left = self.cleanup()
         if left:
             ok = False
             print(f"FAILED: still there after clean-up: {left}")
+        else:
+            print("clean-up: nothing mounted or running")
+        store = rel(str(self.store_root)) if self.store_root != Path() else "(none)"
         print(f"main job {'done' if ok else 'FAILED'} in {time.perf_counter() - total0:.1f} s; "
-              f"nothing mounted or running; left behind: the store "
-              f"{rel(str(self.store_root)) if self.store_root != Path() else '(none)'}")
-        return 0 if ok else 1
+              f"left behind: the store {store}")
+        return 0 if ok else (code or 1)
 
     def cleanup(self) -> list[str]:
         """Unmount and end everything the job started, remove the scratch directory; return

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's first command: set up (idempotent), then run the main job on the default
-# store: snapshot a real source tree (this repository, or the directory given), list, diff
-# against a changed copy, materialize back and show the trees are equal. See mainjob.py.
+# store: a session on a real project (this repository, or the directory given; --sdist for
+# the benchmarks' Django sdist), git and the project's tests in the mount, checkpoint, break,
+# diff, restore, a read-only mount of an old checkpoint, shutdown. See mainjob.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,0 +1,133 @@
+"""The main job (README command 1) on a small project: every check holds, and whatever
+happens, nothing stays mounted or running and only the store is left behind.
+
+Each test runs ``scripts/mainjob.py`` in a subprocess on its own store and scratch
+directory, so real mounts are made and unmounted by the job itself; a lazy unmount of
+anything left under the test's directory runs in teardown in case the job did not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MAINJOB = REPO / "scripts" / "mainjob.py"
+
+pytestmark = pytest.mark.skipif(
+    not os.access("/dev/fuse", os.R_OK | os.W_OK), reason="needs /dev/fuse")
+
+
+def mounts_under(root: Path) -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [ln.split()[1] for ln in f if ln.split()[1].startswith(str(root))]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids (other than this one) whose command line mentions ``text``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            out.append(int(d))
+    return out
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+    for m in mounts_under(tmp_path):
+        subprocess.run(["fusermount3", "-uz", m], capture_output=True)
+
+
+def small_project(root: Path) -> Path:
+    """A tiny Python project: a package with a few modules, docs, a nested directory."""
+    proj = root / "proj"
+    pkg = proj / "calc"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""A tiny calculator."""\n')
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "add.py").write_text("def add(a, b):\n    return a + b\n")
+    (pkg / "ops" / "mul.py").write_text("def mul(a, b):\n    return a * b\n")
+    (proj / "docs").mkdir()
+    (proj / "docs" / "index.md").write_text("# calc\n\nAdds and multiplies.\n")
+    (proj / "README.md").write_text("calc\n")
+    (proj / "setup.cfg").write_text("[metadata]\nname = calc\n")
+    os.symlink("docs/index.md", proj / "INDEX.md")
+    return proj
+
+
+def run_job(work: Path, *args: str, **kw: object) -> subprocess.Popen[str]:
+    env = {**os.environ, "REWINDFS_STORE": str(work / "store")}
+    return subprocess.Popen(
+        [sys.executable, str(MAINJOB), *args, "--scratch", str(work / "scratch")],
+        cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        **kw)  # type: ignore[call-overload]
+
+
+def test_main_job_passes_on_a_small_project_and_leaves_only_the_store(work: Path) -> None:
+    proj = small_project(work)
+    before = {p: p.stat().st_mtime_ns for p in proj.rglob("*")}
+    p = run_job(work, str(proj))
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert "main job done" in out
+    for step in ("checkpoint", "restore the checkpoint", "the tree is back",
+                 "mount the seed read-only", "verify the store"):
+        assert f"] {step}" in out
+    assert "all " in out and "paths equal in kind, mode, size, mtime and content" in out
+    assert mounts_under(work) == []
+    assert not (work / "scratch").exists()
+    assert (work / "store").is_dir()
+    # the project itself was only read
+    assert {p: p.stat().st_mtime_ns for p in proj.rglob("*")} == before
+
+
+def test_a_failed_check_exits_nonzero_and_unmounts_everything(work: Path) -> None:
+    proj = small_project(work)
+    p = run_job(work, str(proj), "--test-cmd", "echo the tests fail; exit 3")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 1, out
+    assert "FAILED" in out and "the tests fail" in out
+    assert mounts_under(work) == []
+    assert processes_mentioning(str(work / "scratch")) == []
+    assert not (work / "scratch").exists()
+
+
+def test_sigterm_in_the_middle_unmounts_everything(work: Path) -> None:
+    proj = small_project(work)
+    p = run_job(work, str(proj), "--test-cmd", "touch tests-running; sleep 60")
+    deadline = time.monotonic() + 120
+    scratch = work / "scratch"
+    while time.monotonic() < deadline:
+        if any((Path(m) / "tests-running").exists() for m in mounts_under(scratch)):
+            break
+        if p.poll() is not None:
+            pytest.fail(f"the job ended early: {p.communicate()[0]}")
+        time.sleep(0.1)
+    else:
+        p.kill()
+        pytest.fail("the job never reached its test step")
+    p.send_signal(signal.SIGTERM)
+    try:
+        out, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    assert p.returncode != 0, out
+    assert mounts_under(work) == []
+    assert processes_mentioning(str(scratch)) == [], out
+    assert not scratch.exists()
