@@ -31,6 +31,18 @@ PRELOAD = ("pyfuse3", "trio", "sqlite_utils", "fusefs.operations", "fusefs.overl
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _set_name(name: bytes) -> None:
+    """Name this process (``ps -o comm``, ``top``) so that session processes are not
+    mistaken for the helper whose command line they inherited. Best effort."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(req: dict[str, Any], ready_fd: int, sock: socket.socket) -> None:
     """In the forked child: detach and run the session process (never returns)."""
     code = 1
@@ -43,6 +55,7 @@ def _child(req: dict[str, Any], ready_fd: int, sock: socket.socket) -> None:
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
         os.close(devnull)
+        _set_name(b"rewindfs-session")
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
