@@ -370,3 +370,17 @@ def test_an_ancestor_swapped_while_parked_is_noticed(tmp_path: Path, small: Stor
         with pytest.raises(StoreError, match="replaced"):
             materialize(small, ref, dest, progress=attacker)
         assert swapped and not dest.exists()
+
+
+def test_huge_claimed_file_size_is_an_integrity_error_and_dest_stays_empty(
+        tmp_path: Path, small: Store) -> None:
+    with small.writer() as w:
+        cid = w.put_chunk(b"tiny")
+        root = w.put_tree([Entry(b"a-first", Kind.FILE, 0o644, 0, 0, 0, 4, (cid,)),
+                           Entry(b"huge", Kind.FILE, 0o644, 0, 0, 0, 1 << 62, (cid,))])
+        w.commit()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with pytest.raises(IntegrityError, match="huge"):
+        materialize(small, Ref(root), dest)
+    assert os.listdir(dest) == []
