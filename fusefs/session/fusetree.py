@@ -33,7 +33,13 @@ mounted again and written back at the next clean shutdown.
 
 Restart (4.6): the upper records its base; a resumed session whose restore pointer differs
 (a crash between the upper's commit and the journal append) journals the recorded base as
-``WorkspaceRestored`` before mounting it, with the preserved upper on top.
+``WorkspaceRestored`` before mounting it, with the preserved upper on top. A dead mount a
+killed daemon left at the root is unmounted lazily first (the resuming process holds the
+session's leases, so no live daemon of this session can be serving it).
+
+Known limit: writes that reach a fixed root's real directory below the mount (a process
+whose working directory was inside it before the mount, or a write between the adoption
+snapshot and the mount) are not seen by the session and are replaced at write-back.
 """
 
 from __future__ import annotations
