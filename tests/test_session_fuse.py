@@ -258,12 +258,20 @@ def test_shared_root_one_daemon_later_sessions_attach_last_to_leave_unmounts(
     adopted = ref_of(root)
     ws = workspace(tmp_path, "shared", "fuse", root=root)
     s1 = ws.new_session()
-    other = workspace(tmp_path, "shared", "fuse", root=root, store=ws.store)
+    other = workspace(tmp_path, "shared", "fuse", root=root, store=ws.store,
+                      policy=SnapshotPolicy("on_turn_done"))
     s2 = other.new_session()  # another caller: attaches to the running daemon
     try:
         assert _pid(s1) == _pid(s2)
         assert [e.trigger for e in s1.log()] == ["seed"] and s1.log()[0].ref == adopted
         assert [e.trigger for e in s2.log()] == ["seed"] and s2.log()[0].ref == adopted
+        s2.turn_done()  # s2 runs under its own policy, s1 under manual
+        deadline = time.monotonic() + 30
+        while [e.trigger for e in s2.log()] != ["seed", "turn_done"]:
+            assert time.monotonic() < deadline, s2.log()
+            time.sleep(0.02)
+        s1.turn_done()
+        assert [e.trigger for e in s1.log()] == ["seed"]
         (root / "from-s2").write_text("2\n")
         a = s1.checkpoint()
         assert ref_of(root) == a and (root / "from-s2").exists()

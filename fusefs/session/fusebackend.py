@@ -217,7 +217,8 @@ class FuseBackend:
 
     def _open(self, cfg: WorkspaceConfig, record: SessionRecord, argv: list[str],
               resume: bool) -> RemoteSession:
-        spec = ["--spec", json.dumps(spec_of(cfg))]
+        ws_spec = spec_of(cfg)
+        spec = ["--spec", json.dumps(ws_spec)]
         if record.mode != Mode.SHARED.value:
             log = os.path.join(record.state_dir, "daemon.log")
             return RemoteSession(record, _spawn(spec + argv, log))
@@ -231,7 +232,8 @@ class FuseBackend:
                     return RemoteSession(record, _spawn(spec + argv, log))
                 try:
                     reply = request(str(rec["socket"]), {"op": "attach", "id": record.id,
-                                                         "resume": resume}, READY_TIMEOUT_S)
+                                                         "resume": resume, "spec": ws_spec},
+                                    READY_TIMEOUT_S)
                 except OSError:
                     reply = None
                 if reply is not None and reply.get("ok"):

@@ -12,7 +12,8 @@ the main thread (``fusetree.FuseMount.run``), then serves each session's control
 "root", "pid", "socket"}`` (or the typed error, see ``control.error_reply``) on the ready
 descriptor. A shared root's process also serves an attach socket (``attach.sock`` path
 recorded in the shared root's directory as ``attach``): a later session of the same root
-is opened inside this process (``attach {id, resume}``), sharing its mount. ``shutdown``
+is opened inside this process (``attach {id, resume, spec}``, under its own policy),
+sharing its mount. ``shutdown``
 of a session shuts it down before replying (``exits``: whether the process ends with it);
 the last one to leave unmounts, writes a fixed root back, and the process exits. SIGTERM
 and SIGINT unmount and shut every session down in the contract's order.
@@ -199,19 +200,26 @@ class SessionProcess:
             return os.path.join(d, self._log_name)
         return os.path.join(rec.state_dir, self._log_name)
 
-    def open(self, session_id: str, new: bool, seed: Ref | None) -> FuseHost:
-        """Open a registered session on this process's mount and serve its control socket
+    def open(self, session_id: str, new: bool, seed: Ref | None,
+             spec: dict[str, Any] | None = None) -> FuseHost:
+        """Open a registered session on this process's mount, under its own workspace
+        ``spec`` (policy, lease ttl; default this process's), and serve its control socket
         (once the mount serves). Raises the runtime's typed errors."""
         from .api import Session, Workspace
         from .fusetree import FuseTree
         from .runtime import SessionCore
 
+        cfg = self.cfg if spec is None else config_from_spec(dict(spec, backend="fuse"))
+        assert cfg.placement is not None
+        if cfg.placement != self.placement:
+            raise ValueError(f"session {session_id} is placed at {cfg.placement.fingerprint}, "
+                             f"this process serves {self.placement.fingerprint}")
         rec = self.registry.load(session_id)
         self.placement.check_drift(session_id, rec.fingerprint or "")
         if self.mount is None:
             self.mount = self.make_mount(rec)
-        tree = FuseTree(self.cfg, rec, self.mount)
-        core = SessionCore(self.cfg, rec, tree)
+        tree = FuseTree(cfg, rec, self.mount)
+        core = SessionCore(cfg, rec, tree)
         try:
             if new:
                 core.open_new(seed)
@@ -221,8 +229,8 @@ class SessionProcess:
             tree.close()
             raise
         self.mount.on_mutation.append(core.mutated)
-        session = Session(Workspace(self.cfg, backend=_NoBackend()), rec, core)
-        write_json_atomic(os.path.join(rec.state_dir, SPEC_FILE), self.spec)
+        session = Session(Workspace(cfg, backend=_NoBackend()), rec, core)
+        write_json_atomic(os.path.join(rec.state_dir, SPEC_FILE), spec or self.spec)
         host = FuseHost(session, self)
         with self.lock:
             self.hosts.append(host)
@@ -232,7 +240,9 @@ class SessionProcess:
         """The ``attach`` request of a later session of a shared root."""
         if req.get("op") != "attach":
             raise ValueError(f"unknown attach request {req.get('op')!r}")
-        host = self.open(str(req["id"]), not req.get("resume"), None)
+        spec = req.get("spec")
+        host = self.open(str(req["id"]), not req.get("resume"), None,
+                         spec if isinstance(spec, dict) else None)
         self.start_host(host)
         return self.ready_reply(host)
 
