@@ -676,7 +676,7 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
                 os.close(n.fd)
                 n.fd = None
             n.has_data = False
-            n.inline = None
+            ov._drop_inline(n)  # keeps the overlay's inline budget right
         n.lower_links = n.nlink
         n.upper = False
     root = ov.nodes[ROOT_INO]
