@@ -6,8 +6,10 @@ and names are bytes, as in FUSE. Every POSIX failure is an ``OSError`` with its 
 anything else is a bug. Without an upper layer the overlay is read-only (EROFS).
 
 What it owns: lookup and lookup counts, the upper's in-memory state (the upper file is its
-write-behind copy, see ``upper.py``), copy-up (metadata first, data per chunk), whiteouts,
-stable readdir cookies, open handles, and the batches written to the upper.
+write-behind copy, see ``upper.py``), copy-up (metadata first, data per chunk), the content
+of small new files (inline, in memory and in their row, so creating one makes no file on
+disk), whiteouts, stable readdir cookies, open handles, and the batches written to the
+upper.
 
 What it must never do: touch the mount point, block on anything but local files, or write
 the store. Methods are not thread safe: call them from one thread (the trio thread).
