@@ -119,7 +119,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             log_path = os.path.join(state, "daemon.log")
         else:
             log_path = record_path(mnt, ".log")
-    argv = [sys.executable, "-m", "rewindfs", "--store", store, "mount", *(
+    argv = [sys.executable, "-P", "-m", "rewindfs", "--store", store, "mount", *(
         [ref] if ref is not None else []), mnt, "--foreground", "--log", log_path]
     if args.ro:
         argv.append("--ro")
