@@ -96,6 +96,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
         Ref.parse(ref)  # InvalidRefError (exit 3) before anything starts
     if not os.path.isdir(mnt):
+        if is_mounted(mnt):  # a mount that no longer answers: its daemon was killed
+            raise MountError(mnt, "a dead mount is left there (its daemon is gone); run "
+                                  "`rewindfs umount` on it first")
         raise MountError(mnt, "mount point is not a directory")
     if is_mounted(mnt):
         raise MountError(mnt, "something is already mounted there")

@@ -57,3 +57,45 @@ def test_background_mount_ignores_same_named_dirs_in_cwd(tmp_path: Path, shadow:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_kill9_mid_appends_keeps_fsynced_and_dead_mount_is_named(
+        mounter: fh.Mounter, lower_ref: str, fuse_store: Path) -> None:
+    """A writer appends and fsyncs every 20 records while the daemon is killed with -9: the
+    next ``rewindfs mount`` names the dead mount (not "not a directory"), ``rewindfs umount``
+    clears it, and the remount holds every fsynced record, uncorrupted."""
+    d = mounter.rw(lower_ref)
+    assert d.proc is not None and d.state is not None
+    log = d.mnt / "appends.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    synced = 0
+    try:
+        for n in range(1, 2001):
+            os.write(fd, f"{n - 1:08d}\n".encode())
+            if n % 20 == 0:
+                os.fsync(fd)
+                synced = n
+            if n == 1234:
+                os.killpg(d.proc.pid, signal.SIGKILL)
+                d.proc.wait()
+                break
+    except OSError:
+        pass
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    assert fh.is_fuse_mounted(d.mnt)  # the kernel keeps the dead mount
+    r = _cli(d.mnt.parent, "--store", str(fuse_store), "mount", str(d.mnt), "--state",
+             str(d.state))
+    assert r.returncode == 9
+    assert "dead mount" in r.stderr and "not a directory" not in r.stderr, r.stderr
+    u = _cli(d.mnt.parent, "--store", str(fuse_store), "umount", str(d.mnt))
+    assert u.returncode == 0, u.stderr
+    assert not fh.is_fuse_mounted(d.mnt)
+    mounter.kill9(d)  # reaps and forgets the killed daemon
+    mounter.restart(d)
+    lines = log.read_text().splitlines()
+    assert len(lines) >= synced == 1220
+    assert lines == [f"{i:08d}" for i in range(len(lines))]
