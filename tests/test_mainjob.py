@@ -131,3 +131,24 @@ def test_sigterm_in_the_middle_unmounts_everything(work: Path) -> None:
     assert mounts_under(work) == []
     assert processes_mentioning(str(scratch)) == [], out
     assert not scratch.exists()
+
+
+def test_the_readme_python_example_runs() -> None:
+    """The README's Python API example runs as printed and journals what it says."""
+    text = (REPO / "README.md").read_text()
+    blocks = text.split("```python\n")
+    assert len(blocks) == 2, "the README has exactly one Python example"
+    code = blocks[1].split("```", 1)[0]
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    seq_event_trigger = [ln.split()[:3] for ln in lines[:3]]
+    assert seq_event_trigger == [["1", "WorkspaceCheckpointed", "seed"],
+                                 ["2", "WorkspaceCheckpointed", "manual"],
+                                 ["3", "WorkspaceCheckpointed", "pre_restore"]]
+    restored = lines[3].split()
+    assert restored[:2] == ["4", "WorkspaceRestored"]
+    assert restored[-1] == lines[1].split()[-1]  # back to the manual checkpoint
+    assert "modified src/app.py" in lines
+    assert lines[-1] == "b\"print('hello')\\n\""

@@ -1,0 +1,494 @@
+"""Every benchmark of rewindfs in one go, and the Markdown tables of ratios the README shows.
+
+Usage (from the repository root)::
+
+    .venv/bin/python scripts/bench/run_all.py [--quick] [--wait-load L] [--no-readme]
+
+It runs, one after the other (never two at once, so they do not disturb each other), each in
+its own process group with a time limit, the benchmarks of issues 2-6 with sizes chosen so
+that the whole run stays within about 15 minutes on a 2-core machine:
+
+- ``bench_store.py``: snapshot, re-snapshot, materialize and stored size on the Django
+  sdist against ``tar | zstd -3`` and git;
+- ``bench_fuse.py``: a session mount against tmpfs, ext4 and fuse-overlayfs (cold runs drop
+  the kernel caches when run as root);
+- ``bench_checkpoint.py``: checkpoint and restore on trees of 2,000, 20,000 and 200,000
+  files against git and tar+zstd with a staged swap (peers up to 20,000 files);
+- ``bench_sessions.py``: 100 FUSE sessions forked from one 20,000-file snapshot, against the
+  no-FUSE fallback (a staged copy per session, the reference system's method; 3 sessions);
+- ``bench_tools.py``: the Grep and Glob tools over a session mount of a 20,000-file tree
+  against ``rg`` and ``find`` on a native copy.
+
+``--quick`` uses the smallest sizes and one run each (a smoke run, about 5 minutes).
+``--wait-load L`` waits (up to 10 minutes) until the 1-minute load average is below L
+before starting; the load averages before and after each benchmark are part of the report.
+
+It writes ``docs/performance.md`` (the tables of ratios, then each benchmark's own report)
+and replaces the part of ``README.md`` between ``<!-- perf:begin -->`` and
+``<!-- perf:end -->`` with the tables of ratios, so every figure there comes from this
+script. Raw figures go to ``agent-data/bench/run_all/`` as JSON. Exit status 0 when every
+benchmark ran, 1 when one failed or ran out of time (its section then says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+OUT_DIR = REPO / "agent-data" / "bench" / "run_all"
+DOC = REPO / "docs" / "performance.md"
+README = REPO / "README.md"
+BEGIN, END = "<!-- perf:begin -->", "<!-- perf:end -->"
+PY = sys.executable
+
+FUSE_LABELS = {
+    "grep_cold": "grep -r, cold", "grep_warm": "grep -r, warm",
+    "stat_warm": "find -type f + xargs stat, warm", "git_status": "git status, warm",
+    "untar": "untar the tree (create)", "rm_rf": "rm -rf of it",
+    "seq_cold": "256 MiB sequential read, cold", "seq_warm": "256 MiB sequential read, warm",
+    "rand_cold": "2,000 random 4 KiB reads, cold",
+}
+
+
+@dataclass
+class Result:
+    """One benchmark's run: its command, output, figures and the load around it."""
+
+    name: str
+    cmd: list[str]
+    seconds: float = 0.0
+    status: str = "not run"  # ok | failed (exit N) | timed out | skipped
+    stdout: str = ""
+    stderr: str = ""
+    data: Any = None
+    load_before: float = 0.0
+    load_after: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+def fuse_mounts_under(prefix: Path) -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [ln.split()[1] for ln in f
+                if ln.split()[2].startswith("fuse") and ln.split()[1].startswith(str(prefix))]
+
+
+def unmount_under(prefix: Path) -> None:
+    """Lazily unmount every FUSE mount under ``prefix`` (left by a benchmark we stopped)."""
+    for m in sorted(fuse_mounts_under(prefix), key=len, reverse=True):
+        subprocess.run(["fusermount3", "-uz", m], capture_output=True)
+
+
+def run_bench(res: Result, timeout: float) -> None:
+    """Run ``res.cmd`` from the repository root in its own process group; on timeout (or
+    if this script is stopped) kill the group and unmount what it left."""
+    print(f"run_all: {res.name}: {shlex.join(res.cmd)} (limit {timeout:.0f} s)", flush=True)
+    res.load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(res.cmd, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True, errors="replace")
+    try:
+        res.stdout, res.stderr = proc.communicate(timeout=timeout)
+        res.status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+    except BaseException as e:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            res.stdout, res.stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            res.stdout, res.stderr = proc.communicate()
+        res.status = "timed out" if isinstance(e, subprocess.TimeoutExpired) else "stopped"
+        unmount_under(REPO / "agent-data" / "bench")
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+    finally:
+        res.seconds = time.perf_counter() - t0
+        res.load_after = os.getloadavg()[0]
+        print(f"run_all: {res.name}: {res.status} in {res.seconds:.0f} s (load "
+              f"{res.load_before:.1f} -> {res.load_after:.1f})", flush=True)
+        if res.status != "ok":
+            print("\n".join(res.stderr.strip().splitlines()[-15:]), file=sys.stderr)
+
+
+def load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def parse_sessions(text: str) -> dict[str, Any]:
+    """The figures ``bench_sessions.py`` prints (it has no JSON output)."""
+    out: dict[str, Any] = {}
+    m = re.search(r"^backend: (\w+)", text, re.M)
+    if m:
+        out["backend"] = m.group(1)
+    m = re.search(r"(\d+) forks: time until the root is usable, ms: median ([\d.]+), "
+                  r"p90 ([\d.]+), max ([\d.]+)", text)
+    if m:
+        out.update(sessions=int(m.group(1)), usable_median_ms=float(m.group(2)),
+                   usable_p90_ms=float(m.group(3)), usable_max_ms=float(m.group(4)))
+    m = re.search(r"read through it, ms: median ([\d.]+)", text)
+    if m:
+        out["read_median_ms"] = float(m.group(1))
+    m = re.search(r"store growth over all forks: (\d+) pack bytes", text)
+    if m:
+        out["growth_bytes"] = int(m.group(1))
+    m = re.search(r"RSS median ([\d.]+) MiB", text)
+    if m:
+        out["rss_median_mib"] = float(m.group(1))
+    m = re.search(r"shutdown: ([\d.]+) ms per session", text)
+    if m:
+        out["shutdown_ms"] = float(m.group(1))
+    return out
+
+
+def wait_for_load(limit: float, max_wait_s: float = 600) -> None:
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+        print(f"run_all: load average {os.getloadavg()[0]:.1f} >= {limit}; waiting",
+              flush=True)
+        time.sleep(30)
+
+
+# -- the tools benchmark needs a session mount of its tree ---------------------------------
+
+
+def run_tools(res: Result, runs: int, timeout: float) -> None:
+    """Build the 20,000-file tree (kept under ``agent-data/bench/tools-tree``), snapshot it
+    into a scratch store, serve it with ``rewindfs mount REF MNT --state DIR``, run
+    ``bench_tools.py --tree TREE --root MNT``, unmount."""
+    rw = str(Path(PY).parent / "rewindfs")
+    tree = REPO / "agent-data" / "bench" / "tools-tree"
+    work = REPO / "agent-data" / "bench" / "tmp" / "run_all-tools"
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True)
+    mnt = work / "mnt"
+    mnt.mkdir()
+    try:
+        if not (tree / ".built").exists():
+            subprocess.run(["rm", "-rf", str(tree)], check=True)
+            print("run_all: building the tools benchmark's 20,000-file tree", flush=True)
+            sys.path.insert(0, str(HERE))
+            sys.path.insert(0, str(REPO))
+            importlib.import_module("bench_tools").build_tree(str(tree))
+            (tree / ".built").touch()
+        store = str(work / "store")
+        ref = subprocess.run([rw, "--store", store, "snapshot", str(tree)], check=True,
+                             capture_output=True, text=True).stdout.strip()
+        subprocess.run([rw, "--store", store, "mount", ref, str(mnt), "--state",
+                        str(work / "state")], check=True, capture_output=True, text=True)
+        res.cmd = [PY, str(HERE / "bench_tools.py"), "--tree", str(tree), "--root", str(mnt),
+                   "--runs", str(runs), "--json"]
+        run_bench(res, timeout)
+        if res.status == "ok":
+            res.data = json.loads(res.stdout)
+            res.notes.append("the tools see the tree through `rewindfs mount REF MNT --state "
+                             "DIR`; rg and find run on the native tree")
+    finally:
+        if fuse_mounts_under(mnt):
+            subprocess.run([rw, "umount", str(mnt)], capture_output=True, timeout=120)
+        unmount_under(work)
+        subprocess.run(["rm", "-rf", str(work)])
+
+
+# -- the report ---------------------------------------------------------------------------
+
+
+def fmt_s(s: float) -> str:
+    if s >= 100:
+        return f"{s:,.0f} s"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1000:.0f} ms" if s >= 0.01 else f"{s * 1000:.1f} ms"
+
+
+def fmt_ms(ms: float) -> str:
+    return fmt_s(ms / 1000)
+
+
+def ratio(a: float, b: float) -> str:
+    if not b:
+        return "-"
+    r = a / b
+    return f"{r:.2f}x" if r < 10 else f"{r:.0f}x"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def not_run(res: Result) -> str:
+    return f"_Not available: the benchmark {res.status}._"
+
+
+def store_section(res: Result) -> str:
+    d = res.data
+    if res.status != "ok" or not d:
+        return not_run(res)
+    snap = d["snapshot_s"]
+    rows = [
+        ["first snapshot", fmt_s(snap), "`git add -A && git commit`",
+         fmt_s(d["git_commit_s"]), ratio(snap, d["git_commit_s"])],
+        ["first snapshot", fmt_s(snap), "`tar -c | zstd -3`", fmt_s(d["tar_zstd_s"]),
+         ratio(snap, d["tar_zstd_s"])],
+        ["re-snapshot, unchanged tree", fmt_s(d["resnapshot_s"]), "first snapshot",
+         fmt_s(snap), ratio(d["resnapshot_s"], snap)],
+        ["materialize", fmt_s(d["materialize_s"]), "`zstd -dc | tar -x`",
+         fmt_s(d["tar_x_s"]), ratio(d["materialize_s"], d["tar_x_s"])],
+        ["materialize", fmt_s(d["materialize_s"]), "`git checkout`",
+         fmt_s(d["git_checkout_s"]), ratio(d["materialize_s"], d["git_checkout_s"])],
+        ["stored size (packs)", f"{d['pack_bytes'] / 1e6:.1f} MB", "`tar | zstd -3` file",
+         f"{d['tar_zstd_bytes'] / 1e6:.1f} MB", ratio(d["pack_bytes"], d["tar_zstd_bytes"])],
+    ]
+    return (f"Store, on the {d['tree']} sdist ({d['files']:,} files, {d['bytes'] / 1e6:.0f} "
+            f"MB), warm cache, median of {d['runs']} run(s):\n\n" +
+            table(["operation", "rewindfs", "peer", "peer's figure", "rewindfs / peer"], rows))
+
+
+def fuse_section(res: Result) -> str:
+    d = res.data
+    if res.status != "ok" or not d or "rewindfs" not in d:
+        return not_run(res)
+    rw = d["rewindfs"]
+    names = [n for n in ("ext4", "tmpfs", "fuse-overlayfs") if n in d]
+    rows = []
+    for key, label in FUSE_LABELS.items():
+        if key not in rw:
+            continue
+        row = [label, fmt_s(rw[key]["s"])]
+        row += [fmt_s(d[n][key]["s"]) if key in d[n] else "-" for n in names]
+        row += [ratio(rw[key]["s"], d[n][key]["s"]) if key in d[n] else "-" for n in names]
+        rows.append(row)
+    header = (["workload", "rewindfs"] + names + [f"rewindfs / {n}" for n in names])
+    return ("A read-write session mount (`rewindfs mount REF MNT --state DIR`) over the "
+            "Django sdist with its .git and a 256 MiB file, against the same tree on "
+            "tmpfs, on ext4 (the local disk) and under fuse-overlayfs; median of the runs:"
+            "\n\n" + table(header, rows))
+
+
+def checkpoint_section(res: Result) -> str:
+    d = res.data
+    if res.status != "ok" or not d:
+        return not_run(res)
+    rows = []
+    for r in d:
+        rows.append([
+            f"{r['files']:,}", fmt_ms(r["checkpoint_daemon_ms"]),
+            fmt_ms(r["checkpoint_cli_ms"]),
+            fmt_ms(r["git_commit_ms"]) if "git_commit_ms" in r else "-",
+            ratio(r["checkpoint_cli_ms"], r["git_commit_ms"]) if "git_commit_ms" in r else "-",
+            fmt_ms(r["tar_zstd_ms"]) if "tar_zstd_ms" in r else "-",
+            fmt_ms(r["restore_daemon_ms"]), fmt_ms(r["restore_cli_ms"]),
+            fmt_ms(r["git_checkout_ms"]) if "git_checkout_ms" in r else "-",
+            ratio(r["restore_cli_ms"], r["git_checkout_ms"]) if "git_checkout_ms" in r
+            else "-",
+            fmt_ms(r["untar_swap_ms"]) if "untar_swap_ms" in r else "-",
+        ])
+    out = ("Checkpoint after changing 10 files, and restore to the previous checkpoint, on a "
+           "live session mount; \"daemon\" is `elapsed_ms` measured inside the daemon, "
+           "\"CLI\" is `rewindfs checkpoint|restore MNT` end to end (interpreter start "
+           "included), compared with the same work done with git and with a tar+zstd "
+           "archive restored by extraction and a staged directory swap:\n\n")
+    out += table(["files", "checkpoint (daemon)", "checkpoint (CLI)", "git add+commit",
+                  "CLI / git", "tar+zstd", "restore (daemon)", "restore (CLI)",
+                  "git checkout", "CLI / git", "untar+swap"], rows)
+    if len(d) > 1:
+        lo, hi = d[0], d[-1]
+        out += (f"\n\nFrom {lo['files']:,} to {hi['files']:,} files, checkpoint inside the "
+                f"daemon grows {ratio(hi['checkpoint_daemon_ms'], lo['checkpoint_daemon_ms'])}"
+                f" and restore {ratio(hi['restore_daemon_ms'], lo['restore_daemon_ms'])}.")
+    return out
+
+
+def sessions_section(fuse: Result, fallback: Result) -> str:
+    d, f = fuse.data or {}, fallback.data or {}
+    if fuse.status != "ok" or "usable_median_ms" not in d:
+        return not_run(fuse)
+    peer = fallback.status == "ok" and "usable_median_ms" in f
+    rows = [["time until the root is usable (median)", fmt_ms(d["usable_median_ms"]),
+             fmt_ms(f["usable_median_ms"]) if peer else "-",
+             ratio(d["usable_median_ms"], f["usable_median_ms"]) if peer else "-"],
+            ["... p90", fmt_ms(d["usable_p90_ms"]),
+             fmt_ms(f["usable_p90_ms"]) if peer else "-",
+             ratio(d["usable_p90_ms"], f["usable_p90_ms"]) if peer else "-"],
+            ["store growth over all forks", f"{d.get('growth_bytes', '?')} bytes",
+             f"{f.get('growth_bytes', '?')} bytes" if peer else "-", ""]]
+    extra = ""
+    if "rss_median_mib" in d:
+        extra = (f" Each FUSE session is one process (RSS median {d['rss_median_mib']:.0f} "
+                 "MiB, shared pages included).")
+    return (f"{d.get('sessions', '?')} sessions forked from one 20,000-file snapshot "
+            f"(FUSE backend), against the no-FUSE fallback, which copies the tree into each "
+            f"session's root (the reference system's method; {f.get('sessions', '?')} "
+            f"sessions):{extra}\n\n" +
+            table(["", "rewindfs (FUSE)", "staged copy (fallback)", "rewindfs / copy"], rows))
+
+
+def tools_section(res: Result) -> str:
+    d = res.data
+    if res.status != "ok" or not d:
+        return not_run(res)
+    rows = [[r["workload"].replace("|", "\\|"), fmt_ms(r["tool_ms"]), fmt_ms(r["direct_ms"]),
+             ratio(r["tool_ms"], r["direct_ms"])] for r in d["rows"]]
+    return (f"The agent tools (in process, as the MCP server calls them) over a session mount "
+            f"of a 20,000-file tree, against `rg` and `find` run directly on the native tree; "
+            f"median of {d['runs']} runs:\n\n" +
+            table(["workload", "tool", "rg / find", "tool / direct"], rows))
+
+
+def machine() -> str:
+    mem = ""
+    with contextlib.suppress(OSError):
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+            mem = f", {kb / 1024 / 1024:.0f} GiB RAM"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip() or "?"
+    return (f"{os.cpu_count()} CPUs{mem}, Linux {platform.release()}, Python "
+            f"{platform.python_version()}; commit {commit}")
+
+
+def summary(results: dict[str, Result], cmdline: str, total_s: float) -> str:
+    loads = ", ".join(f"{r.name} {r.load_before:.1f}->{r.load_after:.1f}"
+                      for r in results.values() if r.status != "not run")
+    parts = [
+        f"Measured by `{cmdline}` on {datetime.date.today().isoformat()} ({machine()}), "
+        f"in {total_s / 60:.1f} minutes. Times are wall clock; a ratio is rewindfs's time "
+        "(or size) divided by the peer's: below 1 rewindfs is faster (smaller). 1-minute "
+        f"load average before->after each benchmark: {loads} (other work on the machine "
+        "inflates the figures; compare ratios from one run).",
+        "#### Store\n\n" + store_section(results["store"]),
+        "#### Session mount\n\n" + fuse_section(results["fuse"]),
+        "#### Checkpoint and restore\n\n" + checkpoint_section(results["checkpoint"]),
+        "#### Sessions\n\n" + sessions_section(results["sessions"],
+                                                results["sessions-fallback"]),
+        "#### Agent tools\n\n" + tools_section(results["tools"]),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def full_report(results: dict[str, Result], summ: str) -> str:
+    out = ["# rewindfs performance", "",
+           "Written by `scripts/bench/run_all.py`; do not edit by hand. The README shows the "
+           "tables of ratios below; each benchmark's own report follows them.", "",
+           "## Ratios", "", summ, "## Each benchmark's report", ""]
+    for r in results.values():
+        out += [f"### {r.name}", "", f"`{shlex.join(r.cmd)}`: {r.status} in "
+                f"{r.seconds:.0f} s.", ""]
+        out += [f"Note: {n}." for n in r.notes]
+        if r.stdout.strip() and r.name != "tools":
+            out += ["", "```", r.stdout.strip(), "```", ""]
+        elif r.data is not None:
+            out += ["", "```", json.dumps(r.data, indent=1), "```", ""]
+    return "\n".join(out) + "\n"
+
+
+def splice_readme(summ: str) -> bool:
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"run_all: {README} has no {BEGIN} ... {END} section; not changed",
+              file=sys.stderr)
+        return False
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(f"{head}{BEGIN}\n{summ}{END}{tail}")
+    return True
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="smallest sizes, one run each (a smoke run)")
+    ap.add_argument("--wait-load", type=float, metavar="L",
+                    help="wait (at most 10 minutes) for a 1-minute load average below L")
+    ap.add_argument("--no-readme", action="store_true", help="do not touch README.md")
+    ap.add_argument("--only", help="comma-separated benchmarks to run (store, fuse, "
+                    "checkpoint, sessions, tools); the others are reported as not run")
+    args = ap.parse_args(argv)
+    if args.wait_load:
+        wait_for_load(args.wait_load)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    q = args.quick
+    j = {n: OUT_DIR / f"{n}.json" for n in ("store", "fuse", "checkpoint")}
+    for p in j.values():
+        p.unlink(missing_ok=True)
+    bench = [PY]
+    # (name, command, time limit in seconds, how to read its figures)
+    plan: list[tuple[str, list[str], float, Callable[[Result], Any]]] = [
+        ("store", [*bench, str(HERE / "bench_store.py"), "--runs", "1" if q else "3",
+                   "--json", str(j["store"])], 300, lambda r: load_json(j["store"])),
+        ("fuse", [*bench, str(HERE / "bench_fuse.py"), "--runs", "1" if q else "3",
+                  "--heavy-runs", "1", "--json", str(j["fuse"])], 420,
+         lambda r: load_json(j["fuse"])),
+        ("checkpoint", [*bench, str(HERE / "bench_checkpoint.py"), "--sizes",
+                        "2000,20000" if q else "2000,20000,200000", "--runs", "1" if q else "3",
+                        "--no-peers-above", "20000", "--json", str(j["checkpoint"])], 480,
+         lambda r: load_json(j["checkpoint"])),
+        ("sessions", [*bench, str(HERE / "bench_sessions.py"), "--files", "20000",
+                      "--sessions", "20" if q else "100", "--backend", "fuse"], 180,
+         lambda r: parse_sessions(r.stdout)),
+        ("sessions-fallback", [*bench, str(HERE / "bench_sessions.py"), "--files", "20000",
+                               "--sessions", "2" if q else "3", "--backend", "fallback"], 180,
+         lambda r: parse_sessions(r.stdout)),
+    ]
+    only = set(args.only.split(",")) if args.only else None
+    results: dict[str, Result] = {}
+    t0 = time.perf_counter()
+    for name, cmd, limit, read in plan:
+        res = results[name] = Result(name, cmd)
+        if only is not None and name.split("-")[0] not in only:
+            continue
+        run_bench(res, limit)
+        if res.status == "ok":
+            res.data = read(res)
+    tools = results["tools"] = Result("tools", [])
+    if only is None or "tools" in only:
+        run_tools(tools, 1 if q else 3, 240)
+    total = time.perf_counter() - t0
+    for r in results.values():
+        (OUT_DIR / f"{r.name}.out").write_text(r.stdout + "\n--- stderr ---\n" + r.stderr)
+    cmdline = "scripts/bench/run_all.py" + ("".join(f" {a}" for a in argv) if argv else "")
+    summ = summary(results, cmdline, total)
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(full_report(results, summ))
+    print(summ)
+    print(f"run_all: wrote {DOC.relative_to(REPO)}", end="")
+    if not args.no_readme and splice_readme(summ):
+        print(f" and the tables in {README.relative_to(REPO)}", end="")
+    print(f"; total {total / 60:.1f} minutes")
+    bad = [r.name for r in results.values() if r.status not in ("ok", "not run")]
+    if bad:
+        print(f"run_all: not ok: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
