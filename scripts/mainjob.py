@@ -237,13 +237,17 @@ class Live:
     def start(self, seed: str) -> str:
         raise NotImplementedError
 
+    r: Runner
+
     def checkpoint(self, label: str) -> tuple[str, str]:
-        """(Ref, a note on its timing)."""
-        raise NotImplementedError
+        """``rewindfs checkpoint ROOT``: (Ref, a note on its timing)."""
+        data, _ = self.r.rw("checkpoint", str(self.root), "--label", label)
+        return data["ref"], f"{daemon_ms(data)} inside the daemon"
 
     def restore(self, ref: str) -> tuple[str, str]:
-        """(the pre_restore Ref, a note on its timing)."""
-        raise NotImplementedError
+        """``rewindfs restore ROOT REF``: (the pre_restore Ref, a note on its timing)."""
+        data, _ = self.r.rw("restore", str(self.root), ref)
+        return data.get("pre_restore") or "", f"{daemon_ms(data)} inside the daemon"
 
     def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
         """(what, Ref) of the workspace's history, oldest first."""
@@ -312,27 +316,15 @@ class SessionLive(Live):
         except Exception:  # noqa: BLE001 - only used to make sure it ends
             return None
 
-    def checkpoint(self, label: str) -> tuple[str, str]:
-        assert self.id is not None
-        data, _ = self.r.rw("session", "checkpoint", self.id)
-        return data["ref"], f"{daemon_ms(data)} through the CLI"
-
-    def restore(self, ref: str) -> tuple[str, str]:
-        assert self.id is not None
-        data, _ = self.r.rw("session", "restore", self.id, ref)
-        return data.get("pre_restore") or "", f"{daemon_ms(data)} through the CLI"
-
     def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
         assert self.id is not None
-        data, p = self.r.rw("log", self.id)
-        _, text = self.r.rw("log", self.id, json_out=False)
-        for line in text.stdout.splitlines():
-            print(f"         {line}")
+        _, p = self.r.rw("log", self.id, json_out=False)
         out = []
-        for e in data:
-            what = (f"checkpoint ({e.get('trigger')})" if e.get("event") ==
-                    "WorkspaceCheckpointed" else "restore")
-            out.append((what, e["ref"]))
+        for line in p.stdout.splitlines():
+            print(f"         {line}")
+            f = line.split()
+            if len(f) >= 4:
+                out.append((f"{f[2]} {f[3]}" if f[2] == "checkpoint" else f[2], f[-1]))
         return out
 
     def stop(self) -> str:
@@ -367,14 +359,6 @@ class MountLive(Live):
         data, _ = self.r.rw("mount", seed, str(self.root), "--state", str(self.state))
         self.pid = int(data["pid"])
         return f"daemon pid {self.pid}, upper layer in {rel(str(self.state))}"
-
-    def checkpoint(self, label: str) -> tuple[str, str]:
-        data, _ = self.r.rw("checkpoint", str(self.root), "--label", label)
-        return data["ref"], f"{daemon_ms(data)} inside the daemon"
-
-    def restore(self, ref: str) -> tuple[str, str]:
-        data, _ = self.r.rw("restore", str(self.root), ref)
-        return data.get("pre_restore") or "", f"{daemon_ms(data)} inside the daemon"
 
     def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
         data, _ = self.r.rw("list")
@@ -687,12 +671,14 @@ class MainJob:
         wrong = {p: s for p, s in self.broken.items() if got.get(p) != s}
         if wrong:
             raise CheckFailed(f"diff missed or misreported {wrong}")
+        status, _ = self.r.rw("status", str(self.root))
         _, p = self.r.rw("diff", "-u", str(self.root), json_out=False)
         hunk = [ln for ln in p.stdout.splitlines() if "broken by the rewindfs main job" in ln]
         if not hunk:
             raise CheckFailed("diff -u does not show the edit")
         return (f"{len(got)} change(s), the {len(self.broken)} made above among them; "
-                f"diff -u shows the edit: {hunk[0]!r}")
+                f"status: {status['dirty_inodes']} dirty inode(s), {status['dirty_bytes']:,} "
+                f"dirty byte(s); diff -u shows the edit: {hunk[0]!r}")
 
     def restore(self) -> str:
         assert self.live is not None
