@@ -108,6 +108,19 @@ def mount_id(mountpoint: str) -> int | None:
     return found[-1][0] if found else None
 
 
+def mount_device(mountpoint: str) -> str | None:
+    """The ``major:minor`` device of the top mount at ``mountpoint`` (its backing device
+    info lives in ``/sys/class/bdi/<major:minor>``), or None if nothing is mounted there."""
+    want = os.path.abspath(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.partition(" - ")[0].split()
+            if len(parts) > 4 and _unescape(parts[4]) == want:
+                found = parts[2]
+    return found
+
+
 def still_mounted(mountpoint: str, mid: int) -> bool:
     """True if the mount with id ``mid`` is still at ``mountpoint``."""
     return any(m == mid for m, _ in _mounts_at(mountpoint))
