@@ -13,7 +13,8 @@ that the whole run stays within about 15 minutes on a 2-core machine:
 - ``bench_fuse.py``: a session mount against tmpfs, ext4 and fuse-overlayfs (cold runs drop
   the kernel caches when run as root);
 - ``bench_checkpoint.py``: checkpoint and restore on trees of 2,000, 20,000 and 200,000
-  files against git and tar+zstd with a staged swap (peers up to 20,000 files);
+  files against git and tar+zstd with a staged swap (peers up to 20,000 files); the
+  200,000-file tree only once it is built (``--big`` builds it: about 5 minutes, once);
 - ``bench_sessions.py``: 100 FUSE sessions forked from one 20,000-file snapshot, against the
   no-FUSE fallback (a staged copy per session, the reference system's method; 3 sessions);
 - ``bench_tools.py``: the Grep and Glob tools over a session mount of a 20,000-file tree
@@ -429,6 +430,9 @@ def main(argv: list[str]) -> int:
                     help="smallest sizes, one run each (a smoke run)")
     ap.add_argument("--wait-load", type=float, metavar="L",
                     help="wait (at most 10 minutes) for a 1-minute load average below L")
+    ap.add_argument("--big", action="store_true",
+                    help="include the 200,000-file checkpoint tree even when it is not built "
+                    "yet (building it takes about 5 minutes more, once)")
     ap.add_argument("--no-readme", action="store_true", help="do not touch README.md")
     ap.add_argument("--only", help="comma-separated benchmarks to run (store, fuse, "
                     "checkpoint, sessions, tools); the others are reported as not run")
@@ -441,6 +445,8 @@ def main(argv: list[str]) -> int:
     for p in j.values():
         p.unlink(missing_ok=True)
     bench = [PY]
+    big_built = (REPO / "agent-data" / "bench" / "ckpt" / ".src-200000.done").exists()
+    sizes = "2000,20000" + (",200000" if (big_built or args.big) and not q else "")
     # (name, command, time limit in seconds, how to read its figures)
     plan: list[tuple[str, list[str], float, Callable[[Result], Any]]] = [
         ("store", [*bench, str(HERE / "bench_store.py"), "--runs", "1" if q else "3",
@@ -448,9 +454,10 @@ def main(argv: list[str]) -> int:
         ("fuse", [*bench, str(HERE / "bench_fuse.py"), "--runs", "1" if q else "3",
                   "--heavy-runs", "1", "--json", str(j["fuse"])], 420,
          lambda r: load_json(j["fuse"])),
-        ("checkpoint", [*bench, str(HERE / "bench_checkpoint.py"), "--sizes",
-                        "2000,20000" if q else "2000,20000,200000", "--runs", "1" if q else "3",
-                        "--no-peers-above", "20000", "--json", str(j["checkpoint"])], 480,
+        ("checkpoint", [*bench, str(HERE / "bench_checkpoint.py"), "--sizes", sizes,
+                        "--runs", "1" if q else "3",
+                        "--no-peers-above", "20000", "--json", str(j["checkpoint"])],
+         480 if big_built else 900 if args.big else 300,
          lambda r: load_json(j["checkpoint"])),
         ("sessions", [*bench, str(HERE / "bench_sessions.py"), "--files", "20000",
                       "--sessions", "20" if q else "100", "--backend", "fuse"], 180,
