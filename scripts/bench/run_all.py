@@ -234,17 +234,24 @@ def ratio(a: float, b: float) -> str:
     if not b:
         return "-"
     r = a / b
+    if r < 0.1:
+        return f"{r:.2g}x"
     return f"{r:.2f}x" if r < 10 else f"{r:.0f}x"
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    """A Markdown table; a ``|`` inside a cell (even in a code span) is escaped."""
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("\\|", "|").replace("|", "\\|")
+                                 for c in cells) + " |"
+
+    lines = [line(header), "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += [line(r) for r in rows]
     return "\n".join(lines)
 
 
 def not_run(res: Result) -> str:
-    return f"_Not available: the benchmark {res.status}._"
+    return f"_Not available: the {res.name} benchmark: {res.status}._"
 
 
 def store_section(res: Result) -> str:
@@ -343,10 +350,10 @@ def sessions_section(fuse: Result, fallback: Result) -> str:
     if "rss_median_mib" in d:
         extra = (f" Each FUSE session is one process (RSS median {d['rss_median_mib']:.0f} "
                  "MiB, shared pages included).")
-    return (f"{d.get('sessions', '?')} sessions forked from one 20,000-file snapshot "
-            f"(FUSE backend), against the no-FUSE fallback, which copies the tree into each "
-            f"session's root (the reference system's method; {f.get('sessions', '?')} "
-            f"sessions):{extra}\n\n" +
+    return (f"{d.get('sessions', '?')} sessions forked one after the other from one "
+            f"20,000-file snapshot (FUSE backend), against the no-FUSE fallback, which "
+            f"copies the tree into each session's root (the reference system's method; "
+            f"{f.get('sessions', '?')} sessions).{extra}\n\n" +
             table(["", "rewindfs (FUSE)", "staged copy (fallback)", "rewindfs / copy"], rows))
 
 
@@ -354,7 +361,7 @@ def tools_section(res: Result) -> str:
     d = res.data
     if res.status != "ok" or not d:
         return not_run(res)
-    rows = [[r["workload"].replace("|", "\\|"), fmt_ms(r["tool_ms"]), fmt_ms(r["direct_ms"]),
+    rows = [[r["workload"], fmt_ms(r["tool_ms"]), fmt_ms(r["direct_ms"]),
              ratio(r["tool_ms"], r["direct_ms"])] for r in d["rows"]]
     return (f"The agent tools (in process, as the MCP server calls them) over a session mount "
             f"of a 20,000-file tree, against `rg` and `find` run directly on the native tree; "
