@@ -113,6 +113,9 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
             cp = canonical_path(p)
             if is_within(cp, placement.path):
                 raise PersistenceOverlapError(cp, placement.path)
+        store_root = canonical_path(placement.store.root)
+        if is_within(placement.path, store_root):
+            raise PersistenceOverlapError(store_root, placement.path, root_inside=True)
     if leaser is None and placement is not None:
         leaser = placement.leaser or _default_leaser(store)
     return WorkspaceConfig(store, placement, resolved_policy, base, leaser, float(lease_ttl_s),

@@ -65,12 +65,14 @@ class SnapshotPolicyError(SessionError, ValueError):
 
 
 class PersistenceOverlapError(SessionError, ValueError):
-    """A store, index, state or spool path is equal to or under a managed root."""
+    """A store, index, state or spool path is equal to or under a managed root, or (with
+    ``root_inside``) the managed root is equal to or under the store ``path``."""
 
-    def __init__(self, path: str, root: str) -> None:
+    def __init__(self, path: str, root: str, *, root_inside: bool = False) -> None:
         self.path = path
         self.root = root
-        super().__init__(f"persistence path {path} is inside the managed root {root}")
+        super().__init__(f"managed root {root} is inside the store {path}" if root_inside
+                         else f"persistence path {path} is inside the managed root {root}")
 
 
 class PlacementDriftError(SessionError):
