@@ -64,6 +64,12 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
     dies with its parent. ``root``, ``cwd`` and ``hidden`` are canonical absolute paths."""
     argv = [bwrap_path, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
             "--tmpfs", "/tmp"]
+    # The private /tmp would also hide this interpreter's environment (a virtualenv or a
+    # checkout under /tmp): keep it visible, read-only.
+    prefix = os.path.realpath(sys.prefix)
+    if prefix.startswith("/tmp/") and not any(
+            prefix == h or prefix.startswith(h.rstrip("/") + "/") for h in hidden):
+        argv += ["--ro-bind", prefix, prefix]
     for h in hidden:
         argv += _mask(h)
     argv += ["--bind", root, root, "--unshare-pid", "--die-with-parent", "--new-session",
