@@ -18,9 +18,47 @@ holds it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
+
+
+class _Mutation:
+    """``Gate.mutation()``: one shared object, no per-request allocation (it is entered
+    once per mutating FUSE request, so it is written as a plain class, not a generator)."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    async def __aenter__(self) -> None:
+        g = self.gate
+        if g._paused:
+            await g._wait_admitted(False)
+        g._inflight += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        g = self.gate
+        g._inflight -= 1
+        if g._inflight == 0 and g._idle is not None:
+            g._idle.set()
+
+
+class _ReadOpen:
+    """``Gate.opening(False)``: waits only while a restore pauses opens."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    async def __aenter__(self) -> None:
+        if self.gate._opens_paused:
+            await self.gate._wait_admitted(True)
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
 
 
 class Gate:
@@ -30,8 +68,7 @@ class Gate:
         self._paused = 0  # nested pauses
         self._opens_paused = 0
         self._inflight = 0
-        self._idle = trio.Event()
-        self._idle.set()
+        self._idle: trio.Event | None = None  # made by a drain that waits; set at zero
         self._resumed = trio.Event()
         self._resumed.set()
         self.parked = 0  # requests waiting for a resume right now
@@ -41,6 +78,8 @@ class Gate:
         self._permit_block = 0  # checkpoints or restores waiting for permits to end
         self._permits_open = trio.Event()
         self._permits_open.set()
+        self._mutation = _Mutation(self)
+        self._read_open = _ReadOpen(self)
 
     @property
     def paused(self) -> bool:
@@ -54,29 +93,14 @@ class Gate:
             finally:
                 self.parked -= 1
 
-    @asynccontextmanager
-    async def mutation(self) -> AsyncIterator[None]:
+    def mutation(self) -> AbstractAsyncContextManager[None]:
         """Hold admission for one mutating request (waits while paused)."""
-        await self._wait_admitted(False)
-        self._inflight += 1
-        self._idle = trio.Event() if self._inflight == 1 else self._idle
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+        return self._mutation
 
-    @asynccontextmanager
-    async def opening(self, writable: bool) -> AsyncIterator[None]:
+    def opening(self, writable: bool) -> AbstractAsyncContextManager[None]:
         """Hold admission for an open: a writable open counts as a mutation; a read-only
         open waits only while a restore pauses opens."""
-        if writable:
-            async with self.mutation():
-                yield
-            return
-        await self._wait_admitted(True)
-        yield
+        return self._mutation if writable else self._read_open
 
     def pause(self, *, opens: bool = False) -> None:
         """Stop admitting mutations (and with ``opens`` every open) until ``resume``."""
@@ -97,6 +121,8 @@ class Gate:
     async def drain(self) -> None:
         """Wait until no admitted mutation is running (call after ``pause``)."""
         while self._inflight:
+            if self._idle is None or self._idle.is_set():
+                self._idle = trio.Event()
             await self._idle.wait()
 
     @asynccontextmanager
