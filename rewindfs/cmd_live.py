@@ -121,9 +121,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from store.ref import Ref
 
     if args.b is None:
+        from rewindfs.cmd_store import text_path
+
         r = _client(args.a).diff(unified=args.unified)
         text = r.get("text") if args.unified else "\n".join(
-            f"{_STATUS_CHAR.get(c['status'], '?')}\t{c['path']}" for c in r["changes"])
+            f"{_STATUS_CHAR.get(c['status'], '?')}\t{text_path(c['path'])}"
+            for c in r["changes"])
         emit(args, {"a": r["base"], "b": r["ref"], "changes": r["changes"],
                     **({"text": r["text"]} if args.unified else {})}, text or "")
         return 0
