@@ -133,7 +133,10 @@ def _spec_from_args(args: argparse.Namespace, base: dict[str, Any] | None) -> di
             raise UsageError("per-session placement takes --base, not --root")
         if spec["placement"] != "per-session" and args.base is not None:
             raise UsageError(f"{spec['placement']} placement takes --root, not --base")
-        spec["path"] = os.path.abspath(args.root or args.base)
+        given = args.root if args.root is not None else args.base
+        if not given.strip():
+            raise UsageError(f"--{'root' if args.root is not None else 'base'} is empty")
+        spec["path"] = os.path.abspath(given)
     elif args.placement is not None and base is not None and \
             base.get("placement") != args.placement:
         spec.pop("path", None)

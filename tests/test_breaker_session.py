@@ -35,3 +35,14 @@ def test_root_inside_the_store_is_a_typed_refusal_that_creates_nothing(
     assert after == before or set(after) - set(before) <= {"sessions"}
     assert not (store / "sub").exists() and not (store / "ws").exists()
     assert _cli(store, "session", "list").stdout.strip() == ""
+
+
+@pytest.mark.parametrize("how", [["--placement", "exclusive", "--root", ""],
+                                 ["--placement", "shared", "--root", " "],
+                                 ["--base", ""]])
+def test_empty_root_or_base_is_a_usage_error(tmp_path: Path, how: list[str]) -> None:
+    store = tmp_path / "store"
+    r = _cli(store, "session", "new", "--no-fuse", *how)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("rewindfs: ") and "is empty" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr
