@@ -662,6 +662,7 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
         e = pl.entry
         if n.ino != ROOT_INO:
             n.origin = origin_key(pl.parent, pl.name, e)
+            n.parent = pl.parent  # where its (first) name is now, for the closure walk
         if n.kind is Kind.DIR:
             n.lower_tree = e.tree_id
             n.entries = {} if n.ino == ROOT_INO and n.upper else None

@@ -221,6 +221,8 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
         o = origin_key(parent, name, b)
         if o in owner:
             continue  # another name of the same inode already has its number
+        for stale in _unlinked(ov, o):
+            detach(stale)  # an unlinked inode the kernel still holds must not come back
         new_no, ctime = number(ov, parent, name, b, origins)
         if new_no == old_no or (new_no in ov.nodes and origins.get(new_no, b"") is None):
             new_no = ov.next_ino  # the path's content changed: never the old number
@@ -247,6 +249,26 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
     return sp
 
 
+def _unlinked(ov: Overlay, o: bytes) -> list[int]:
+    """Numbers of inodes in memory with identity ``o`` but no name left (unlinked, still
+    looked up or open), which a lookup of ``o`` would otherwise find again."""
+    out = []
+    pin = ov.pins.get(o)
+    cands = [pin[0]] if pin is not None else []
+    salt = 0
+    while True:
+        ino = derive_ino(o, salt)
+        if ino not in ov.nodes:
+            break
+        cands.append(ino)
+        salt += 1
+    for ino in cands:
+        n = ov.nodes.get(ino)
+        if n is not None and n.origin == o and n.nlink == 0 and n.ino != ROOT_INO:
+            out.append(ino)
+    return out
+
+
 def _detach(ov: Overlay, n: Node, children: dict[int, list[Node]]) -> None:
     """No name reaches ``n`` (and, for a directory, its subtree) any more; open handles keep
     what they read. Dropped from memory once the kernel forgets it."""
@@ -259,7 +281,11 @@ def _detach(ov: Overlay, n: Node, children: dict[int, list[Node]]) -> None:
         x.nlink = 0
         x.lower_links = 0
         if x.kind is Kind.DIR:
-            stack.extend(children.get(x.ino, ()))
+            # Only what the directory's own entries name: a node's ``parent`` may be a
+            # directory it was first found in, not where it is now (moved, hard-linked).
+            stack.extend(c for c in children.get(x.ino, ()) if c.origin is not None
+                         and c.origin[:1] == b"p"
+                         and int.from_bytes(c.origin[1:9], "little") == x.ino)
         ov.release_unused(x)
 
 
@@ -284,6 +310,8 @@ def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
             m.xattrs = dict(e.xattrs)
             if ino in sp.origins:
                 m.origin = sp.origins[ino]
+                if m.origin[:1] == b"p":  # the directory holding it now (closure walk)
+                    m.parent = int.from_bytes(m.origin[1:9], "little")
             if m.kind is not Kind.DIR:
                 m.nlink = m.lower_links = (ov.lower.link_count(e.link_group)
                                            if e.link_group is not None else 1)
