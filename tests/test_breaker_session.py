@@ -46,3 +46,17 @@ def test_empty_root_or_base_is_a_usage_error(tmp_path: Path, how: list[str]) -> 
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("rewindfs: ") and "is empty" in r.stderr, r.stderr
     assert "internal error" not in r.stderr
+
+
+@pytest.mark.parametrize("how", [["--placement", "exclusive", "--root", "{f}"],
+                                 ["--placement", "shared", "--root", "{f}"],
+                                 ["--base", "{f}"]])
+def test_root_or_base_that_is_a_file_is_a_typed_placement_error(tmp_path: Path,
+                                                                  how: list[str]) -> None:
+    f = tmp_path / "afile"
+    f.write_text("keep me")
+    r = _cli(tmp_path / "store", "session", "new", "--no-fuse",
+             *[a.format(f=f) for a in how])
+    assert r.returncode == 10, r.stderr
+    assert "canonicalize_failed" in r.stderr and "is not a directory" in r.stderr, r.stderr
+    assert f.read_text() == "keep me"

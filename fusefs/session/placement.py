@@ -189,7 +189,8 @@ def resolve(spec: PlacementSpec) -> Placement:
     """Resolve ``spec``: check store, root and leaser, canonicalize the path, name the lease.
 
     Raises WorkspacePlacementError with kind nil_store, empty_root, nil_leaser,
-    lease_name_invalid or canonicalize_failed.
+    lease_name_invalid or canonicalize_failed (also for a root or base that exists and is not
+    a directory).
     """
     if spec.store is None:
         raise WorkspacePlacementError(WorkspacePlacementError.NIL_STORE,
@@ -205,6 +206,9 @@ def resolve(spec: PlacementSpec) -> Placement:
                                           "an exclusive root needs a leaser")
         check_lease_name(f"{spec.lease_prefix}/x")
     path = canonical_path(spec.path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise WorkspacePlacementError(WorkspacePlacementError.CANONICALIZE_FAILED,
+                                      f"{path} is not a directory")
     if spec.mode is Mode.EXCLUSIVE:
         lease_name = check_lease_name(root_lease_name(path, spec.lease_prefix))
     return Placement(spec.mode, path, spec.store, spec.leaser, lease_name)
