@@ -41,6 +41,7 @@ A test hook stops the daemon at a named point: ``REWINDFS_CRASH_AT=<point>`` mak
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from collections.abc import Iterable
@@ -412,6 +413,15 @@ def _pread(fd: int | None, off: int, size: int) -> bytes:
     return data + bytes(size - len(data)) if len(data) < size else data
 
 
+def _has_data(fd: int, lo: int, hi: int) -> bool:
+    """True unless the byte range [lo, hi) of ``fd`` lies wholly in a hole (SEEK_DATA)."""
+    try:
+        return os.lseek(fd, lo, os.SEEK_DATA) < hi
+    except OSError as e:
+        # ENXIO: no data at or after lo. Anything else (no SEEK_DATA support): assume data.
+        return e.errno != errno.ENXIO
+
+
 class Sink(Protocol):
     """Where ``build`` puts chunks and trees: a ``store.objects.Writer`` or a
     ``MemoryWriter``."""
@@ -431,6 +441,7 @@ def file_chunks(job: FileJob, store: Store, w: Sink) -> tuple[ObjectId, ...]:
             fd = os.open(job.data_path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             fd = None
+    holes: dict[int, ObjectId] = {}
     try:
         out: list[ObjectId] = []
         for i, (lo, ln) in enumerate(chunker.chunk_spans(job.size, cs)):
@@ -452,6 +463,13 @@ def file_chunks(job: FileJob, store: Store, w: Sink) -> tuple[ObjectId, ...]:
                     data += bytes(lend - lo - len(data))
                 if lend < hi:
                     data += _pread(fd, lend, hi - lend)
+            elif fd is None or not _has_data(fd, lo, hi):
+                # A hole of a sparse file: no read, no hash, one put per length.
+                hole = holes.get(ln)
+                if hole is None:
+                    hole = holes[ln] = w.put_chunk(chunker.zeros(ln))
+                out.append(hole)
+                continue
             else:
                 data = _pread(fd, lo, ln)
             out.append(w.put_chunk(data))
