@@ -46,6 +46,7 @@ XATTR_SIZE_MAX = 65536
 # cookie names the same entry for the whole life of a directory (PYFUSE3.md trap 4).
 UPPER_BASE = 1 << 40
 INLINE_BUDGET = 256 << 20  # inline content kept in memory at most; beyond, data files
+MAX_FILE_SIZE = 1 << 40  # 1 TiB: larger sizes get EFBIG (a checkpoint lists every chunk)
 
 _KIND_OF_FMT = {stat.S_IFREG: Kind.FILE, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK: Kind.SOCKET}
 
@@ -651,6 +652,8 @@ class Overlay:
                 raise _err(errno.EINVAL)
             if size < 0:
                 raise _err(errno.EINVAL)
+            if size > MAX_FILE_SIZE:
+                raise _err(errno.EFBIG)
         self._copy_up(n)
         if size is not None:
             self._truncate(n, size)
@@ -888,8 +891,10 @@ class Overlay:
         n = h.node
         if h.flags & os.O_APPEND:
             off = n.size
-        self._copy_up(n)
         end = off + len(data)
+        if end > MAX_FILE_SIZE:
+            raise _err(errno.EFBIG)
+        self._copy_up(n)
         if n.inline is not None:
             if end <= INLINE_MAX:
                 self._write_inline(n, off, data)
