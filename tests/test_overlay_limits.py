@@ -6,12 +6,12 @@ import errno
 import os
 
 import pytest
-from test_overlay import GID, UID, Env, env, ino, ov, read, write  # noqa: F401
+from test_overlay import Env, env, ino, ov, read, write  # noqa: F401,F811
 
 from fusefs.overlay import MAX_FILE_SIZE, Overlay
 
 
-def test_truncate_and_write_beyond_the_limit_are_efbig(env: Env, ov: Overlay) -> None:
+def test_truncate_and_write_beyond_the_limit_are_efbig(env: Env, ov: Overlay) -> None:  # noqa: F811
     write(ov, "huge", b"abc")
     i = ino(ov, "huge")
     with pytest.raises(OSError) as e:
