@@ -33,6 +33,28 @@ class Lease:
     expires_ns: int
 
 
+def holder_is_dead(holder: str) -> bool:
+    """True if ``holder`` (``host:pid:nonce``) names a process of this host that no longer
+    exists: its lease can be taken over before it expires (a holder killed with -9). A
+    holder of another host, of another form, or whose pid is alive (even if reused) is
+    trusted until its lease expires."""
+    import errno
+    import os
+    import socket
+
+    parts = holder.split(":")
+    if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.ESRCH
+    return False
+
+
 class Leaser:
     """Acquire, renew and release leases in ``store``'s index."""
 
@@ -70,7 +92,7 @@ class Leaser:
                 epoch = 1
             elif row[0] == holder and row[2] > now:
                 epoch = row[1]
-            elif row[2] <= now:
+            elif row[2] <= now or holder_is_dead(row[0]):
                 epoch = row[1] + 1
             else:
                 raise LeaseBusyError(name, row[0], row[1])

@@ -154,3 +154,22 @@ def test_exactly_one_process_wins(tmp_path: str) -> None:
     holder = Leaser(Store(root)).current("contended")
     assert holder is not None
     assert all(o == ["busy", holder.holder] for o in outs if o[0] == "busy")
+
+
+def test_a_dead_holder_of_this_host_is_taken_over_before_expiry(tmp_path):
+    import socket
+
+    from store.lease import holder_is_dead
+
+    store = Store(tmp_path / "s")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = f"{socket.gethostname()}:{child.pid}:abcd"
+    alive = f"{socket.gethostname()}:1:abcd"
+    assert holder_is_dead(dead)
+    assert not holder_is_dead(alive)
+    assert not holder_is_dead(f"otherhost:{child.pid}:abcd")
+    leaser = Leaser(store)
+    first = leaser.acquire("session/x", dead, 3600)
+    second = leaser.acquire("session/x", "me:1:zz", 3600)
+    assert second.epoch == first.epoch + 1
