@@ -449,7 +449,12 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
-        return self.ov.getxattr(inode, name)
+        # The kernel asks for security.capability before every write and chown: a missing
+        # attribute is answered without building an OSError to translate.
+        v = self.ov.xattr(inode, name)
+        if v is None:
+            raise FUSEError(errno.ENODATA)
+        return v
 
     @_boundary
     async def listxattr(self, inode: InodeT, ctx: RequestContext) -> Sequence[XAttrNameT]:

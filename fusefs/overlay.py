@@ -709,8 +709,13 @@ class Overlay:
 
     # -- xattrs --------------------------------------------------------------------------
 
+    def xattr(self, ino: int, name: bytes) -> bytes | None:
+        """The value of extended attribute ``name`` of ``ino``, or None if it has none
+        (ENOENT for an unknown inode)."""
+        return self._node(ino).xattrs.get(name)
+
     def getxattr(self, ino: int, name: bytes) -> bytes:
-        v = self._node(ino).xattrs.get(name)
+        v = self.xattr(ino, name)
         if v is None:
             raise _err(errno.ENODATA, name)
         return v
