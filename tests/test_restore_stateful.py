@@ -259,4 +259,4 @@ def test_random_steps_against_a_model(mounter: fh.Mounter, fuse_store: Path,
             os.close(b)
     print(f"ops: {w.stats}, restores: {restores}, snapshots: {len(w.copies)}")
     if STEPS >= 500:
-        assert restores >= 20  # about one step in twelve is a successful restore
+        assert restores >= 10  # a run that restores too rarely tests too little
