@@ -215,7 +215,7 @@ def prepare(tmp: Path) -> tuple[Path, Path, int]:
     log("bench_fuse: preparing the lower tree (copy, git commit, 256 MiB file)")
     sh(["cp", "-a", str(tree), str(lower / "tree")])
     env = dict(GIT, HOME=str(tmp))
-    sh("git init -q && git add -A && git commit -q -m bench", cwd=lower / "tree", env=env)
+    sh("git init -q && git config gc.auto 0 && git add -A && git commit -q -m bench", cwd=lower / "tree", env=env)
     with open(lower / "big.bin", "wb") as f:
         rnd = random.Random(42)
         for _ in range(BIG >> 20):
