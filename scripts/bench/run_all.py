@@ -27,7 +27,9 @@ before starting; the load averages before and after each benchmark are part of t
 It writes ``docs/performance.md`` (the tables of ratios, then each benchmark's own report)
 and replaces the part of ``README.md`` between ``<!-- perf:begin -->`` and
 ``<!-- perf:end -->`` with the tables of ratios, so every figure there comes from this
-script. Raw figures go to ``agent-data/bench/run_all/`` as JSON. Exit status 0 when every
+script. Raw figures go to ``agent-data/bench/run_all/`` (``results.json`` holds the whole
+run; ``--from-results FILE`` writes the reports again from it, measuring nothing, e.g. after
+a change of layout). Exit status 0 when every
 benchmark ran, 1 when one failed or ran out of time (its section then says so).
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import json
@@ -293,9 +296,12 @@ def fuse_section(res: Result) -> str:
         row += [ratio(rw[key]["s"], d[n][key]["s"]) if key in d[n] else "-" for n in names]
         rows.append(row)
     header = (["workload", "rewindfs"] + names + [f"rewindfs / {n}" for n in names])
+    runs = sorted({len(v.get("runs", [])) for v in rw.values()})
+    how = (f"median of {runs[-1]} runs ({runs[0]} for the cold ones, untar and rm -rf)"
+           if len(runs) > 1 else f"median of {runs[0] if runs else '?'} run(s)")
     return ("A read-write session mount (`rewindfs mount REF MNT --state DIR`) over the "
             "Django sdist with its .git and a 256 MiB file, against the same tree on "
-            "tmpfs, on ext4 (the local disk) and under fuse-overlayfs; median of the runs:"
+            f"tmpfs, on ext4 (the local disk) and under fuse-overlayfs; {how}:"
             "\n\n" + table(header, rows))
 
 
@@ -361,7 +367,7 @@ def tools_section(res: Result) -> str:
     d = res.data
     if res.status != "ok" or not d:
         return not_run(res)
-    rows = [[r["workload"], fmt_ms(r["tool_ms"]), fmt_ms(r["direct_ms"]),
+    rows = [[f"`{r['workload']}`", fmt_ms(r["tool_ms"]), fmt_ms(r["direct_ms"]),
              ratio(r["tool_ms"], r["direct_ms"])] for r in d["rows"]]
     return (f"The agent tools (in process, as the MCP server calls them) over a session mount "
             f"of a 20,000-file tree, against `rg` and `find` run directly on the native tree; "
@@ -381,11 +387,12 @@ def machine() -> str:
             f"{platform.python_version()}; commit {commit}")
 
 
-def summary(results: dict[str, Result], cmdline: str, total_s: float) -> str:
+def summary(results: dict[str, Result], cmdline: str, total_s: float, day: str,
+            where: str) -> str:
     loads = ", ".join(f"{r.name} {r.load_before:.1f}->{r.load_after:.1f}"
                       for r in results.values() if r.status != "not run")
     parts = [
-        f"Measured by `{cmdline}` on {datetime.date.today().isoformat()} ({machine()}), "
+        f"Measured by `{cmdline}` on {day} ({where}), "
         f"in {total_s / 60:.1f} minutes. Times are wall clock; a ratio is rewindfs's time "
         "(or size) divided by the peer's: below 1 rewindfs is faster (smaller). 1-minute "
         f"load average before->after each benchmark: {loads} (other work on the machine "
@@ -443,7 +450,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-readme", action="store_true", help="do not touch README.md")
     ap.add_argument("--only", help="comma-separated benchmarks to run (store, fuse, "
                     "checkpoint, sessions, tools); the others are reported as not run")
+    ap.add_argument("--from-results", metavar="FILE", type=Path,
+                    help="measure nothing: write the reports again from a run's saved "
+                    "results (agent-data/bench/run_all/results.json)")
     args = ap.parse_args(argv)
+    if args.from_results:
+        return write_reports(json.loads(args.from_results.read_text()), args.no_readme)
     if args.wait_load:
         wait_for_load(args.wait_load)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -489,13 +501,24 @@ def main(argv: list[str]) -> int:
     total = time.perf_counter() - t0
     for r in results.values():
         (OUT_DIR / f"{r.name}.out").write_text(r.stdout + "\n--- stderr ---\n" + r.stderr)
-    cmdline = "scripts/bench/run_all.py" + ("".join(f" {a}" for a in argv) if argv else "")
-    summ = summary(results, cmdline, total)
+    run = {"cmdline": "scripts/bench/run_all.py" + "".join(f" {a}" for a in argv),
+           "total_s": total, "day": datetime.date.today().isoformat(), "machine": machine(),
+           "results": [dataclasses.asdict(r) for r in results.values()]}
+    (OUT_DIR / "results.json").write_text(json.dumps(run, indent=1))
+    return write_reports(run, args.no_readme)
+
+
+def write_reports(run: dict[str, Any], no_readme: bool) -> int:
+    """Render the tables of one run (as saved in ``results.json``) into docs/performance.md
+    and, unless ``no_readme``, README.md."""
+    results = {d["name"]: Result(**d) for d in run["results"]}
+    total = run["total_s"]
+    summ = summary(results, run["cmdline"], total, run["day"], run["machine"])
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(full_report(results, summ))
     print(summ)
     print(f"run_all: wrote {DOC.relative_to(REPO)}", end="")
-    if not args.no_readme and splice_readme(summ):
+    if not no_readme and splice_readme(summ):
         print(f" and the tables in {README.relative_to(REPO)}", end="")
     print(f"; total {total / 60:.1f} minutes")
     bad = [r.name for r in results.values() if r.status not in ("ok", "not run")]
