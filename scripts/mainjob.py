@@ -30,7 +30,7 @@ works in a scratch directory (default ``agent-data/mainjob/``) that it removes a
 so the store is all it leaves behind; whatever happens (a failed check, an exception,
 SIGINT, SIGTERM), every mount it made is unmounted (``fusermount3 -uz`` as the last resort)
 and every daemon it started is gone before it exits. Exit status 0 when every check held,
-1 when one failed, 2 for bad arguments.
+1 when one failed, 2 for bad arguments, 130 after SIGINT, 143 after SIGTERM.
 
 Steps are methods of ``MainJob`` listed in ``MainJob.steps``.
 """
