@@ -75,16 +75,10 @@ class CheckFailed(Exception):
 
 
 def rmtree(path: Path) -> None:
-    """Remove ``path`` entirely, making read-only directories writable first."""
-    if not path.exists() and not path.is_symlink():
-        return
-    for dirpath, dirs, _files in os.walk(path):
-        for d in dirs:
-            p = os.path.join(dirpath, d)
-            if not os.path.islink(p):
-                os.chmod(p, 0o755)
-    os.chmod(path, 0o755)
-    shutil.rmtree(path)
+    """Remove ``path`` entirely, read-only directories included (the product's own helper)."""
+    from fusefs.session.fallback import force_rmtree
+
+    force_rmtree(str(path))
 
 
 def is_under(path: Path, root: Path) -> bool:
