@@ -552,21 +552,6 @@ def test_hard_link_source_swapped_for_a_symlink(tmp_path: Path, store: Store,
 # -- as an unprivileged user --------------------------------------------------------------------
 
 
-def _as_nobody(fn) -> int:  # type: ignore[no-untyped-def]
-    """Run ``fn()`` in a forked child with uid/gid 65534; return its exit status."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        code = 99
-        try:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            code = fn()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
 
 def _chown_tree(path: Path, uid: int) -> None:
     for dirpath, dirnames, filenames in os.walk(path):
@@ -642,7 +627,7 @@ def test_read_only_dirs_round_trip_and_wipe_as_unprivileged_user(nobody_base: Pa
             return 3 if not os.listdir(nobody_base / "dest2") else 5
         return 6
 
-    assert _as_nobody(child) == 3
+    assert treegen.as_nobody(child) == 3
     got = treegen.describe(nobody_base / "dest")
     assert _without_owner(got) == _without_owner(treegen.describe(src))
     assert {d[2] for d in got.values() if d[0] != "symlink"} == {65534}

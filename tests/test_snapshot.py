@@ -283,21 +283,6 @@ def test_file_changing_while_read_fails_closed(tmp_path: Path, store: Store) -> 
     assert store.list_snapshots() == []
 
 
-def _as_nobody(fn) -> int:  # type: ignore[no-untyped-def]
-    """Run ``fn()`` in a forked child with uid/gid 65534; return its exit status."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        code = 99
-        try:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            code = fn()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
 
 @pytest.mark.parametrize("what", ["file", "dir"])
 def test_unreadable_entry_fails_closed(what: str) -> None:
@@ -327,7 +312,7 @@ def test_unreadable_entry_fails_closed(what: str) -> None:
                 return 3 if "secret" in e.cause and not s.list_snapshots() else 4
             return 0
 
-        assert _as_nobody(child) == 3
+        assert treegen.as_nobody(child) == 3
     finally:
         shutil.rmtree(base)
 

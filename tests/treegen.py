@@ -393,3 +393,19 @@ def cp_a(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
 
 def rel_path(root: Path, rel: bytes) -> bytes:
     return os.fsencode(root) + b"/" + rel
+
+
+def as_nobody(fn) -> int:  # type: ignore[no-untyped-def]
+    """Run ``fn()`` in a forked child with uid/gid 65534; return its exit status."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 99
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = fn()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
