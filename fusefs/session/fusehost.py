@@ -36,7 +36,7 @@ from typing import Any
 
 from store.ref import Ref
 
-from .control import CONTROL_FILE, error_reply, socket_dir
+from .control import error_reply, socket_dir
 from .fusetree import ATTACH_FILE
 from .host import Host, config_from_spec
 from .registry import Registry, SessionRecord, write_json_atomic
@@ -122,19 +122,7 @@ class FuseHost(Host):
         finally:
             with self._cv:
                 self._cv.wait_for(lambda: self._inflight <= 0, timeout=30)
-            try:
-                path = os.path.join(self.session.record.state_dir, CONTROL_FILE)
-                with open(path) as f:
-                    if f.read().strip() == self.sock_path:
-                        os.unlink(path)
-            except FileNotFoundError:
-                pass
-            self._server.shutdown()
-            self._server.server_close()
-            try:
-                os.unlink(self.sock_path)
-            except FileNotFoundError:
-                pass
+            self.close_socket()
             self.closed.set()
 
 

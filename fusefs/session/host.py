@@ -175,16 +175,24 @@ class Host:
         try:
             self.session.shutdown()
         finally:
-            try:
-                os.unlink(os.path.join(self.session.record.state_dir, CONTROL_FILE))
-            except FileNotFoundError:
-                pass
-            self._server.shutdown()
-            self._server.server_close()
-            try:
-                os.unlink(self.sock_path)
-            except FileNotFoundError:
-                pass
+            self.close_socket()
+
+    def close_socket(self) -> None:
+        """Stop serving: drop the state dir's pointer to this socket (only if it still names
+        it), shut the server down and remove the socket file."""
+        try:
+            path = os.path.join(self.session.record.state_dir, CONTROL_FILE)
+            with open(path) as f:
+                if f.read().strip() == self.sock_path:
+                    os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self._server.shutdown()
+        self._server.server_close()
+        try:
+            os.unlink(self.sock_path)
+        except FileNotFoundError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
