@@ -4,6 +4,11 @@ FUSE fixtures (see tests/fusehelpers.py): every mount is served by a separate
 ``rewindfs mount --foreground`` process and is always unmounted (lazily when busy) and its
 daemon reaped at teardown, even when the test failed; a session-level safety net unmounts
 anything still mounted under the test directories at the end.
+
+Every test process gets a private runtime directory: ``XDG_RUNTIME_DIR`` is set at import to
+a fresh 0700 directory (inherited by every daemon and CLI the tests start) and removed at
+the end, so the suite never reads or writes the machine's shared ``$XDG_RUNTIME_DIR`` or
+``/tmp/rewindfs-<uid>``.
 """
 
 from __future__ import annotations
@@ -11,10 +16,15 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Before anything reads it (fusehelpers, the product's modules, subprocesses started later).
+PRIVATE_RUNTIME_DIR = tempfile.mkdtemp(prefix="rewindfs-xdg-")
+os.environ["XDG_RUNTIME_DIR"] = PRIVATE_RUNTIME_DIR
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -47,6 +57,11 @@ def _fuse_safety_net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
     left = fh.unmount_leftovers([base, SHARED_TMP_PREFIX.rstrip("-")])
     if killed or left:
         print(f"\nFUSE safety net: killed {killed}, unmounted {left}", file=sys.stderr)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the private runtime directory (after the safety net stopped every daemon)."""
+    shutil.rmtree(PRIVATE_RUNTIME_DIR, ignore_errors=True)
 
 
 def _require_fuse() -> None:
