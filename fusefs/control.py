@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from store.errors import RefNotFoundError
 from store.ref import Ref
 
 from .session.control import CONTROL_FILE, error_reply, raise_reply, request, socket_dir
@@ -516,6 +517,7 @@ _ERRORS: dict[str, Callable[[dict[str, Any]], Exception]] = {
                                            str(r.get("ref") or ""), str(r.get("message"))),
     "CheckpointError": lambda r: CheckpointError(str(r.get("trigger") or "manual"),
                                                  str(r.get("message"))),
+    "RefNotFoundError": lambda r: RefNotFoundError(str(r.get("ref") or "")),
 }
 
 
@@ -530,15 +532,23 @@ class NotLiveError(Exception):
 
 
 def find_socket(mount_or_state: str) -> str:
-    """The control socket of the session mount at ``mount_or_state`` (a mount point, or
-    its state directory). Raises NotLiveError."""
+    """The control socket of the session mount that holds ``mount_or_state``: a mount point,
+    any path inside a mount, or a state directory. Raises NotLiveError."""
     from .mounts import read_record
 
     path = os.path.abspath(mount_or_state)
     state = None
-    rec = read_record(path)
-    if rec is not None and rec.get("state"):
-        state = str(rec["state"])
+    # The nearest mount point at or above ``path`` that a daemon recorded: a path inside a
+    # mount (``.`` from a subdirectory) finds its mount. State directories never lie inside
+    # a mount, so only without any record is ``path`` taken for one.
+    probe, rec = path, read_record(path)
+    while rec is None and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+        rec = read_record(probe)
+    if rec is not None:
+        path = probe
+        if rec.get("state"):
+            state = str(rec["state"])
     elif os.path.exists(os.path.join(path, CONTROL_FILE)):
         state = path
     if state is None:

@@ -33,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from store.diff import Change, diff_trees
-from store.errors import IntegrityError, ObjectNotFoundError
+from store.errors import IntegrityError, ObjectNotFoundError, RefNotFoundError
 from store.objects import Store
 from store.ref import ObjectId, Ref
 from store.tree import Entry, Kind
@@ -73,8 +73,8 @@ class SwapPlan:
 def verify(store: Store, current: Ref, target: Ref) -> list[Change]:
     """The changes from ``current`` to ``target``, after checking that everything of the
     target that differs is in the store. Raises RestoreError(swap_failed) otherwise."""
+    store.root_tree(target)  # RefNotFoundError (exit 4): nothing to restore to
     try:
-        store.get_tree(target.tree_id)
         changes = diff_trees(store, current.tree_id, target.tree_id)
     except (ObjectNotFoundError, IntegrityError) as e:
         raise RestoreError(RestoreError.SWAP_FAILED, str(target),
@@ -389,9 +389,10 @@ def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Resul
     if any(h.writable for h in ov.handles.values()):
         raise RestoreError(RestoreError.PERMIT_FAILED, str(target), "a file is open for writing")
     store = ov.lower.store
-    verify_only = store.get_tree  # fail before any change if the root is missing
     try:
-        verify_only(target.tree_id)
+        store.root_tree(target)  # fail before any change if the root is missing
+    except RefNotFoundError:
+        raise
     except (ObjectNotFoundError, IntegrityError) as e:
         raise RestoreError(RestoreError.SWAP_FAILED, str(target), str(e)) from None
     pre, rb, uppers = clean(ov, discard=discard)

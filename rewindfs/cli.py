@@ -45,8 +45,51 @@ def emit(args: argparse.Namespace, data: Any, text: str | None = None) -> None:
         print(data)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors (exit 2) also printed as one JSON document on stdout when
+    the command line asks for ``--json``; subparsers inherit the class."""
+
+    def error(self, message: str) -> Any:
+        if "--json" in sys.argv[1:]:
+            print(json.dumps(error_document(UsageError(message), 2), sort_keys=True))
+        super().error(message)
+
+
+class UsageError(Exception):
+    """The command line is not of a command's form (argparse's exit 2)."""
+
+
+def _jsonable(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, bytes):
+        return os.fsdecode(v)
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    return str(v)
+
+
+def error_document(e: BaseException, exit_code: int) -> dict[str, Any]:
+    """The ``--json`` form of a failure: ``ok`` false, ``error`` (the one-line message),
+    ``type`` (the error class, the daemon's for an error raised there), ``kind`` (the
+    error's own ``kind`` where it has one, else the class name), ``exit_code``, and every public field of the typed error (``ref``, ``path``,
+    ``cause``, ...), values as JSON scalars or text."""
+    doc: dict[str, Any] = {f: _jsonable(v) for f, v in vars(e).items()
+                           if not f.startswith("_") and f not in ("args",)}
+    # A daemon's error reaches the CLI as HostError naming the typed error it raised.
+    remote = doc.pop("error", None)
+    etype = remote if isinstance(remote, str) and remote else type(e).__name__
+    kind = getattr(e, "kind", None)
+    doc.update({"ok": False, "error": str(e), "type": etype,
+                "kind": kind if isinstance(kind, str) and kind else etype,
+                "exit_code": exit_code})
+    return doc
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rewindfs", description=__doc__.split("\n")[0])
+    p = _Parser(prog="rewindfs", description=__doc__.split("\n")[0])
     p.add_argument("--store", default=default_store(),
                    help="store directory (default: $REWINDFS_STORE or ./agent-data/store)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -71,24 +114,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Handler = args.handler
+    as_json = bool(getattr(args, "json", False))
     try:
         return handler(args)
-    except KeyboardInterrupt:
-        print("rewindfs: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return _fail(e, 130, "interrupted", as_json)
     except BrokenPipeError:
         return 0
     except Exception as e:  # one line for user errors, traceback only when asked
-        code = getattr(e, "exit_code", None)
-        if code is None and not isinstance(e, OSError):
-            if os.environ.get("REWINDFS_DEBUG"):
-                raise
-            print(f"rewindfs: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
         if os.environ.get("REWINDFS_DEBUG"):
             raise
-        print(f"rewindfs: {e}", file=sys.stderr)
-        return int(code or 1)
+        code = getattr(e, "exit_code", None)
+        if code is None and not isinstance(e, OSError):
+            return _fail(e, 1, f"internal error: {type(e).__name__}: {e}", as_json)
+        return _fail(e, int(code or 1), str(e), as_json)
+
+
+def _fail(e: BaseException, code: int, line: str, as_json: bool) -> int:
+    """Report a failure: the one line on stderr, and with ``--json`` the error document on
+    stdout (so a caller that parses stdout always gets JSON)."""
+    print(f"rewindfs: {line}", file=sys.stderr)
+    if as_json:
+        print(json.dumps(error_document(e, code), sort_keys=True))
+    return code
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from rewindfs.cli import add_json, emit
+from rewindfs.cli import add_json, emit, open_store
 
 EXIT_MOUNT = 9
 READY_TIMEOUT_S = 120.0
@@ -94,7 +94,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if ref is not None:
         from store.ref import Ref
 
-        Ref.parse(ref)  # InvalidRefError (exit 3) before anything starts
+        if os.path.exists(os.path.join(args.store, "index.sqlite")):
+            # RefNotFoundError (exit 4, as for sessions and restore) before anything starts
+            open_store(args).root_tree(Ref.parse(ref))
+        else:
+            Ref.parse(ref)  # InvalidRefError (exit 3) before anything starts
     if not os.path.isdir(mnt):
         if is_mounted(mnt):  # a mount that no longer answers: its daemon was killed
             raise MountError(mnt, "a dead mount is left there (its daemon is gone); run "

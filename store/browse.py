@@ -34,7 +34,7 @@ def resolve(store: Store, ref: Ref | str, path: PathLike = b"") -> Entry | None:
     """
     ref = Ref.parse(ref)
     parts = _components(path)
-    tree = store.get_tree(ref.tree_id)
+    tree = store.root_tree(ref)
     entry: Entry | None = None
     for part in parts:
         if entry is not None:

@@ -42,6 +42,16 @@ class ObjectNotFoundError(StoreError, KeyError):
         return str(self.args[0])
 
 
+class RefNotFoundError(ObjectNotFoundError):
+    """A well-formed Ref whose root tree is not in the store (exit 4 wherever a Ref is
+    used: mount, restore, session, materialize, ls, cat)."""
+
+    def __init__(self, ref: str) -> None:
+        self.ref = ref
+        StoreError.__init__(self, f"snapshot {ref} is not in the store")
+        self.object_id = ref.rpartition(":")[2]
+
+
 class SnapshotNotFoundError(StoreError, KeyError):
     """A path inside a snapshot does not exist (``ls``/``cat``)."""
 

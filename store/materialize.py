@@ -480,7 +480,7 @@ def materialize(store: Store, ref: Ref | str, dest: str | os.PathLike[str], *,
     shown = os.fspath(dest)
     if not isinstance(shown, str):
         shown = os.fsdecode(shown)
-    store.get_tree(ref.tree_id)  # ObjectNotFoundError / IntegrityError before any write
+    store.root_tree(ref)  # RefNotFoundError / IntegrityError before any write
     sroot, target = os.path.realpath(store.root), os.path.abspath(shown)
     if target == sroot or target.startswith(sroot.rstrip("/") + "/"):
         raise MaterializeError(str(ref), shown, "the destination is inside the store")

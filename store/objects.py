@@ -37,6 +37,7 @@ from .errors import (
     BlobNotFoundError,
     IntegrityError,
     ObjectNotFoundError,
+    RefNotFoundError,
     StoreError,
 )
 from .pack import Codec, Location, ObjKind, PackBuilder, decode_record
@@ -255,8 +256,15 @@ class Store:
         return t
 
     def root_tree(self, ref: Ref | str) -> Tree:
-        """The root tree of ``ref`` (InvalidRefError, ObjectNotFoundError, IntegrityError)."""
-        return self.get_tree(Ref.parse(ref).tree_id)
+        """The root tree of ``ref``. Raises InvalidRefError, RefNotFoundError (the root tree
+        is not in the store; an ObjectNotFoundError), IntegrityError."""
+        r = Ref.parse(ref)
+        try:
+            return self.get_tree(r.tree_id)
+        except RefNotFoundError:
+            raise
+        except ObjectNotFoundError:
+            raise RefNotFoundError(str(r)) from None
 
     def iter_file(self, entry: Entry) -> Iterator[bytes]:
         """Yield a file entry's content chunk by chunk, each verified."""

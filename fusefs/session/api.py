@@ -275,7 +275,7 @@ class Workspace:
             if not os.path.isdir(path):
                 raise SeedError(f"{path!r} is neither a Ref nor a directory")
             return snapshot(self.store, path, origin="seed")
-        self.store.get_tree(ref.tree_id)  # ObjectNotFoundError before anything is created
+        self.store.root_tree(ref)  # RefNotFoundError before anything is created
         return ref
 
     # -- opening --------------------------------------------------------------------------

@@ -709,7 +709,7 @@ class FuseTree:
         """Seed or fork: the new upper sits on ``ref``; nothing is copied."""
         if self._attached or has_upper(self.mount.upper_dir):
             raise SessionError(f"{self.root} already has a tree; it cannot be seeded")
-        self.store.get_tree(ref.tree_id)
+        self.store.root_tree(ref)
         self.mount.base = ref
         self.mount.decided.set()
 

@@ -392,7 +392,7 @@ class SessionCore:
         its hooks, the pre-restore checkpoint before the swap and ``WorkspaceRestored``
         right after it."""
         sref = str(ref)
-        self.store.get_tree(ref.tree_id)  # ObjectNotFoundError before anything changes
+        self.store.root_tree(ref)  # RefNotFoundError before anything changes
         pres: list[Ref] = []
 
         def on_pre(pre: Ref) -> None:
