@@ -187,7 +187,8 @@ def entry_of(n: Node, name: bytes) -> Entry:
     if n.kind is Kind.DIR:
         return Entry(name, n.kind, n.mode, n.uid, n.gid, n.mtime_ns,
                      tree_id=ObjectId(bytes(32)), xattrs=xattrs)
-    return Entry(name, n.kind, n.mode, n.uid, n.gid, n.mtime_ns, xattrs=xattrs)
+    return Entry(name, n.kind, n.mode, n.uid, n.gid, n.mtime_ns, xattrs=xattrs,
+                 rdev=n.rdev if n.kind.is_device else 0)
 
 
 def _dirty_dirs(ov: Overlay, uppers: list[Node]) -> tuple[set[int] | None, bool]:

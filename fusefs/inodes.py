@@ -134,6 +134,8 @@ class Node:
             elif e.kind is Kind.SYMLINK:
                 n.size = len(e.target)
                 n.target = e.target
+            elif e.kind.is_device:
+                n.rdev = e.rdev
         return n
 
     @property
@@ -143,10 +145,6 @@ class Node:
     @property
     def st_mode(self) -> int:
         return self.kind.s_ifmt | self.mode
-
-    @property
-    def st_blocks(self) -> int:
-        return (self.size + 511) // 512 if self.kind is Kind.FILE else 0
 
     def __repr__(self) -> str:
         return (f"Node(ino={self.ino}, {stat.filemode(self.st_mode)}, nlink={self.nlink}, "

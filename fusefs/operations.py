@@ -167,10 +167,10 @@ class Operations(pyfuse3.Operations):
         a.st_nlink = n.nlink
         a.st_uid = n.uid
         a.st_gid = n.gid
-        a.st_rdev = 0
+        a.st_rdev = n.rdev
         a.st_size = n.size
         a.st_blksize = BLKSIZE
-        a.st_blocks = n.st_blocks
+        a.st_blocks = self.ov.blocks(n)
         a.st_atime_ns = n.atime_ns
         a.st_mtime_ns = n.mtime_ns
         a.st_ctime_ns = n.ctime_ns

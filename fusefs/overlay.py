@@ -26,8 +26,9 @@ import os
 import stat
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+from store import chunker
 from store.tree import NAME_MAX, Entry, Kind
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
@@ -48,7 +49,8 @@ UPPER_BASE = 1 << 40
 INLINE_BUDGET = 256 << 20  # inline content kept in memory at most; beyond, data files
 MAX_FILE_SIZE = 1 << 40  # 1 TiB: larger sizes get EFBIG (a checkpoint lists every chunk)
 
-_KIND_OF_FMT = {stat.S_IFREG: Kind.FILE, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK: Kind.SOCKET}
+_KIND_OF_FMT = {stat.S_IFREG: Kind.FILE, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK: Kind.SOCKET,
+                stat.S_IFBLK: Kind.BLOCK, stat.S_IFCHR: Kind.CHAR}
 
 
 def _err(code: int, what: object = None) -> OSError:
@@ -146,6 +148,7 @@ class Overlay:
             n.lower_len = r["lower_len"]
             n.present = unbitmap(r["present"])
             n.target = r["target"] or b""
+            n.rdev = r["rdev"] or 0
             n.origin = r["origin"]
             if r["inline"] is not None:
                 n.inline = bytearray(r["inline"])
@@ -272,6 +275,8 @@ class Overlay:
     def lookup(self, parent: int, name: bytes) -> Node | None:
         """The node ``name`` names in ``parent`` with its lookup count raised, or None."""
         d = self._dir(parent)
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG, name)
         if name == b".":
             n: Node | None = d
         elif name == b"..":
@@ -355,6 +360,12 @@ class Overlay:
             self.by_origin[n.origin] = n.ino
         if n.xattrs:
             self._dirty_xattr.add(n.ino)
+
+    @staticmethod
+    def _check_length(name: bytes) -> None:
+        """ENAMETOOLONG for a component over NAME_MAX bytes (before any ENOENT)."""
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG, name)
 
     @staticmethod
     def _check_name(name: bytes) -> None:
@@ -450,6 +461,28 @@ class Overlay:
     def getattr(self, ino: int) -> Node:
         return self._node(ino)
 
+    def blocks(self, n: Node) -> int:
+        """``st_blocks`` of ``n``: the 512-byte units of data it holds, as a file system
+        with holes counts them (tmpfs, ext4), not its logical size. Lower content counts
+        per chunk that is not a hole (a zero chunk); upper content is what its data file
+        allocates on the state directory's file system, inline content its length."""
+        if n.kind is not Kind.FILE:
+            return 0
+        if n.inline is not None and n.upper:
+            return (len(n.inline) + 511) // 512
+        held = 0
+        if n.lower_len:
+            held = lower_held(n.lower_chunks, n.lower_len, n.present, self.cs)
+        blocks = (held + 511) // 512
+        if n.has_data and self.upper is not None:
+            try:
+                st = (os.fstat(n.fd) if n.fd is not None
+                      else os.stat(self.upper.data_path(n.ino)))
+            except FileNotFoundError:
+                return blocks
+            blocks += st.st_blocks
+        return blocks
+
     def readlink(self, ino: int) -> bytes:
         n = self._node(ino)
         if n.kind is not Kind.SYMLINK:
@@ -458,12 +491,17 @@ class Overlay:
 
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
               gid: int) -> Node:
-        """Create a fifo, socket or (``S_IFREG``) empty file; devices: EPERM."""
-        fmt = stat.S_IFMT(mode)
-        kind = _KIND_OF_FMT.get(fmt)
+        """Create a fifo, socket, (``S_IFREG``) empty file, or block or character device.
+        A device is metadata only (kind and ``rdev``), as on tmpfs; the mount is ``nodev``,
+        so opening it through the mount fails (EACCES from the kernel). Whether the caller
+        may make a device (CAP_MKNOD) is the kernel's check, before the request comes."""
+        kind = _KIND_OF_FMT.get(stat.S_IFMT(mode))
         if kind is None:
-            raise _err(errno.EPERM if fmt in (stat.S_IFCHR, stat.S_IFBLK) else errno.EINVAL)
-        return self._make(parent, name, kind, mode, uid, gid)
+            raise _err(errno.EINVAL)
+        n = self._make(parent, name, kind, mode, uid, gid)
+        if kind.is_device:
+            n.rdev = rdev
+        return n
 
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
         return self._make(parent, name, Kind.DIR, mode, uid, gid)
@@ -476,6 +514,7 @@ class Overlay:
     def unlink(self, parent: int, name: bytes) -> None:
         self._mut()
         d = self._dir(parent)
+        self._check_length(name)
         n = self._child(d, name)
         if n is None:
             raise _err(errno.ENOENT, name)
@@ -500,6 +539,7 @@ class Overlay:
         d = self._dir(parent)
         if name == b".":
             raise _err(errno.EINVAL, name)
+        self._check_length(name)
         n = self._child(d, name)
         if n is None:
             raise _err(errno.ENOENT, name)
@@ -534,6 +574,7 @@ class Overlay:
         self._mut()
         d1 = self._dir(parent_old)
         d2 = self._dir(parent_new)
+        self._check_length(name_old)
         self._check_name(name_new)
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or (
                 flags & RENAME_NOREPLACE and flags & RENAME_EXCHANGE):
@@ -887,8 +928,10 @@ class Overlay:
         return data
 
     def write(self, fh: int, off: int, data: bytes) -> int:
-        """Write all of ``data`` at ``off`` (at the end with O_APPEND); returns len(data).
-        The first write into a lower chunk copies that chunk up."""
+        """Write ``data`` at ``off`` (at the end with O_APPEND); returns the bytes written:
+        all of them, except that a write straddling ``MAX_FILE_SIZE`` is cut short there,
+        and one starting at or beyond it fails with EFBIG (as write(2) does at a file size
+        limit). The first write into a lower chunk copies that chunk up."""
         h = self.handle(fh)
         if not h.writable:
             raise _err(errno.EBADF)
@@ -896,9 +939,11 @@ class Overlay:
         n = h.node
         if h.flags & os.O_APPEND:
             off = n.size
-        end = off + len(data)
-        if end > MAX_FILE_SIZE:
+        if data and off >= MAX_FILE_SIZE:
             raise _err(errno.EFBIG)
+        if off + len(data) > MAX_FILE_SIZE:
+            data = data[:MAX_FILE_SIZE - off]
+        end = off + len(data)
         self._copy_up(n)
         if n.inline is not None:
             if end <= INLINE_MAX:
@@ -1076,7 +1121,7 @@ class Overlay:
                     n.lower_tree if n.kind is Kind.DIR else None,
                     b"".join(n.lower_chunks) or None, n.lower_len, bitmap(n.present),
                     n.target or None, n.origin,
-                    bytes(n.inline) if n.inline is not None else None))
+                    bytes(n.inline) if n.inline is not None else None, n.rdev or None))
             else:
                 b.deleted.append(ino)
         for parent, name in self._dirty_dent:
@@ -1120,6 +1165,21 @@ class Overlay:
         if self.upper is not None:
             self.commit(durable=True)
             self.upper.close()
+
+
+def lower_held(chunks: Sequence[bytes], lower_len: int, present: set[int], cs: int) -> int:
+    """Bytes of ``[0, lower_len)`` held by lower chunks that are neither copied up (in
+    ``present``) nor holes (the zero chunk of their length)."""
+    full = chunker.zero_chunk_id(cs)
+    held = 0
+    for i, cid in enumerate(chunks):
+        ln = min(cs, lower_len - i * cs)
+        if ln <= 0:
+            break
+        if i in present or cid == (full if ln == cs else chunker.zero_chunk_id(ln)):
+            continue
+        held += ln
+    return held
 
 
 _SYNCFS_ABOVE = 8  # more unsynced files than this: one syncfs(2) beats one fsync each

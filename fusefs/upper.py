@@ -106,7 +106,8 @@ TABLES: dict[str, dict[str, str]] = {
     },
     "inodes": {
         "ino": "inode number (primary key): 1 root, < 2^62 allocated, >= 2^62 derived.",
-        "kind": "store.tree.Kind: 1 dir, 2 file, 3 symlink, 4 fifo, 5 socket.",
+        "kind": "store.tree.Kind: 1 dir, 2 file, 3 symlink, 4 fifo, 5 socket, 6 block "
+                "device, 7 character device.",
         "mode": "permission bits (07777).",
         "uid": "owner uid.",
         "gid": "owner gid.",
@@ -128,6 +129,8 @@ TABLES: dict[str, dict[str, str]] = {
         "inline": "files: the whole content of a small file kept here instead of a data "
                   "file (bytes beyond it up to size read as zeros); NULL otherwise. Not in "
                   "INODE_COLUMNS: a row written without it has no inline content.",
+        "rdev": "block and character devices: the device number (st_rdev); NULL or 0 "
+                "otherwise. Not in INODE_COLUMNS, like inline.",
     },
     "dentries": {
         "parent": "directory inode holding the name.",
@@ -155,7 +158,7 @@ CREATE TABLE IF NOT EXISTS inodes (
   lower_links INTEGER NOT NULL, size INTEGER NOT NULL, atime_ns INTEGER NOT NULL,
   mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, parent INTEGER NOT NULL,
   lower_tree BLOB, lower_chunks BLOB, lower_len INTEGER NOT NULL, present BLOB,
-  target BLOB, origin BLOB, inline BLOB);
+  target BLOB, origin BLOB, inline BLOB, rdev INTEGER);
 CREATE TABLE IF NOT EXISTS dentries (
   parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
   cookie INTEGER NOT NULL, PRIMARY KEY (parent, name)) WITHOUT ROWID;
@@ -169,7 +172,7 @@ CREATE TABLE IF NOT EXISTS pins (
 INODE_COLUMNS = ("ino", "kind", "mode", "uid", "gid", "nlink", "lower_links", "size",
                  "atime_ns", "mtime_ns", "ctime_ns", "parent", "lower_tree", "lower_chunks",
                  "lower_len", "present", "target", "origin")
-ROW_COLUMNS = INODE_COLUMNS + ("inline",)
+ROW_COLUMNS = INODE_COLUMNS + ("inline", "rdev")
 _INSERT_INODE = (f"INSERT OR REPLACE INTO inodes({', '.join(ROW_COLUMNS)}) "
                  f"VALUES ({', '.join('?' * len(ROW_COLUMNS))})")
 
@@ -275,6 +278,8 @@ class Upper:
             cols = {r[1] for r in conn.execute("PRAGMA table_info(inodes)")}
             if "inline" not in cols:  # an upper made before inline content existed
                 conn.execute("ALTER TABLE inodes ADD COLUMN inline BLOB")
+            if "rdev" not in cols:  # an upper made before device nodes existed
+                conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER")
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
             if meta.get("format", FORMAT) != FORMAT:
                 raise UpperFormatError(state_dir, f"unknown upper format {meta['format']!r}")
@@ -508,7 +513,7 @@ def check(state_dir: str, store: object | None = None) -> list[Problem]:
         kind = r["kind"]
         chunks = r["lower_chunks"] or b""
         why = None
-        if kind not in (1, 2, 3, 4, 5):
+        if kind not in (1, 2, 3, 4, 5, 6, 7):
             why = f"unknown kind {kind}"
         elif r["mode"] & ~0o7777:
             why = "mode has bits outside 07777"
@@ -528,6 +533,8 @@ def check(state_dir: str, store: object | None = None) -> list[Problem]:
             why = "lower_len outside [0, size]"
         elif kind != 2 and r["inline"] is not None:
             why = "non-file with inline content"
+        elif kind not in (6, 7) and "rdev" in r.keys() and r["rdev"]:
+            why = "non-device with a device number"
         if why:
             bad("kind-fields", f"inode {ino}: {why}")
         if kind == 2 and r["inline"] is not None and (

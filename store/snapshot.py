@@ -3,8 +3,9 @@
 Owns the directory walk that turns a tree on disk into chunks and trees, the files cache
 that lets an unchanged file be skipped without reading it, the use of the dirs cache
 (dircache.py) that lets an unchanged directory be taken without opening its entries, and
-``compute_ref``, the same walk with nothing written. It must never follow a symlink inside the tree, never open a device,
-and never return a Ref for a tree that changed while it was read.
+``compute_ref``, the same walk with nothing written. It must never follow a symlink inside
+the tree, never open a device (block and character devices are recorded by kind and
+``st_rdev`` alone), and never return a Ref for a tree that changed while it was read.
 
 How the walk stays safe and bounded:
 
@@ -12,7 +13,7 @@ How the walk stays safe and bounded:
   and every file with ``O_NOFOLLOW | O_NONBLOCK``; an fstat after opening must show the
   same inode as the listing, and a file is fstat'ed again after reading: any difference
   (size, mtime, ctime, inode) is ``SnapshotError(root, cause)``. So is a directory whose
-  mtime or ctime moved while its entries were read, an unreadable entry, a device node, a
+  mtime or ctime moved while its entries were read, an unreadable entry, a
   tree that holds the store or lies inside it, and a store that cannot be written (a full
   disk): nothing written is then referenced.
 - Memory: one open directory (fd and listing) per level of depth (so a tree deeper than
@@ -551,7 +552,10 @@ class _Walker:
                                    st.st_mtime_ns))
             d.used.append((name, st))
         elif stat.S_ISCHR(m) or stat.S_ISBLK(m):
-            raise self.fail(rel, "is a device node; snapshots do not hold devices")
+            kind = Kind.CHAR if stat.S_ISCHR(m) else Kind.BLOCK
+            d.entries.append(Entry(name, kind, stat.S_IMODE(m), st.st_uid, st.st_gid,
+                                   st.st_mtime_ns, rdev=st.st_rdev))
+            d.used.append((name, st))
         else:
             raise self.fail(rel, f"has an unsupported file type {stat.S_IFMT(m):o}")
         return None

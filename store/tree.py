@@ -9,7 +9,8 @@ Canonical encoding (all integers are unsigned LEB128 varints unless noted)::
     tree    := MAGIC count entry*            MAGIC = b"RWT1", count = number of entries
     entry   := name kind mode uid gid mtime size content xattrs link
     name    := len bytes                     1..255 bytes, no b"/" or NUL, not "." or ".."
-    kind    := u8                            1 dir, 2 file, 3 symlink, 4 fifo, 5 socket
+    kind    := u8                            1 dir, 2 file, 3 symlink, 4 fifo, 5 socket,
+                                             6 block device, 7 character device
     mode    := varint                        permission bits only (mode & 0o7777)
     mtime   := zigzag varint                 nanoseconds since the epoch, may be negative
     size    := varint                        file: bytes; symlink: target length; else 0
@@ -17,6 +18,7 @@ Canonical encoding (all integers are unsigned LEB128 varints unless noted)::
                file:    varint n, then n 32-byte chunk ids, in file order; a hole is a chunk
                         id like any other (the id of a run of zeros)
                symlink: len bytes            the target, verbatim
+               block, char: varint rdev  the device number (``st_rdev``), verbatim
                fifo, socket: nothing
     xattrs  := varint n, then n (len name, len value) pairs sorted by name; names are user.*
     link    := u8 0                          not hard-linked
@@ -50,6 +52,12 @@ class Kind(IntEnum):
     SYMLINK = 3
     FIFO = 4
     SOCKET = 5
+    BLOCK = 6
+    CHAR = 7
+
+    @property
+    def is_device(self) -> bool:
+        return self in (Kind.BLOCK, Kind.CHAR)
 
     @property
     def s_ifmt(self) -> int:
@@ -62,6 +70,8 @@ _S_IFMT = {
     Kind.SYMLINK: stat.S_IFLNK,
     Kind.FIFO: stat.S_IFIFO,
     Kind.SOCKET: stat.S_IFSOCK,
+    Kind.BLOCK: stat.S_IFBLK,
+    Kind.CHAR: stat.S_IFCHR,
 }
 
 
@@ -72,6 +82,7 @@ class Entry:
     ``chunks`` holds the chunk ids of a file; ``tree_id`` the child tree of a dir;
     ``target`` the bytes of a symlink. ``xattrs`` is a tuple of (name, value) pairs sorted
     by name. ``link_group`` is the 32-byte group id of a hard-linked file, else None.
+    ``rdev`` is the device number of a block or character device (0 for other kinds).
     """
 
     name: bytes
@@ -86,6 +97,7 @@ class Entry:
     target: bytes = b""
     xattrs: tuple[tuple[bytes, bytes], ...] = ()
     link_group: bytes | None = None
+    rdev: int = 0
 
     @property
     def st_mode(self) -> int:
@@ -187,6 +199,9 @@ def encode_tree(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
         elif e.kind is Kind.SYMLINK:
             _put_varint(out, len(e.target))
             _put_bytes(out, e.target)
+        elif e.kind.is_device:
+            _put_varint(out, 0)
+            _put_varint(out, e.rdev)
         else:
             _put_varint(out, 0)
         xattrs = sorted(e.xattrs)
@@ -294,6 +309,7 @@ def _decode_entries(buf: bytes) -> list[Entry]:
         chunks: tuple[ObjectId, ...] = ()
         tree_id_: ObjectId | None = None
         target = b""
+        rdev = 0
         if kind is Kind.DIR:
             if size:
                 raise _Malformed(pos, "dir with a size")
@@ -316,6 +332,8 @@ def _decode_entries(buf: bytes) -> list[Entry]:
                 raise _Malformed(pos, "symlink size differs from its target length")
         elif size:
             raise _Malformed(pos, "special file with a size")
+        elif kind is Kind.BLOCK or kind is Kind.CHAR:
+            rdev, pos = _varint(buf, pos)
         nx, pos = _varint(buf, pos)
         xattrs: tuple[tuple[bytes, bytes], ...] = ()
         if nx:
@@ -341,7 +359,7 @@ def _decode_entries(buf: bytes) -> list[Entry]:
         elif flag != 0:
             raise _Malformed(pos, "bad link flag")
         entries.append(Entry(name, kind, mode, uid, gid, mtime_ns, size, chunks, tree_id_,
-                             target, xattrs, group))
+                             target, xattrs, group, rdev))
     if pos != size_limit:
         raise _Malformed(pos, "trailing bytes")
     return entries

@@ -225,7 +225,7 @@ def test_caches_after_forget_and_gc(tmp_path: Path, small: Store) -> None:
 # -- fail closed --------------------------------------------------------------------------
 
 
-def test_device_node_fails_closed(tmp_path: Path, store: Store) -> None:
+def test_device_node_is_recorded_by_kind_and_rdev(tmp_path: Path, store: Store) -> None:
     src = tmp_path / "src"
     src.mkdir()
     (src / "ok").write_bytes(b"fine\n")
@@ -233,10 +233,12 @@ def test_device_node_fails_closed(tmp_path: Path, store: Store) -> None:
         os.mknod(src / "null", 0o600 | 0o020000, os.makedev(1, 3))
     except PermissionError:
         pytest.skip("cannot create a device node")
-    with pytest.raises(SnapshotError) as ei:
-        snapshot(store, src)
-    assert "null" in ei.value.cause and "device" in ei.value.cause
-    assert store.list_snapshots() == []
+    ref = snapshot(store, src)
+    e = store.root_tree(ref).get(b"null")
+    assert e is not None and e.kind is Kind.CHAR and e.rdev == os.makedev(1, 3)
+    assert e.size == 0 and e.mode == 0o600
+    assert [s.ref for s in store.list_snapshots()] == [ref]
+    assert snapshot(store, src) == ref
 
 
 def test_directory_changing_while_read_fails_closed(tmp_path: Path, store: Store) -> None:

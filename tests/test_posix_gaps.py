@@ -1,0 +1,207 @@
+"""POSIX behaviour a session mount shares with tmpfs (issue 10 point 4), on real mounts and
+real directories: block and character devices kept as metadata through checkpoint,
+read-only mounts, ``snapshot DIR`` and ``materialize``; ENAMETOOLONG for a component over
+255 bytes on the calls that look a name up; ``st_blocks`` counts data, not holes; a write
+straddling the 1 TiB file size limit is short.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import fusehelpers as fh
+import pytest
+from ckpt_support import cli
+from conftest import SHARED_TMP_PREFIX
+from treegen import as_nobody
+
+from fusefs.overlay import MAX_FILE_SIZE
+
+pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a device needs root")
+DEVS = {"tty0": (stat.S_IFCHR, os.makedev(4, 0), 0o620),
+        "loop7": (stat.S_IFBLK, os.makedev(7, 7), 0o660)}
+
+
+def make_devices(d: Path) -> None:
+    for name, (kind, rdev, mode) in DEVS.items():
+        os.mknod(d / name, kind | mode, rdev)
+        os.chmod(d / name, mode)
+
+
+def assert_devices(d: Path) -> None:
+    for name, (kind, rdev, mode) in DEVS.items():
+        st = os.lstat(d / name)
+        assert stat.S_IFMT(st.st_mode) == kind, name
+        assert stat.S_IMODE(st.st_mode) == mode, name
+        assert st.st_rdev == rdev, name
+
+
+@needs_root
+def test_devices_round_trip_checkpoint_ro_mount_and_materialize(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str, tmp_path: Path) -> None:
+    d = mounter.rw(lower_ref)
+    (d.mnt / "dev").mkdir()
+    make_devices(d.mnt / "dev")
+    assert_devices(d.mnt / "dev")
+    ref = cli(fuse_store, "checkpoint", str(d.mnt)).stdout.strip()
+    assert_devices(d.mnt / "dev")  # now served from the new lower
+    mounter.unmount(d)
+    d2 = mounter.rw(None, state=d.state, mnt=d.mnt)  # the upper is empty: lower only
+    assert_devices(d2.mnt / "dev")
+    ro = mounter.ro(ref)
+    assert_devices(ro.mnt / "dev")
+    assert fh.errno_of(os.open, ro.mnt / "dev" / "tty0", os.O_RDONLY) == errno.EACCES
+
+    dest = tmp_path / "out"
+    out = json.loads(cli(fuse_store, "materialize", ref, str(dest), "--json").stdout)
+    assert out["devices_skipped"] == 0 and not out["already_equal"]
+    assert_devices(dest / "dev")
+    # What materialize wrote snapshots back to the same Ref.
+    assert cli(fuse_store, "snapshot", str(dest)).stdout.strip() == ref
+    again = json.loads(cli(fuse_store, "materialize", ref, str(dest), "--json").stdout)
+    assert again["already_equal"]
+
+
+@needs_root
+def test_materialize_as_non_root_skips_devices_and_reports_them(tmp_path: Path) -> None:
+    from store.materialize import materialize
+    from store.objects import Store
+    from store.snapshot import snapshot
+
+    # pytest's base directory is 0700: work where uid 65534 can go.
+    tmp_path = Path(tempfile.mkdtemp(prefix=SHARED_TMP_PREFIX + "posix-"))
+    try:
+        _materialize_as_nobody(tmp_path, Store, snapshot, materialize)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _materialize_as_nobody(tmp_path: Path, Store, snapshot, materialize) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "src"
+    (src / "dev").mkdir(parents=True)
+    (src / "dev" / "readme").write_text("devices beside me\n")
+    make_devices(src / "dev")
+    for p in [src, *src.rglob("*")]:  # nobody's tree, so a non-root copy can equal it
+        os.lchown(p, 65534, 65534)
+    store_dir = tmp_path / "store"
+    st = Store(store_dir)
+    try:
+        ref = snapshot(st, src)
+    finally:
+        st.close()
+    work = tmp_path / "work"
+    work.mkdir()
+    for p in [work, *store_dir.rglob("*"), store_dir]:  # the child runs as nobody
+        os.lchown(p, 65534, 65534)
+    os.chmod(tmp_path, 0o755)
+
+    def child() -> int:
+        s = Store(store_dir)
+        try:
+            first = materialize(s, ref, work / "out")
+            second = materialize(s, ref, work / "out")  # the same tree, devices aside
+        finally:
+            s.close()
+        if first.devices_skipped != 2 or first.already_equal:
+            return 3
+        return 0 if second.already_equal else 4
+
+    assert as_nobody(child) == 0
+    assert sorted(os.listdir(work / "out" / "dev")) == ["readme"]
+
+
+def test_snapshot_dir_accepts_devices(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mknod of a device needs root")
+    from store.browse import ls
+    from store.objects import Store
+    from store.snapshot import snapshot
+
+    src = tmp_path / "src"
+    src.mkdir()
+    make_devices(src)
+    st = Store(tmp_path / "store")
+    try:
+        ref = snapshot(st, src)
+        got = {e.name: (e.kind.name, e.rdev, e.mode) for e in ls(st, ref, "")}
+    finally:
+        st.close()
+    assert got == {b"loop7": ("BLOCK", os.makedev(7, 7), 0o660),
+                   b"tty0": ("CHAR", os.makedev(4, 0), 0o620)}
+
+
+# -- names over 255 bytes ------------------------------------------------------------------
+
+@pytest.mark.parametrize("call", ["stat", "lstat", "open", "unlink", "chmod", "rmdir",
+                                  "rename_from", "rename_to", "mkdir", "create"])
+def test_a_name_over_255_bytes_is_enametoolong(lower: Path, call: str) -> None:
+    long = lower / ("n" * 256)
+    ok = lower / "short"
+    ok.write_bytes(b"x")
+    calls = {
+        "stat": lambda: os.stat(long),
+        "lstat": lambda: os.lstat(long),
+        "open": lambda: os.open(long, os.O_RDONLY),
+        "unlink": lambda: os.unlink(long),
+        "chmod": lambda: os.chmod(long, 0o600),
+        "rmdir": lambda: os.rmdir(long),
+        "rename_from": lambda: os.rename(long, lower / "other"),
+        "rename_to": lambda: os.rename(ok, long),
+        "mkdir": lambda: os.mkdir(long),
+        "create": lambda: os.open(long, os.O_WRONLY | os.O_CREAT, 0o600),
+    }
+    assert fh.errno_of(calls[call]) == errno.ENAMETOOLONG
+    # 255 bytes is still a name.
+    edge = lower / ("n" * 255)
+    edge.write_bytes(b"y")
+    assert os.stat(edge).st_size == 1
+    os.unlink(edge)
+
+
+# -- st_blocks -----------------------------------------------------------------------------
+
+def test_st_blocks_of_a_sparse_file_counts_data_not_holes(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    p = d.mnt / "sparse"
+    with open(p, "wb") as f:
+        f.truncate(1 << 40)
+    assert os.stat(p).st_blocks == 0  # all hole, as on tmpfs
+    with open(p, "r+b") as f:
+        f.seek(1 << 30)
+        f.write(b"d" * 4096)
+    st = os.stat(p)
+    assert st.st_size == 1 << 40
+    # tmpfs shows 8 (one page): here the data file's allocation, a few pages at most.
+    assert 8 <= st.st_blocks <= 64, st.st_blocks
+    cli(fuse_store, "checkpoint", str(d.mnt))
+    st = os.stat(p)  # now from the lower: one data chunk of the store's chunk size
+    chunk_blocks = (1 << 20) // 512
+    assert 8 <= st.st_blocks <= chunk_blocks, st.st_blocks
+    dense = d.mnt / "dense"
+    dense.write_bytes(b"z" * 100_000)
+    cli(fuse_store, "checkpoint", str(d.mnt))
+    assert os.stat(dense).st_blocks == (100_000 + 511) // 512
+
+
+# -- the 1 TiB limit -----------------------------------------------------------------------
+
+def test_a_write_straddling_the_size_limit_is_short(lower: Path) -> None:
+    p = lower / "big"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert os.pwrite(fd, b"abcdefghij", MAX_FILE_SIZE - 4) == 4
+        assert os.fstat(fd).st_size == MAX_FILE_SIZE
+        assert os.pread(fd, 10, MAX_FILE_SIZE - 4) == b"abcd"
+        assert fh.errno_of(os.pwrite, fd, b"x", MAX_FILE_SIZE) == errno.EFBIG
+    finally:
+        os.close(fd)
+    os.unlink(p)
