@@ -147,3 +147,76 @@ def store(tmp_path: Path) -> Iterator[object]:
     s = Store(tmp_path / "store")
     yield s
     s.close()
+
+
+# -- real servers for shared mode (tests/servers.py) ------------------------------------
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[object]:
+    """One SeaweedFS S3 server on loopback for the whole test process; stopped at the end."""
+    import servers
+
+    srv = servers.SeaweedS3()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[object]:
+    """One throwaway PostgreSQL cluster for the whole test process; stopped at the end."""
+    import servers
+
+    srv = servers.PostgresCluster()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def s3_env(seaweed: object, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The shared SeaweedFS, with its keys in the standard AWS environment variables."""
+    for k, v in seaweed.env().items():  # type: ignore[attr-defined]
+        monkeypatch.setenv(k, v)
+    return seaweed
+
+
+@pytest.fixture
+def s3_bucket(s3_env: object) -> str:
+    """A fresh, empty bucket on the shared SeaweedFS."""
+    return s3_env.new_bucket()  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.fixture
+def pg_dsn(postgres: object) -> str:
+    """The URL of a fresh, empty database on the shared PostgreSQL cluster."""
+    return postgres.new_database()  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.fixture
+def own_seaweed(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """A SeaweedFS of this test alone (fault tests stop and restart it)."""
+    import servers
+
+    srv = servers.SeaweedS3()
+    for k, v in srv.env().items():
+        monkeypatch.setenv(k, v)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[object]:
+    """A PostgreSQL cluster of this test alone (fault tests restart it)."""
+    import servers
+
+    srv = servers.PostgresCluster()
+    try:
+        yield srv
+    finally:
+        srv.stop()

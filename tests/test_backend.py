@@ -11,12 +11,24 @@ from store.backend import BlobBackend, LocalDirBackend, MemoryBackend
 from store.errors import BlobConflictError, BlobNotFoundError, InvalidKeyError
 
 
-@pytest.fixture(params=["memory", "localdir"])
+@pytest.fixture(params=["memory", "localdir", "s3", "s3-prefix", "s3-cached"])
 def backend(request: pytest.FixtureRequest, tmp_path: str) -> Iterator[BlobBackend]:
     if request.param == "memory":
         yield MemoryBackend()
-    else:
+    elif request.param == "localdir":
         yield LocalDirBackend(os.path.join(tmp_path, "blobs"))
+    else:
+        from store.blobcache import CachedBackend
+        from store.s3 import S3Backend
+
+        srv = request.getfixturevalue("s3_env")
+        bucket = request.getfixturevalue("s3_bucket")
+        prefix = "team/store-1" if request.param == "s3-prefix" else ""
+        s3 = S3Backend(bucket, prefix, endpoint_url=srv.endpoint)
+        if request.param == "s3-cached":
+            yield CachedBackend(s3, os.path.join(tmp_path, "cache"), 1 << 20)
+        else:
+            yield s3
 
 
 def test_put_get_roundtrip(backend: BlobBackend) -> None:
@@ -37,6 +49,10 @@ def test_get_range(backend: BlobBackend) -> None:
     backend.put("k", b"0123456789")
     assert backend.get_range("k", 2, 3) == b"234"
     assert backend.get_range("k", 8, 10) == b"89"
+    backend.put("packs/p.pack", b"0123456789")
+    assert backend.get_range("packs/p.pack", 2, 3) == b"234"
+    assert backend.get_range("packs/p.pack", 2, 3) == b"234"  # a cached range, if cached
+    assert backend.get_range("packs/p.pack", 8, 10) == b"89"
 
 
 def test_identical_reput_is_noop(backend: BlobBackend) -> None:

@@ -1,0 +1,214 @@
+"""The S3 blob backend: packs and history objects as objects under ``s3://BUCKET/PREFIX/``.
+
+Client: boto3 (botocore). Chosen over obstore because it is the reference S3 client, kept
+by the service's own vendor, with the retry behaviour we need built in and configurable
+(botocore's ``standard`` retry mode: exponential backoff with jitter on throttling, 5xx,
+connection errors and timeouts, a bounded number of attempts), managed multipart uploads
+(s3transfer: parts uploaded and retried one by one, the upload aborted on failure) and the
+standard credential chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_PROFILE``,
+``~/.aws/credentials`` and ``~/.aws/config``); obstore is younger and its Python surface
+narrower. Credentials are never passed through this module nor logged: botocore finds them.
+
+The BlobBackend contract (store/backend.py) on S3:
+
+- ``put``: a small object is written with ``If-None-Match: *``, so of two writers of one key
+  exactly one succeeds; the other reads the stored bytes back and either returns (same
+  bytes) or raises ``BlobConflictError``. A blob of ``MULTIPART_THRESHOLD`` bytes or more
+  (a big pack, whose key is its own digest, so any stored copy holds the same bytes) is
+  checked with HEAD and then uploaded in ``PART_SIZE`` parts. An upload that fails leaves no
+  object (S3 makes an object visible only when its upload completes), so a half-uploaded
+  pack is never visible, let alone indexed.
+- ``sync``: a no-op; S3 acknowledges a put only once it is durable.
+- ``delete`` of a missing key raises ``BlobNotFoundError`` (S3 itself would not say).
+- Every other failure (server gone after the retries, access denied, ...) is
+  ``BackendError`` naming the operation, key and the S3 error code, never the credentials.
+
+Keys are those of the protocol, stored as ``PREFIX/key``.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from typing import Any
+
+from .backend import check_key
+from .errors import BackendError, BlobConflictError, BlobNotFoundError
+
+MULTIPART_THRESHOLD = 16 << 20
+PART_SIZE = 8 << 20
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://BUCKET/PREFIX`` -> (bucket, prefix without slashes at either end). Raises
+    ValueError for anything else."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    bucket, _, prefix = url[5:].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket in {url!r}")
+    prefix = prefix.strip("/")
+    if prefix:
+        check_key(prefix)
+    return bucket, prefix
+
+
+class S3Backend:
+    """Blobs in ``bucket`` under ``prefix`` on an S3-compatible server (see module docstring).
+
+    ``endpoint_url`` is for servers other than AWS (SeaweedFS, MinIO: path-style addressing
+    is used then); ``max_attempts`` bounds botocore's retries of one request;
+    ``connect_timeout``/``read_timeout`` are seconds. Thread-safe (one botocore client,
+    which is).
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
+                 region: str | None = None, max_attempts: int = 5,
+                 connect_timeout: float = 5.0, read_timeout: float = 30.0) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        cfg = Config(retries={"mode": "standard", "max_attempts": max_attempts},
+                     connect_timeout=connect_timeout, read_timeout=read_timeout,
+                     max_pool_connections=32,
+                     s3={"addressing_style": "path" if endpoint_url else "auto"})
+        session = boto3.session.Session()
+        self._client: Any = session.client("s3", endpoint_url=endpoint_url,
+                                           region_name=region or session.region_name
+                                           or "us-east-1", config=cfg)
+        self._transfer = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD,
+                                        multipart_chunksize=PART_SIZE, max_concurrency=4,
+                                        use_threads=True)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3Backend(s3://{self.bucket}/{self.prefix}, endpoint={self.endpoint_url})"
+
+    def _k(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _fail(self, op: str, key: str, e: Exception) -> BackendError:
+        code = _code(e)
+        where = f"s3://{self.bucket}/{self.prefix + '/' if self.prefix else ''}{key}"
+        return BackendError(f"cannot {op} {where}: {code or type(e).__name__}: "
+                            f"{_message(e)}")
+
+    # -- protocol --------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> None:
+        k = self._k(key)
+        data = bytes(data)
+        if len(data) >= MULTIPART_THRESHOLD:
+            if self.exists(key):
+                self._check_same(key, data)
+                return
+            try:
+                self._client.upload_fileobj(io.BytesIO(data), self.bucket, k,
+                                            Config=self._transfer)
+            except Exception as e:
+                raise self._fail("put", key, e) from None
+            return
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=k, Body=data, IfNoneMatch="*")
+        except Exception as e:
+            if _code(e) not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise self._fail("put", key, e) from None
+            self._check_same(key, data)
+
+    def _check_same(self, key: str, data: bytes) -> None:
+        if self.get(key) != data:
+            raise BlobConflictError(key)
+
+    def get(self, key: str) -> bytes:
+        k = self._k(key)
+        try:
+            return bytes(self._client.get_object(Bucket=self.bucket, Key=k)["Body"].read())
+        except Exception as e:
+            if _code(e) in _NOT_FOUND:
+                raise BlobNotFoundError(key) from None
+            raise self._fail("get", key, e) from None
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset`` (fewer at the end of the blob), in one ranged GET."""
+        k = self._k(key)
+        if length <= 0:
+            if not self.exists(key):
+                raise BlobNotFoundError(key)
+            return b""
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=k,
+                                           Range=f"bytes={offset}-{offset + length - 1}")
+            return bytes(resp["Body"].read())
+        except Exception as e:
+            code = _code(e)
+            if code in _NOT_FOUND:
+                raise BlobNotFoundError(key) from None
+            if code == "InvalidRange":
+                return b""
+            raise self._fail("get", key, e) from None
+
+    def delete(self, key: str) -> None:
+        k = self._k(key)
+        if not self.exists(key):
+            raise BlobNotFoundError(key)
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=k)
+        except Exception as e:
+            raise self._fail("delete", key, e) from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        out: list[str] = []
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full)
+            for page in pages:
+                out.extend(o["Key"][strip:] for o in page.get("Contents", ()))
+        except Exception as e:
+            raise self._fail("list", prefix, e) from None
+        return sorted(out)
+
+    def exists(self, key: str) -> bool:
+        k = self._k(key)
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=k)
+        except Exception as e:
+            if _code(e) in _NOT_FOUND:
+                return False
+            raise self._fail("stat", key, e) from None
+        return True
+
+    def sync(self) -> None:
+        return None
+
+    def check(self) -> None:
+        """Raise BackendError unless the bucket is reachable with the configured credentials."""
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except Exception as e:
+            raise self._fail("open", "", e) from None
+
+
+def _code(e: Exception) -> str | None:
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict):
+        code = resp.get("Error", {}).get("Code")
+        if code:
+            return str(code)
+    return None
+
+
+def _message(e: Exception) -> str:
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict):
+        msg = resp.get("Error", {}).get("Message")
+        if msg:
+            return str(msg)
+    return str(e)

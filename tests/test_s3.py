@@ -1,0 +1,164 @@
+"""The S3 backend and the local range cache against a real SeaweedFS on loopback.
+
+The shared contract is proved by tests/test_backend.py (which runs on S3 too); these are the
+S3-only behaviours: multipart uploads of big packs, typed errors when the server is gone or
+the keys are wrong (never leaking the secret), a store on S3 reading through the cache
+after the server stopped, corrupted objects in S3 detected, and the cache's bound, restart
+survival and damage handling.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from store.blobcache import CachedBackend
+from store.errors import BackendError, IntegrityError
+from store.s3 import MULTIPART_THRESHOLD, S3Backend, parse_s3_url
+
+
+def _s3(srv: object, bucket: str, prefix: str = "", **kw: object) -> S3Backend:
+    return S3Backend(bucket, prefix, endpoint_url=srv.endpoint, **kw)  # type: ignore[attr-defined,arg-type]
+
+
+def test_parse_s3_url() -> None:
+    assert parse_s3_url("s3://b/team/x/") == ("b", "team/x")
+    assert parse_s3_url("s3://b") == ("b", "")
+    for bad in ("http://b/x", "s3:///x", "s3://b/../x"):
+        with pytest.raises(ValueError):
+            parse_s3_url(bad)
+
+
+def test_big_pack_is_uploaded_in_parts(s3_env: object, s3_bucket: str) -> None:
+    b = _s3(s3_env, s3_bucket, "p")
+    data = os.urandom(MULTIPART_THRESHOLD + 3 * 1024 * 1024 + 17)
+    b.put("packs/big.pack", data)
+    b.put("packs/big.pack", data)  # identical re-put: a no-op
+    assert b.get("packs/big.pack") == data
+    assert b.get_range("packs/big.pack", MULTIPART_THRESHOLD - 5, 10) == \
+        data[MULTIPART_THRESHOLD - 5:MULTIPART_THRESHOLD + 5]
+    head = s3_env.client().head_object(Bucket=s3_bucket, Key="p/packs/big.pack")  # type: ignore[attr-defined]
+    assert "-" in head["ETag"], "a multipart upload's ETag ends in -<parts>"
+
+
+def test_wrong_secret_is_typed_error_without_the_secret(s3_env: object, s3_bucket: str,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    secret = "not-the-secret-0123456789"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    b = _s3(s3_env, s3_bucket, max_attempts=1)
+    with pytest.raises(BackendError) as ei:
+        b.put("k", b"v")
+    assert secret not in str(ei.value) and s3_bucket in str(ei.value)
+    with pytest.raises(BackendError):
+        b.check()
+
+
+def test_server_gone_is_typed_error(own_seaweed: object) -> None:
+    bucket = own_seaweed.new_bucket()  # type: ignore[attr-defined]
+    b = _s3(own_seaweed, bucket, max_attempts=2, connect_timeout=1, read_timeout=2)
+    b.put("k", b"v")
+    own_seaweed.stop(keep_data=True)  # type: ignore[attr-defined]
+    with pytest.raises(BackendError):
+        b.get("k")
+    with pytest.raises(BackendError):
+        b.put("k2", b"v")
+    own_seaweed.start()  # type: ignore[attr-defined]
+    assert b.get("k") == b"v"
+    b.put("k2", b"v")
+
+
+def _store(root: Path, backend: object) -> object:
+    from store.objects import Store
+
+    return Store(root, backend=backend)  # type: ignore[arg-type]
+
+
+def test_store_on_s3_reads_from_cache_when_server_is_gone(own_seaweed: object,
+                                                          tmp_path: Path) -> None:
+    from store.snapshot import run_snapshot
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big").write_bytes(os.urandom(3 << 20))
+    (src / "small.txt").write_text("hello\n")
+    bucket = own_seaweed.new_bucket()  # type: ignore[attr-defined]
+    remote = _s3(own_seaweed, bucket, "s", max_attempts=1, connect_timeout=1)
+    cache = CachedBackend(remote, tmp_path / "cache", 64 << 20)
+    st = _store(tmp_path / "local", cache)
+    ref = run_snapshot(st, str(src)).ref  # type: ignore[arg-type]
+
+    def read_all(s: object) -> dict[bytes, bytes]:
+        out: dict[bytes, bytes] = {}
+        for e in s.root_tree(ref).entries:  # type: ignore[attr-defined]
+            out[e.name] = b"".join(s.iter_file(e))  # type: ignore[attr-defined]
+        return out
+
+    # A second host: its own cache and index, the same bucket. The first read is remote.
+    cache2 = CachedBackend(remote, tmp_path / "cache2", 64 << 20)
+    st2 = _store(tmp_path / "local2", cache2)
+    want = {b"big": (src / "big").read_bytes(), b"small.txt": b"hello\n"}
+    assert read_all(st2) == want
+    assert cache2.misses > 0 and cache2.hits == 0
+    # A restart of that host: a new cache object on the same directory, a new store with
+    # empty memory caches; then the server goes away and every read is answered locally.
+    again = CachedBackend(remote, tmp_path / "cache2", 64 << 20)
+    st3 = _store(tmp_path / "local2", again)
+    own_seaweed.stop(keep_data=True)  # type: ignore[attr-defined]
+    assert read_all(st3) == want
+    assert again.misses == 0 and again.hits > 0
+
+
+def test_corrupted_pack_in_s3_is_integrity_error(s3_env: object, s3_bucket: str,
+                                                 tmp_path: Path) -> None:
+    from store.snapshot import run_snapshot
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(os.urandom(200_000))
+    remote = _s3(s3_env, s3_bucket)
+    st = _store(tmp_path / "local", remote)
+    ref = run_snapshot(st, str(src)).ref  # type: ignore[arg-type]
+    entry = next(e for e in st.root_tree(ref).entries if e.name == b"f")  # type: ignore[attr-defined]
+    loc = st.locate(entry.chunks[0])  # type: ignore[attr-defined]
+    client = s3_env.client()  # type: ignore[attr-defined]
+    body = bytearray(remote.get(loc.pack))
+    body[loc.rec_offset + loc.rec_length // 2] ^= 0xFF
+    client.put_object(Bucket=s3_bucket, Key=loc.pack, Body=bytes(body))
+    fresh = _store(tmp_path / "local", remote)
+    with pytest.raises(IntegrityError):
+        b"".join(fresh.iter_file(entry))  # type: ignore[attr-defined]
+
+
+def test_cache_is_bounded_and_evicts_least_recently_used(s3_env: object, s3_bucket: str,
+                                                          tmp_path: Path) -> None:
+    remote = _s3(s3_env, s3_bucket)
+    remote.put("packs/a.pack", os.urandom(400_000))
+    c = CachedBackend(remote, tmp_path / "c", 1_000_000)
+    for i in range(10):
+        c.get_range("packs/a.pack", i * 40_000, 40_000)
+    c.get_range("packs/a.pack", 0, 40_000)  # recently used: hit
+    assert c.hits == 1
+    for i in range(10, 40):
+        c.get_range("packs/a.pack", i * 10_000 % 390_000, 150_000)
+        assert c.cached_bytes() <= 1_000_000
+    assert c.cached_bytes() > 500_000
+
+
+def test_damaged_cache_file_is_refetched(s3_env: object, s3_bucket: str,
+                                         tmp_path: Path) -> None:
+    remote = _s3(s3_env, s3_bucket)
+    data = os.urandom(100_000)
+    remote.put("packs/d.pack", data)
+    c = CachedBackend(remote, tmp_path / "c", 10 << 20)
+    assert c.get_range("packs/d.pack", 1000, 5000) == data[1000:6000]
+    (f,) = [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 1
+    f.write_bytes(bytes(raw))
+    assert c.get_range("packs/d.pack", 1000, 5000) == data[1000:6000]
+    assert c.damaged == 1 and c.misses == 2
+    assert c.get_range("packs/d.pack", 1000, 5000) == data[1000:6000]
+    assert c.hits == 1
