@@ -85,9 +85,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from store.ref import Ref
+    from rewindfs.cmd_store import parse_ref
 
-    ref = Ref.parse(args.ref)  # InvalidRefError (exit 3) before the daemon is asked
+    ref = parse_ref(args, args.ref)  # InvalidRefError (exit 3) before the daemon is asked
     r = _client(args.mountpoint).restore(ref, discard=args.discard, timeout=args.timeout)
     text = r["ref"] + (f" (was {r['pre_restore']})" if r.get("pre_restore") else "")
     emit(args, {"ref": r["ref"], "pre_restore": r.get("pre_restore"),
@@ -118,7 +118,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """``diff MNT`` (changes since the last checkpoint) and ``diff --unified A B``."""
     import time
 
-    from store.ref import Ref
 
     if args.b is None:
         from rewindfs.cmd_store import text_path
@@ -131,9 +130,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
                     **({"text": r["text"]} if args.unified else {})}, text or "")
         return 0
     from fusefs.textdiff import unified
+    from rewindfs.cmd_store import parse_ref
     from store.diff import diff
 
-    a, b = Ref.parse(args.a), Ref.parse(args.b)
+    a, b = parse_ref(args, args.a), parse_ref(args, args.b)
     st = open_store(args)
     t0 = time.perf_counter()
     changes = diff(st, a, b)

@@ -92,12 +92,16 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     ref, mnt = _parse_targets(args)
     if ref is not None:
-        from store.ref import Ref
+        from rewindfs.cmd_store import parse_ref
 
         if os.path.exists(os.path.join(args.store, "index.sqlite")):
-            # RefNotFoundError (exit 4, as for sessions and restore) before anything starts
-            open_store(args).root_tree(Ref.parse(ref))
+            # A prefix or @label resolved; RefNotFoundError (exit 4, as for sessions and
+            # restore) before anything starts
+            ref = str(parse_ref(args, ref))
+            open_store(args).root_tree(ref)
         else:
+            from store.ref import Ref
+
             Ref.parse(ref)  # InvalidRefError (exit 3) before anything starts
     if not os.path.isdir(mnt):
         if is_mounted(mnt):  # a mount that no longer answers: its daemon was killed

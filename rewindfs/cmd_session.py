@@ -230,7 +230,14 @@ def _ask(args: argparse.Namespace, session_id: str, req: dict[str, Any]) -> dict
 
 def cmd_new(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args, None)
-    mode = ["--new"] + (["--seed", args.seed] if args.seed else [])
+    seed = args.seed
+    from store.resolve import looks_like_ref
+
+    if seed and not os.path.isdir(seed) and looks_like_ref(seed):
+        from rewindfs.cmd_store import parse_ref
+
+        seed = str(parse_ref(args, seed))  # a prefix or @label of a snapshot
+    mode = ["--new"] + (["--seed", seed] if seed else [])
     return _show(args, _spawn(spec, mode))
 
 
@@ -264,11 +271,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
-    src = args.source
-    if src.startswith("v1:"):
-        from store.ref import Ref
+    from rewindfs.cmd_store import parse_ref
+    from store.resolve import looks_like_ref
 
-        Ref.parse(src)
+    src = args.source
+    if looks_like_ref(src) and not _registry(args).exists(src):
+        src = str(parse_ref(args, src))
         spec = _spec_from_args(args, None)
         return _show(args, _spawn(spec, ["--new", "--seed", src, "--parent", src]))
     rec = _registry(args).load(src)
@@ -313,14 +321,14 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from store.ref import Ref
+    from rewindfs.cmd_store import parse_ref
 
-    Ref.parse(args.ref)
+    ref = str(parse_ref(args, args.ref, session=args.id))
     t0 = time.monotonic()
-    reply = _ask(args, args.id, {"op": "restore", "ref": args.ref, "discard": args.discard,
+    reply = _ask(args, args.id, {"op": "restore", "ref": ref, "discard": args.discard,
                                  "timeout_s": args.timeout})
-    emit(args, {"id": args.id, "ref": args.ref, "pre_restore": reply.get("pre_restore"),
-                "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}, args.ref)
+    emit(args, {"id": args.id, "ref": ref, "pre_restore": reply.get("pre_restore"),
+                "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}, ref)
     return 0
 
 

@@ -104,11 +104,17 @@ def register(sub: Any) -> None:
 # -- helpers ------------------------------------------------------------------------------
 
 
-def parse_ref(text: str) -> Any:
-    """The Ref named by ``text`` (InvalidRefError, exit 3, otherwise)."""
+def parse_ref(args: argparse.Namespace, text: str, session: str | None = None) -> Any:
+    """The Ref named by ``text``: a full Ref, a unique prefix of 8+ hex digits, ``@label``,
+    or with ``session`` also ``@-N`` (``store.resolve``). InvalidRefError (exit 3)
+    otherwise. The store is opened only when ``text`` is not a full Ref."""
     from store.ref import Ref
 
-    return Ref.parse(text)
+    if text.startswith("v1:blake3:") and len(text) == 74:
+        return Ref.parse(text)
+    from store.resolve import resolve_ref
+
+    return resolve_ref(open_store(args), text, session)
 
 
 def size_arg(text: str) -> int:
@@ -270,7 +276,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    ref = parse_ref(args.ref)
+    ref = parse_ref(args, args.ref)
     st = open_store(args)
     if not st.forget(ref):
         raise NotFoundError(f"{ref} is not in the snapshot list")
@@ -281,7 +287,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
 def cmd_materialize(args: argparse.Namespace) -> int:
     from store.materialize import materialize
 
-    ref = parse_ref(args.ref)
+    ref = parse_ref(args, args.ref)
     st = open_store(args)
     t0 = time.perf_counter()
     with progress(args, "materialize") as bar:
@@ -312,7 +318,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     from store.browse import ls
 
-    ref = parse_ref(args.ref)
+    ref = parse_ref(args, args.ref)
     st = open_store(args)
     entries = ls(st, ref, inner_path(args.path))
     data = [_entry_dict(e) for e in entries]
@@ -331,7 +337,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_cat(args: argparse.Namespace) -> int:
     from store.browse import cat
 
-    ref = parse_ref(args.ref)
+    ref = parse_ref(args, args.ref)
     st = open_store(args)
     out = sys.stdout.buffer
     for block in cat(st, ref, inner_path(args.path)):
@@ -383,8 +389,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         return live_diff(args)
     from store.diff import diff
 
-    a = parse_ref(args.a)
-    b = parse_ref(args.b)
+    a = parse_ref(args, args.a)
+    b = parse_ref(args, args.b)
     st = open_store(args)
     t0 = time.perf_counter()
     changes = diff(st, a, b)

@@ -378,6 +378,11 @@ class Store:
             (session, seq, now, epoch, event, str(ref), trigger, consistency, key))
         return seq
 
+    def journal_refs(self) -> list[Ref]:
+        """Every Ref that some session's journal names (each once)."""
+        rows = self.conn.execute("SELECT DISTINCT ref FROM journal").fetchall()
+        return [Ref.parse(r[0]) for r in rows]
+
     def journal(self, session: str) -> list[JournalEvent]:
         """The session's events, oldest first."""
         rows = self.conn.execute(

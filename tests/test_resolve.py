@@ -1,0 +1,135 @@
+"""Refs people can type (issue 14, point 5): unique hex prefixes, ``@label`` and ``@-N``,
+resolved against a real store (snapshot list and session journals in SQLite), and the same
+forms through the console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from store.errors import InvalidRefError
+from store.objects import Store
+from store.ref import Ref
+from store.resolve import resolve_ref
+from store.snapshot import snapshot
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tree(root: Path, text: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "f.txt").write_text(text)
+    return root
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "store")
+
+
+def test_prefixes_resolve_when_unique(store: Store, tmp_path: Path) -> None:
+    a = snapshot(store, tree(tmp_path / "a", "a\n"), label="first")
+    b = snapshot(store, tree(tmp_path / "b", "b\n"), label="second")
+    for r in (a, b):
+        digest = str(r).removeprefix("v1:blake3:")
+        assert resolve_ref(store, digest[:8]) == r
+        assert resolve_ref(store, "v1:blake3:" + digest[:12]) == r
+        assert resolve_ref(store, digest) == r
+        assert resolve_ref(store, str(r)) == r
+    with pytest.raises(InvalidRefError) as ei:
+        resolve_ref(store, str(a).removeprefix("v1:blake3:")[:7])  # under 8 digits
+    assert ei.value.value == str(a).removeprefix("v1:blake3:")[:7]
+    other = next(c for c in "0123456789abcdef"
+                 if not any(str(r)[10:].startswith(c) for r in (a, b)))
+    with pytest.raises(InvalidRefError, match="no snapshot or journal Ref"):
+        resolve_ref(store, other * 8)
+
+
+def test_an_ambiguous_prefix_lists_the_candidates(store: Store, tmp_path: Path) -> None:
+    # Two journal Refs that share their first 8 hex digits (journals name Refs; a journal
+    # row does not need the tree present, which lets the test make such a pair).
+    r1 = Ref.parse("v1:blake3:" + "deadbeef" + "1" * 56)
+    r2 = Ref.parse("v1:blake3:" + "deadbeef" + "2" * 56)
+    store.append_journal("s-1", "WorkspaceCheckpointed", r1, trigger="manual",
+                         consistency="quiescent")
+    store.append_journal("s-2", "WorkspaceCheckpointed", r2, trigger="manual",
+                         consistency="quiescent")
+    with pytest.raises(InvalidRefError) as ei:
+        resolve_ref(store, "deadbeef")
+    assert "ambiguous" in ei.value.reason and str(r1) in ei.value.reason
+    assert str(r2) in ei.value.reason
+    assert resolve_ref(store, "deadbeef1") == r1
+
+
+def test_labels_pick_the_newest_and_sessions_scope_them(store: Store, tmp_path: Path) -> None:
+    old = snapshot(store, tree(tmp_path / "x", "1\n"), label="green")
+    new = snapshot(store, tree(tmp_path / "y", "2\n"), label="green")
+    assert resolve_ref(store, "@green") == new
+    store.append_journal("sess", "WorkspaceCheckpointed", old, trigger="manual",
+                         consistency="quiescent")
+    assert resolve_ref(store, "@green", session="sess") == old
+    with pytest.raises(InvalidRefError, match="labels: green"):
+        resolve_ref(store, "@red")
+
+
+def test_steps_back_count_checkpoints_of_the_session(store: Store, tmp_path: Path) -> None:
+    refs = [snapshot(store, tree(tmp_path / f"t{i}", f"{i}\n")) for i in range(3)]
+    for r in refs:
+        store.append_journal("sess", "WorkspaceCheckpointed", r, trigger="manual",
+                             consistency="quiescent")
+    store.append_journal("sess", "WorkspaceRestored", refs[0])
+    assert resolve_ref(store, "@-1", session="sess") == refs[2]
+    assert resolve_ref(store, "@-3", session="sess") == refs[0]
+    with pytest.raises(InvalidRefError, match="has 3 checkpoint"):
+        resolve_ref(store, "@-4", session="sess")
+    with pytest.raises(InvalidRefError, match="name the session"):
+        resolve_ref(store, "@-1")
+    with pytest.raises(InvalidRefError):
+        resolve_ref(store, "@-0", session="sess")
+
+
+def run(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_DEBUG", "REWINDFS_STORE")}
+    return subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(store), *args],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+
+
+def test_the_cli_takes_prefixes_and_labels(tmp_path: Path) -> None:
+    st = tmp_path / "store"
+    ref = json.loads(run(st, "snapshot", str(tree(tmp_path / "p", "hello\n")), "--label",
+                         "release", "--json").stdout)["ref"]
+    short = ref.removeprefix("v1:blake3:")[:8]
+    assert run(st, "cat", short, "f.txt").stdout == "hello\n"
+    out = run(st, "materialize", "@release", str(tmp_path / "out"), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ref"] == ref
+    assert (tmp_path / "out" / "f.txt").read_text() == "hello\n"
+    bad = run(st, "ls", "@nope", "--json")
+    assert bad.returncode == 3 and json.loads(bad.stdout)["type"] == "InvalidRefError"
+
+
+def test_session_commands_take_steps_back_and_prefixes(tmp_path: Path) -> None:
+    st = tmp_path / "store"
+    seed = json.loads(run(st, "snapshot", str(tree(tmp_path / "p", "seed\n")),
+                          "--json").stdout)["ref"]
+    new = run(st, "session", "new", "--no-fuse", "--seed", seed[10:20], "--base",
+              str(tmp_path / "ws"), "--json")
+    assert new.returncode == 0, new.stderr
+    s = json.loads(new.stdout)
+    try:
+        root = Path(s["root"])
+        assert (root / "f.txt").read_text() == "seed\n"
+        (root / "f.txt").write_text("changed\n")
+        ck = run(st, "session", "checkpoint", s["id"], "--json")
+        assert ck.returncode == 0, ck.stderr
+        r = run(st, "session", "restore", s["id"], "@-2", "--json")  # @-1 is the checkpoint
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["ref"] == seed
+        assert (root / "f.txt").read_text() == "seed\n"
+    finally:
+        run(st, "session", "shutdown", s["id"])
