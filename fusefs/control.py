@@ -5,7 +5,7 @@ does the ordering of CONTRACT 3.1 and 3.2 around the data steps of ``checkpoint.
 ``restore.py``; ``serve`` exposes it on a Unix socket; ``Client`` is the caller's side (the
 CLI, the session runtime, tools).
 
-Socket: ``$XDG_RUNTIME_DIR/rewindfs/`` (else ``/tmp/rewindfs-<uid>/``, mode 0700), named
+Socket: in the runtime directory (``fusefs.mounts.runtime_dir``), named
 ``m-<hash of the state directory>.sock`` (short: socket paths are limited to 107 bytes),
 mode 0600; its path is recorded in the state directory as ``control``, which is how a client
 finds it from the mount point (the daemon's mount record names the state directory).

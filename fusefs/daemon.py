@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import MountError
+from .errors import FuseFSError, MountError, describe, leaf_errors
 from .mounts import mount_device, mount_id, remove_record, start_time, still_mounted, write_record
 
 if TYPE_CHECKING:
@@ -260,16 +260,21 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
             nursery.cancel_scope.cancel()
 
     code = 0
+    loop_error: BaseException | None = None
     try:
         trio.run(main)
     except BaseException as e:  # the loop itself failed: persist what we can, then leave
-        log.error("serving loop ended: %s: %s", type(e).__name__, e)
+        loop_error = e
+        log.error("serving loop ended: %s", describe(e), exc_info=e)
         code = 9
-    if our_mount is None:  # never mounted
-        remove_record(cfg.mountpoint, os.getpid())
-        ops.close()
-        store.close()
-        err = init_error or MountError(cfg.mountpoint, "the daemon stopped before mounting")
+    if our_mount is None:  # never mounted: clean up, then report the first cause
+        err = init_error or _start_error(cfg.mountpoint, loop_error)
+        for what, step in (("mount record", lambda: remove_record(cfg.mountpoint, os.getpid())),
+                           ("upper", ops.close), ("store", store.close)):
+            try:
+                step()
+            except Exception as e:
+                log.error("closing the %s after the failed start: %s", what, describe(e))
         log.error("%s", err)
         ready(str(err))
         raise err
@@ -295,6 +300,17 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     store.close()
     log.info("unmounted %s (%d requests)", cfg.mountpoint, sum(ops.counts.values()))
     return code
+
+
+def _start_error(mountpoint: str, loop_error: BaseException | None) -> FuseFSError:
+    """Why a daemon stopped before it mounted: the typed error its loop raised (out of
+    trio's exception group) when there is one, else a MountError naming the cause."""
+    if loop_error is None:
+        return MountError(mountpoint, "the daemon stopped before mounting")
+    leaves = leaf_errors(loop_error)
+    if len(leaves) == 1 and isinstance(leaves[0], FuseFSError):
+        return leaves[0]
+    return MountError(mountpoint, f"the daemon stopped before mounting: {describe(loop_error)}")
 
 
 def fd_ready(fd: int | None) -> Ready:

@@ -60,3 +60,31 @@ class MountError(FuseFSError):
         self.mountpoint = mountpoint
         self.cause = cause
         super().__init__(f"{mountpoint}: {cause}")
+
+
+class RuntimeDirError(FuseFSError):
+    """A level of the runtime directory (``fusefs.mounts.runtime_dir``) cannot be made
+    private to this user: it is not a directory of ours. ``path`` is the level, ``cause``
+    says what is wrong and what to do."""
+
+    def __init__(self, path: str, cause: str) -> None:
+        self.path = path
+        self.cause = cause
+        super().__init__(f"runtime directory {path}: {cause}")
+
+
+def leaf_errors(e: BaseException) -> list[BaseException]:
+    """The exceptions inside ``e`` with exception groups flattened (a trio nursery raises
+    an ExceptionGroup around what its tasks raised), in order; ``[e]`` for a plain one."""
+    if isinstance(e, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for inner in e.exceptions:
+            out += leaf_errors(inner)
+        return out
+    return [e]
+
+
+def describe(e: BaseException) -> str:
+    """One line naming the real cause of ``e``: ``Type: message`` of each leaf exception
+    (``leaf_errors``), joined with ``; ``."""
+    return "; ".join(f"{type(x).__name__}: {x}" for x in leaf_errors(e))

@@ -1,7 +1,8 @@
 """Where running mount daemons are recorded, and how the system's mount table is read.
 
 A daemon writes one small JSON record per mount point into the runtime directory
-(``$XDG_RUNTIME_DIR/rewindfs/mounts``, else ``/tmp/rewindfs-<uid>/mounts``, mode 0700) once
+(``runtime_dir("mounts")``: ``$XDG_RUNTIME_DIR/rewindfs/mounts``, else
+``/tmp/rewindfs-<uid>/mounts``; every level 0700) once
 it serves, and removes it when it exits; ``rewindfs umount`` reads it to wait for the daemon
 to finish persisting. Light on imports: the CLI uses it without loading FUSE.
 """
@@ -12,20 +13,73 @@ import hashlib
 import json
 import os
 import re
+import stat
 from typing import Any
 
+from .errors import RuntimeDirError
 
-def runtime_dir() -> str:
-    """The per-user runtime directory of rewindfs (created 0700)."""
+MAX_RUNTIME_DIR_BYTES = 76
+"""Longest runtime directory path: a socket ``<session id>.sock`` (29 bytes) below it must
+fit the 107 bytes of a Unix socket path (unix(7), ``sun_path``)."""
+
+
+def runtime_base() -> str:
+    """Where the runtime directory is: ``$XDG_RUNTIME_DIR/rewindfs`` when XDG_RUNTIME_DIR
+    names a directory, else ``$TMPDIR/rewindfs-<uid>`` (TMPDIR default ``/tmp``)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    d = os.path.join(base, "rewindfs") if base else f"/tmp/rewindfs-{os.getuid()}"
-    os.makedirs(os.path.join(d, "mounts"), mode=0o700, exist_ok=True)
+    if base and os.path.isdir(base):
+        return os.path.join(base, "rewindfs")
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    return os.path.join(tmp, f"rewindfs-{os.getuid()}")
+
+
+def _private_level(path: str) -> None:
+    """Make ``path`` a directory of this user with mode 0700: create it so, tighten one
+    of ours with group or other bits, refuse anything else (never following a symlink,
+    since the fallback lives in the shared /tmp)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise RuntimeDirError(path, f"cannot create it ({e.strerror}); set XDG_RUNTIME_DIR "
+                                    "to a private directory of yours") from e
+    st = os.lstat(path)
+    uid = os.getuid()
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise RuntimeDirError(path, f"is {kind}; remove it, or set XDG_RUNTIME_DIR to a "
+                                    "private directory of yours")
+    if st.st_uid != uid:
+        raise RuntimeDirError(path, f"belongs to uid {st.st_uid}, not to this user (uid "
+                                    f"{uid}); have its owner or root remove it, or set "
+                                    "XDG_RUNTIME_DIR to a private directory of yours")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)  # ours: an older release or a umask left it open
+
+
+def runtime_dir(*sub: str) -> str:
+    """The per-user runtime directory of rewindfs (``runtime_base()``), or the level
+    ``sub`` under it, every level made private (0700, this user's; see
+    ``_private_level``). The one owner of these directories: control sockets sit at the
+    top, mount records and read-only mounts' logs in ``mounts``.
+
+    Raises RuntimeDirError (exit 9) when a level is not a directory of this user."""
+    d = runtime_base()
+    if len(os.fsencode(d)) > MAX_RUNTIME_DIR_BYTES:
+        raise RuntimeDirError(d, "is too long for the control sockets in it (Unix socket "
+                                 "paths are limited to 107 bytes); set XDG_RUNTIME_DIR to a "
+                                 "shorter private directory")
+    _private_level(d)
+    for name in sub:
+        d = os.path.join(d, name)
+        _private_level(d)
     return d
 
 
 def record_path(mountpoint: str, suffix: str = ".json") -> str:
     key = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:24]
-    return os.path.join(runtime_dir(), "mounts", key + suffix)
+    return os.path.join(runtime_dir("mounts"), key + suffix)
 
 
 def write_record(mountpoint: str, data: dict[str, Any]) -> str:
@@ -38,10 +92,12 @@ def write_record(mountpoint: str, data: dict[str, Any]) -> str:
 
 
 def read_record(mountpoint: str) -> dict[str, Any] | None:
+    """The record of ``mountpoint``, or None (none, unreadable, or no private runtime
+    directory to read it from)."""
     try:
         with open(record_path(mountpoint)) as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeDirError):
         return None
     return data if isinstance(data, dict) else None
 

@@ -97,17 +97,60 @@ def rel(arg: str) -> str:
     return arg
 
 
-def mounted(path: Path) -> str | None:
-    """The file system type mounted exactly at ``path`` (from /proc/self/mounts), or None."""
-    want = os.path.abspath(path)
-    found = None
+def mount_table() -> list[tuple[str, str]]:
+    """(mount point, file system type) of every mount, from /proc/self/mounts, in order."""
+    out = []
     with open("/proc/self/mounts") as f:
         for line in f:
             fields = line.split()
             mnt = fields[1].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
-            if mnt == want:
-                found = fields[2]
-    return found
+            out.append((mnt, fields[2]))
+    return out
+
+
+def mounted(path: Path) -> str | None:
+    """The file system type mounted exactly at ``path`` (the top mount), or None."""
+    want = os.path.abspath(path)
+    found = [fs for mnt, fs in mount_table() if mnt == want]
+    return found[-1] if found else None
+
+
+def mounts_under(root: Path) -> list[str]:
+    """Mount points at or below ``root``, deepest first."""
+    want = os.path.abspath(root)
+    below = {mnt for mnt, _ in mount_table()
+             if mnt == want or mnt.startswith(want.rstrip("/") + "/")}
+    return sorted(below, key=len, reverse=True)
+
+
+def processes_naming(root: Path) -> list[int]:
+    """This user's processes, other than this one and its parents, whose command line
+    names a path at or below ``root``: daemons and session processes the job's commands
+    started there."""
+    needle = os.fsencode(os.path.abspath(root))
+    mine = {os.getpid()}
+    pid = os.getppid()
+    while pid > 1 and pid not in mine:
+        mine.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            break
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in mine:
+            continue
+        try:
+            if os.stat(f"/proc/{d}").st_uid != os.getuid():
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(needle in a for a in args):
+            out.append(int(d))
+    return out
 
 
 def alive(pid: int) -> bool:
@@ -468,24 +511,38 @@ class MainJob:
 
     def cleanup(self) -> list[str]:
         """Unmount and end everything the job started, remove the scratch directory; return
-        what is still mounted or running afterwards (nothing, normally)."""
+        what is still mounted or running afterwards, and any step that failed (nothing,
+        normally). Never raises: every step runs even when an earlier one failed, and
+        mounts or daemons the job does not know of (a failed start's, or one a command it
+        ran made) are found under the scratch directory."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        problems: list[str] = []
+
+        def attempt(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the clean-up must go on
+                problems.append(f"{what} failed: {type(e).__name__}: {e}")
+
         try:
             if self.live is not None:
-                self.live.cleanup()
-            lazy_unmount(self.ro)
-            end_pid(self.ro_pid)
-            left = []
-            for p in (self.ro, self.live.root if self.live else None):
-                if p is not None and mounted(p):
-                    left.append(f"mount {p}")
-            for pid in (self.ro_pid, getattr(self.live, "pid", None)):
-                if pid is not None and alive(pid):
-                    left.append(f"process {pid}")
+                attempt(f"stopping the {self.live.kind}", self.live.cleanup)
+            attempt("unmounting the read-only mount", lambda: lazy_unmount(self.ro))
+            attempt("ending the read-only daemon", lambda: end_pid(self.ro_pid))
+            for m in mounts_under(self.scratch):
+                attempt(f"unmounting {m}", lambda m=m: lazy_unmount(Path(m)))
+            for pid in processes_naming(self.scratch):
+                attempt(f"ending process {pid}", lambda pid=pid: end_pid(pid))
+            left = [f"mount {m}" for m in mounts_under(self.scratch)]
+            pids = {self.ro_pid, getattr(self.live, "pid", None), *processes_naming(self.scratch)}
+            left += [f"process {pid}" for pid in sorted(p for p in pids if p is not None)
+                     if alive(pid)]
             if not left:
-                rmtree(self.scratch)
-            return left
+                attempt(f"removing {self.scratch}", lambda: rmtree(self.scratch))
+            return left + problems
+        except BaseException as e:  # noqa: BLE001 - report, never crash
+            return [*problems, f"the clean-up failed: {type(e).__name__}: {e}"]
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

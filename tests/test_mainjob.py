@@ -8,10 +8,13 @@ anything left under the test's directory runs in teardown in case the job did no
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +110,30 @@ def test_a_failed_check_exits_nonzero_and_unmounts_everything(work: Path) -> Non
     assert not (work / "scratch").exists()
 
 
+def test_the_clean_up_ends_mounts_it_did_not_make_and_never_crashes(work: Path) -> None:
+    """A command of the job leaves a mount (and its daemon) under the scratch directory
+    that the job knows nothing of, then fails: the clean-up finds, unmounts and ends them,
+    removes the scratch directory and reports the failed check, without a traceback."""
+    proj = small_project(work)
+    scratch = work / "scratch"
+    leave = work / "leave-a-mount.sh"
+    leave.write_text(f"""set -e
+rw={REPO / ".venv" / "bin" / "rewindfs"}
+ref=$("$rw" list --json | {sys.executable} -c 'import json, sys; print(json.load(sys.stdin)[-1]["ref"])')
+mkdir -p {scratch}/extra
+"$rw" mount --ro "$ref" {scratch}/extra
+echo left a mount; exit 3
+""")
+    p = run_job(work, str(proj), "--test-cmd", f"bash {leave}")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 1, out
+    assert "left a mount" in out and "FAILED" in out
+    assert "Traceback" not in out and "clean-up: nothing mounted or running" in out, out
+    assert mounts_under(work) == []
+    assert processes_mentioning(str(scratch)) == []
+    assert not scratch.exists()
+
+
 def test_sigterm_in_the_middle_unmounts_everything(work: Path) -> None:
     proj = small_project(work)
     p = run_job(work, str(proj), "--test-cmd", "touch tests-running; sleep 60")
@@ -133,14 +160,47 @@ def test_sigterm_in_the_middle_unmounts_everything(work: Path) -> None:
     assert not scratch.exists()
 
 
+def _end_sessions_of(runtime: Path, under: Path) -> None:
+    """Kill every daemon that recorded a mount in ``runtime`` and lazily unmount whatever
+    is still mounted under ``under``."""
+    for rec in (runtime / "rewindfs" / "mounts").glob("*.json"):
+        try:
+            os.kill(int(json.loads(rec.read_text())["pid"]), signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+    for m in mounts_under(under):
+        subprocess.run(["fusermount3", "-uz", m], capture_output=True)
+
+
 def test_the_readme_python_example_runs() -> None:
-    """The README's Python API example runs as printed and journals what it says."""
+    """The README's Python API example runs as printed and journals what it says. It runs
+    with its own temporary and runtime directories, so that whatever it leaves (when it
+    fails or times out) is found and unmounted."""
     text = (REPO / "README.md").read_text()
     blocks = text.split("```python\n")
     assert len(blocks) == 2, "the README has exactly one Python example"
     code = blocks[1].split("```", 1)[0]
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
+    tmp = Path(tempfile.mkdtemp(prefix="rwex-"))  # short: sockets live in its runtime dir
+    runtime = tmp / "run"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, TMPDIR=str(tmp), XDG_RUNTIME_DIR=str(runtime))
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        _end_sessions_of(runtime, tmp)
+        leftover = mounts_under(tmp)
+        if not leftover:
+            shutil.rmtree(tmp, ignore_errors=True)
+    assert leftover == []
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     seq_event_trigger = [ln.split()[:3] for ln in lines[:3]]

@@ -1,7 +1,8 @@
 """The control socket of a session host (CONTRACT 4.0): how the CLI reaches a live session.
 
 A host process (``host.py`` for no-FUSE sessions) serves a Unix stream socket, mode 0600,
-in ``$XDG_RUNTIME_DIR/rewindfs/`` (else ``/tmp/rewindfs-<uid>/``, mode 0700) named
+in the runtime directory (``$XDG_RUNTIME_DIR/rewindfs/``, else ``/tmp/rewindfs-<uid>/``;
+``fusefs.mounts.runtime_dir``) named
 ``<session id>.sock``; its path is recorded in the session's state directory as ``control``.
 Protocol: one JSON object per line each way. Requests ``{"op": ..., ...}``: ``status``,
 ``checkpoint {trigger}``, ``restore {ref, discard, timeout_s}``, ``turn_done``,
@@ -24,6 +25,7 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from ..mounts import runtime_dir
 from .errors import SessionError
 
 CONTROL_FILE = "control"
@@ -41,17 +43,9 @@ class HostError(SessionError):
 
 
 def socket_dir() -> str:
-    """The directory for control sockets (created 0700)."""
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    if run and os.path.isdir(run):
-        d = os.path.join(run, "rewindfs")
-    else:
-        d = f"/tmp/rewindfs-{os.getuid()}"
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.lstat(d)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise SessionError(f"control socket directory {d} is not private to this user")
-    return d
+    """The directory of control sockets: the runtime directory itself
+    (``fusefs.mounts.runtime_dir``, 0700). Raises RuntimeDirError."""
+    return runtime_dir()
 
 
 def error_reply(e: BaseException) -> dict[str, Any]:

@@ -156,7 +156,12 @@ def _spawn(argv: list[str], log_path: str) -> dict[str, Any]:
     if not buf:
         raise SessionError("the session process exited before it was ready:\n"
                            + _log_tail(log_path))
-    return _check(json.loads(buf))
+    reply: dict[str, Any] = json.loads(buf)
+    if not reply.get("ok") and isinstance(reply.get("pid"), int):
+        # It cleans up (unmounts) before it reports; wait until it is gone, so that the
+        # caller may remove the session's state without a process still using it.
+        _wait_exit(reply["pid"], EXIT_TIMEOUT_S)
+    return _check(reply)
 
 
 def _alive(pid: int) -> bool:

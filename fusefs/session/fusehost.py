@@ -36,6 +36,7 @@ from typing import Any
 
 from store.ref import Ref
 
+from ..errors import MountError, describe
 from .control import error_reply, socket_dir
 from .fusetree import ATTACH_FILE
 from .host import Host, config_from_spec
@@ -351,9 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     ready_fd: int | None = args.ready_fd
 
     def report(data: dict[str, Any]) -> None:
+        """Write the ready report once. A failure names this process (``pid``) so that
+        the caller can wait until it is gone before it removes what it made."""
         nonlocal ready_fd
         if ready_fd is None:
             return
+        if not data.get("ok"):
+            data = dict(data, pid=os.getpid())
         try:
             os.write(ready_fd, json.dumps(data).encode() + b"\n")
         except OSError:
@@ -369,9 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(proc.log_path(rec))
         log.info("session %s: %s (pid %d)", sid, "new" if args.new else "resume",
                  os.getpid())
+        socket_dir()  # a runtime directory we cannot use fails before anything is taken
         proc.mount = mount = proc.make_mount(rec)
     except BaseException as e:
-        log.error("cannot open the session: %s: %s", type(e).__name__, e)
+        log.error("cannot open the session: %s", describe(e))
         report(error_reply(e))
         return int(getattr(e, "exit_code", 1) or 1)
     opened: list[FuseHost] = []
@@ -415,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 host.session.shutdown()
             finally:
-                report(error_reply(RuntimeError(mount.error)))
+                report(error_reply(MountError(mount.mountpoint, mount.error)))
             return
         try:
             assert proc is not None
@@ -423,9 +429,18 @@ def main(argv: list[str] | None = None) -> int:
             if proc.shared:
                 proc.serve_attach(rec)
         except BaseException as e:
-            log.error("cannot serve the control socket: %s", e)
+            # Nothing may stay: shut the session down (its host loop does, if it started),
+            # wait for the unmount, and only then report.
+            log.error("cannot serve the control socket: %s", describe(e))
+            if host in proc.hosts and getattr(host, "_server", None) is not None:
+                host.done.set()
+            else:
+                try:
+                    host.session.shutdown()
+                except Exception as e2:
+                    log.error("shutting the session down failed: %s", describe(e2))
+            mount.unmounted.wait(300)
             report(error_reply(e))
-            host.done.set()
             return
         report(proc.ready_reply(host))
 

@@ -424,11 +424,14 @@ class FuseMount:
                 await pyfuse3.main(min_tasks=1, max_tasks=max_tasks)
                 nursery.cancel_scope.cancel()
 
+        from fusefs.errors import describe
+
         code = 0
         try:
             trio.run(main)
         except BaseException as e:  # the loop failed: persist what we can, then unmount
-            log.error("serving loop ended: %s: %s", type(e).__name__, e)
+            log.error("serving loop ended: %s", describe(e), exc_info=e)
+            init_error = init_error or f"the mount stopped before it served: {describe(e)}"
             code = 9
         self.phase = STOPPED
         self.live = None

@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     # A FUSE session gets its own session process; from a one-shot host start it directly
     # rather than through a pre-imported parent that would end with this host.
     os.environ.setdefault("REWINDFS_SESSION_ZYGOTE", "0")
+    s = None
     try:
+        socket_dir()  # a runtime directory we cannot use fails before anything is taken
         spec = json.loads(args.spec)
         ws = Workspace(config_from_spec(spec))
         if args.new:
@@ -244,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         host = Host(s)
         host.serve()
     except BaseException as e:
+        if s is not None:  # opened, but it cannot be served: leave nothing running
+            try:
+                s.shutdown()
+            except Exception as e2:
+                log.error("shutting %s down after the failed start: %s", s.id, e2)
         report(error_reply(e))
         return int(getattr(e, "exit_code", 1) or 1)
     signal.signal(signal.SIGTERM, lambda *_: host.done.set())

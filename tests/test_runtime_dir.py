@@ -1,0 +1,265 @@
+"""The runtime directory and failed starts (issue 10, point 1), through the real CLI.
+
+A fresh machine may already hold a runtime directory with loose bits (an older release, a
+umask of 022): every mount and session must still start, and the directory ends up 0700. A
+level owned by another user is refused with a message saying what to do. A start that fails
+(before or after its root was mounted) reports its real cause in one line and in the daemon
+log, and leaves no mount, no process, no session record and no state behind.
+
+Every command runs with its own runtime directory (``XDG_RUNTIME_DIR``, or ``TMPDIR`` for
+the ``/tmp/rewindfs-<uid>`` fallback) inside the test's scratch directory; teardown kills
+every process that names the scratch directory and lazily unmounts whatever is left there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fusehelpers as fh
+import pytest
+from session_support import REPO
+
+from fusefs.session.fallback import fuse_available
+from fusefs.session.fusetree import shared_dir
+
+pytestmark = pytest.mark.skipif(not fuse_available(), reason="needs /dev/fuse and fusermount3")
+
+UID = os.getuid()
+
+
+def _procs_naming(path: Path) -> list[int]:
+    """Processes (other than this one) whose command line names ``path``."""
+    out = []
+    needle = os.fsencode(path)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+class Box:
+    """A scratch directory with a store, a snapshot, and the environment of the CLI."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.store = base / "store"
+        self.env = dict(os.environ, PYTHONPATH=str(REPO))
+        src = base / "src"
+        src.mkdir()
+        (src / "a").write_text("lower\n")
+        self.ref = fh.snapshot(self.store, src)
+
+    def runtime(self, kind: str) -> Path:
+        """Point the CLI at a runtime directory under the box; return its path (not
+        created). ``xdg``: ``$XDG_RUNTIME_DIR/rewindfs``; ``tmp``: ``$TMPDIR/rewindfs-<uid>``."""
+        if kind == "xdg":
+            xdg = self.base / "xdg"
+            xdg.mkdir(mode=0o700)
+            self.env["XDG_RUNTIME_DIR"] = str(xdg)
+            self.env.pop("TMPDIR", None)
+            return xdg / "rewindfs"
+        tmp = self.base / "tmp"
+        tmp.mkdir()
+        self.env.pop("XDG_RUNTIME_DIR", None)
+        self.env["TMPDIR"] = str(tmp)
+        return tmp / f"rewindfs-{UID}"
+
+    def rw(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(self.store),
+                            *args], capture_output=True, text=True, cwd=str(self.base),
+                           env=self.env, timeout=300)
+        if ok:
+            assert p.returncode == 0, f"rewindfs {' '.join(args)}: {p.returncode} {p.stderr}"
+        return p
+
+    def sessions(self) -> list[str]:
+        d = self.store / "sessions"
+        return sorted(p.name for p in d.iterdir() if p.name != "roots") if d.is_dir() else []
+
+    def assert_nothing_left(self) -> None:
+        mounted = [m for _, m in fh.mount_table() if m.startswith(str(self.base) + "/")]
+        assert mounted == [], mounted
+        deadline = time.monotonic() + 30  # a process reports before its exit completes
+        while _procs_naming(self.base) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _procs_naming(self.base) == []
+
+
+@pytest.fixture
+def box() -> Iterator[Box]:
+    # Short paths: a socket path under the runtime directory must fit 107 bytes.
+    base = Path(tempfile.mkdtemp(prefix="rwrt-"))
+    try:
+        yield Box(base)
+    finally:
+        for pid in _procs_naming(base):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        fh.unmount_leftovers([str(base)])
+        subprocess.run(["chown", "-R", str(UID), str(base)], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+@pytest.mark.parametrize("kind", ["xdg", "tmp"])
+def test_a_loose_runtime_dir_is_tightened_and_every_start_works(box: Box, kind: str) -> None:
+    """From ``<runtime>/rewindfs`` (or ``/tmp/rewindfs-<uid>``) and its ``mounts`` existing
+    0755: a read-only mount and unmount, then a read-write mount and a FUSE session all
+    start, and every level is 0700 afterwards."""
+    rt = box.runtime(kind)
+    (rt / "mounts").mkdir(parents=True)
+    os.chmod(rt, 0o755)
+    os.chmod(rt / "mounts", 0o755)
+    ro, mnt = box.base / "ro", box.base / "mnt"
+    ro.mkdir()
+    mnt.mkdir()
+    box.rw("mount", "--ro", box.ref, str(ro))
+    assert (ro / "a").read_text() == "lower\n"
+    box.rw("umount", str(ro))
+    box.rw("mount", box.ref, str(mnt), "--state", str(box.base / "state"))
+    (mnt / "b").write_text("upper\n")
+    box.rw("umount", str(mnt))
+    out = json.loads(box.rw("session", "new", "--base", str(box.base / "ws"),
+                            "--json").stdout)
+    assert fh.is_fuse_mounted(out["root"])
+    assert (Path(out["root"]) / "b").exists() is False
+    box.rw("session", "shutdown", out["id"])
+    assert (_mode(rt), _mode(rt / "mounts")) == (0o700, 0o700)
+    box.assert_nothing_left()
+
+
+@pytest.mark.skipif(UID != 0, reason="making a directory of another user needs root")
+def test_a_runtime_dir_of_another_user_is_refused_and_nothing_starts(box: Box) -> None:
+    rt = box.runtime("xdg")
+    rt.mkdir(mode=0o700)
+    os.chown(rt, 65534, 65534)
+    mnt, state = box.base / "mnt", box.base / "state"
+    mnt.mkdir()
+    p = box.rw("mount", box.ref, str(mnt), "--state", str(state), ok=False)
+    assert p.returncode == 9
+    line = p.stderr.strip()
+    assert "\n" not in line and str(rt) in line and "belongs to uid 65534" in line, line
+    assert "XDG_RUNTIME_DIR" in line  # what to do
+    assert "belongs to uid 65534" in (state / "daemon.log").read_text()
+    p = box.rw("session", "new", "--base", str(box.base / "ws"), ok=False)
+    assert p.returncode != 0 and "belongs to uid 65534" in p.stderr, p.stderr
+    assert box.sessions() == []
+    assert not (box.base / "ws").exists() or list((box.base / "ws").iterdir()) == []
+    box.assert_nothing_left()
+
+
+def test_a_runtime_dir_too_long_for_sockets_is_refused_with_its_cause(box: Box) -> None:
+    tmp = box.base / ("t" * 80)
+    tmp.mkdir()
+    box.env.pop("XDG_RUNTIME_DIR", None)
+    box.env["TMPDIR"] = str(tmp)
+    mnt = box.base / "mnt"
+    mnt.mkdir()
+    p = box.rw("mount", box.ref, str(mnt), "--state", str(box.base / "state"), ok=False)
+    assert p.returncode == 9 and "too long" in p.stderr and "XDG_RUNTIME_DIR" in p.stderr
+    box.assert_nothing_left()
+
+
+def test_a_mount_whose_control_socket_fails_leaves_nothing(box: Box) -> None:
+    """Something in the way of the control socket (here a directory at its path): the
+    daemon stops before mounting, and says why (not just that it stopped)."""
+    rt = box.runtime("xdg")
+    state, mnt = box.base / "state", box.base / "mnt"
+    mnt.mkdir()
+    sock = _control_socket(box, state)
+    sock.parent.mkdir(parents=True)
+    sock.mkdir()
+    assert rt.is_dir()
+    p = box.rw("mount", box.ref, str(mnt), "--state", str(state), ok=False)
+    assert p.returncode == 9
+    assert "IsADirectoryError" in p.stderr or "Is a directory" in p.stderr, p.stderr
+    log = (state / "daemon.log").read_text()
+    assert "Is a directory" in log and "sub-exception" not in log.splitlines()[-1]
+    box.assert_nothing_left()
+    # Once the way is clear, the same state directory mounts.
+    sock.rmdir()
+    box.rw("mount", box.ref, str(mnt), "--state", str(state))
+    box.rw("umount", str(mnt))
+    box.assert_nothing_left()
+
+
+def _control_socket(box: Box, state: Path) -> Path:
+    """Where the daemon of state directory ``state`` serves its control socket."""
+    key = hashlib.sha256(os.path.abspath(state).encode()).hexdigest()[:16]
+    return Path(box.env["XDG_RUNTIME_DIR"]) / "rewindfs" / f"m-{key}.sock"
+
+
+def _attach_socket(box: Box, root: Path) -> Path:
+    """Where the process of a shared ``root`` serves its attach socket."""
+    d = shared_dir(os.path.join(os.path.realpath(box.store), "sessions"), os.path.realpath(root))
+    key = hashlib.sha256(d.encode()).hexdigest()[:16]
+    return Path(box.env["XDG_RUNTIME_DIR"]) / "rewindfs" / f"a-{key}.sock"
+
+
+def test_a_session_that_fails_after_its_root_was_mounted_leaves_nothing(box: Box) -> None:
+    """A shared root's process mounts the root, then cannot serve its attach socket: the
+    session is shut down, the root unmounted and the process gone before ``session new``
+    reports the cause; no session stays registered. Then the same start works."""
+    rt = box.runtime("xdg")
+    root = box.base / "root"
+    root.mkdir()
+    (root / "mine").write_text("kept\n")
+    sock = _attach_socket(box, root)
+    sock.parent.mkdir(parents=True)
+    sock.mkdir()
+    assert rt.is_dir()
+    p = box.rw("session", "new", "--placement", "shared", "--root", str(root), ok=False)
+    assert p.returncode != 0 and "Is a directory" in p.stderr, p.stderr
+    assert box.sessions() == []
+    assert not fh.is_fuse_mounted(root) and (root / "mine").read_text() == "kept\n"
+    box.assert_nothing_left()
+    sock.rmdir()
+    out = json.loads(box.rw("session", "new", "--placement", "shared", "--root", str(root),
+                            "--json").stdout)
+    assert fh.is_fuse_mounted(root) and box.sessions() == [out["id"]]
+    box.rw("session", "shutdown", out["id"])
+    box.assert_nothing_left()
+
+
+def test_resume_and_fork_that_fail_leave_the_session_as_it_was(box: Box) -> None:
+    box.runtime("xdg")
+    ws = box.base / "ws"
+    out = json.loads(box.rw("session", "new", "--base", str(ws), "--json").stdout)
+    sid, root = out["id"], Path(out["root"])
+    (root / "work").write_text("un-checkpointed\n")
+    box.rw("session", "shutdown", sid)
+    good = box.env["XDG_RUNTIME_DIR"]
+    box.env["XDG_RUNTIME_DIR"] = str(box.base / "x")  # not a directory: the /tmp fallback
+    box.env["TMPDIR"] = str(box.base / ("t" * 80))    # ... whose path is too long
+    for args in (["session", "resume", sid], ["session", "fork", sid]):
+        p = box.rw(*args, ok=False)
+        assert p.returncode != 0 and "too long" in p.stderr, p.stderr
+        assert box.sessions() == [sid]
+        box.assert_nothing_left()
+    box.env["XDG_RUNTIME_DIR"] = good
+    box.env.pop("TMPDIR")
+    box.rw("session", "resume", sid)
+    assert (root / "work").read_text() == "un-checkpointed\n"
+    box.rw("session", "shutdown", sid)
+    box.assert_nothing_left()
