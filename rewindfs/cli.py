@@ -20,7 +20,7 @@ from typing import Any
 
 Handler = Callable[[argparse.Namespace], int]
 
-_MODULES = ("cmd_store", "cmd_mount", "cmd_tools", "cmd_session", "cmd_live")
+_MODULES = ("cmd_store", "cmd_mount", "cmd_tools", "cmd_session", "cmd_live", "cmd_doctor")
 
 
 def default_store() -> str:

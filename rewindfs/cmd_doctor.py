@@ -1,0 +1,212 @@
+"""``rewindfs doctor``: is this machine ready for rewindfs, and if not, what fixes it.
+
+Each check looks, never changes anything, and reports ``ok``, ``warn`` (works, but something a
+user may want is missing) or ``fail`` (a part of rewindfs cannot work here), with the cause
+and the command that fixes it. Checks: the FUSE device and ``fusermount3``; the runtime
+directory (owner and mode); ``user_allow_other`` for ``--allow-other``; bubblewrap and user
+namespaces for the Bash sandbox; ripgrep for Grep; free space where the store and session
+states live; the FUSE binding in use. Exit 0 without a ``fail``, else 1. ``--json`` prints
+``{"ok": bool, "checks": [{"name", "status", "detail", "fix"}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rewindfs.cli import add_json, emit
+
+MIN_FREE_BYTES = 1 << 30
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    detail: str
+    fix: str = ""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("doctor", help="check this machine for what rewindfs needs; say how "
+                                      "to fix what is missing")
+    p.add_argument("--allow-other", action="store_true",
+                   help="mounts will use --allow-other: user_allow_other is then required")
+    add_json(p)
+    p.set_defaults(handler=cmd_doctor)
+
+
+def _sudo() -> str:
+    return "" if os.getuid() == 0 else "sudo "
+
+
+def check_fuse() -> list[Check]:
+    out = []
+    if not os.path.exists("/dev/fuse"):
+        out.append(Check("fuse_device", "fail", "/dev/fuse does not exist (sessions fall back "
+                         "to plain directories; mount is unavailable)",
+                         f"{_sudo()}modprobe fuse (in a container: run it with "
+                         "--device /dev/fuse)"))
+    else:
+        try:
+            os.close(os.open("/dev/fuse", os.O_RDWR))
+            out.append(Check("fuse_device", "ok", "/dev/fuse opens read-write"))
+        except OSError as e:
+            out.append(Check("fuse_device", "fail", f"/dev/fuse cannot be opened: "
+                             f"{os.strerror(e.errno or 0)} (sessions fall back to plain "
+                             "directories; mount is unavailable)",
+                             f"{_sudo()}chmod 0666 /dev/fuse"))
+    fm = shutil.which("fusermount3")
+    if fm is None:
+        out.append(Check("fusermount3", "fail", "fusermount3 is not on PATH",
+                         f"{_sudo()}apt-get install fuse3"))
+    elif os.getuid() != 0 and not os.stat(fm).st_mode & 0o4000:
+        out.append(Check("fusermount3", "fail", f"{fm} is not setuid root, so a non-root "
+                         "user cannot mount", f"{_sudo()}chmod u+s {fm}"))
+    else:
+        out.append(Check("fusermount3", "ok", fm))
+    return out
+
+
+def runtime_path() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(base, "rewindfs") if base else f"/tmp/rewindfs-{os.getuid()}"
+
+
+def check_runtime_dir() -> Check:
+    d = runtime_path()
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return Check("runtime_dir", "ok", f"{d} will be created (mode 0700) on first use")
+    if not os.path.isdir(d) or os.path.islink(d):
+        return Check("runtime_dir", "fail", f"{d} is not a directory",
+                     f"rm {d}  (or set XDG_RUNTIME_DIR to a private directory)")
+    if st.st_uid != os.getuid():
+        return Check("runtime_dir", "fail", f"{d} belongs to uid {st.st_uid}, not to you "
+                     f"(uid {os.getuid()})",
+                     f"export XDG_RUNTIME_DIR=$(mktemp -d)  (or {_sudo()}rm -r {d})")
+    loose = [p for p in (d, os.path.join(d, "mounts"))
+             if os.path.isdir(p) and os.lstat(p).st_mode & 0o077]
+    if loose:
+        return Check("runtime_dir", "warn", f"{', '.join(loose)} is open to other users "
+                     f"(mode {oct(os.lstat(loose[0]).st_mode & 0o777)}); rewindfs tightens "
+                     "it to 0700 on next use", f"chmod 700 {' '.join(loose)}")
+    return Check("runtime_dir", "ok", f"{d} is yours, mode 0700")
+
+
+def check_allow_other(wanted: bool) -> Check:
+    try:
+        with open("/etc/fuse.conf") as f:
+            lines = [ln.split("#", 1)[0].strip() for ln in f]
+    except OSError:
+        lines = []
+    if "user_allow_other" in lines:
+        return Check("user_allow_other", "ok", "/etc/fuse.conf has user_allow_other")
+    if os.getuid() == 0:
+        return Check("user_allow_other", "ok", "not set in /etc/fuse.conf; root may use "
+                     "--allow-other without it")
+    return Check("user_allow_other", "fail" if wanted else "warn",
+                 "/etc/fuse.conf lacks user_allow_other: --allow-other mounts are refused "
+                 "for non-root users",
+                 f"echo user_allow_other | {_sudo()}tee -a /etc/fuse.conf")
+
+
+def check_sandbox() -> Check:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return Check("bash_sandbox", "fail", "bubblewrap (bwrap) is not installed: the Bash "
+                     "tool refuses to run", f"{_sudo()}apt-get install bubblewrap")
+    try:
+        r = subprocess.run([bwrap, "--unshare-user", "--unshare-pid", "--unshare-net",
+                            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "true"],
+                           capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return Check("bash_sandbox", "fail", f"bwrap could not run: {e}",
+                     f"{_sudo()}apt-get install --reinstall bubblewrap")
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        return Check("bash_sandbox", "fail", f"bwrap cannot create user namespaces: {why}",
+                     f"{_sudo()}sysctl -w kernel.unprivileged_userns_clone=1 "
+                     "user.max_user_namespaces=15000")
+    return Check("bash_sandbox", "ok", f"{bwrap} creates user, pid and network namespaces")
+
+
+def check_ripgrep() -> Check:
+    rg = shutil.which("rg")
+    if rg is None:
+        return Check("ripgrep", "fail", "rg is not installed: the Grep tool cannot run",
+                     f"{_sudo()}apt-get install ripgrep")
+    return Check("ripgrep", "ok", rg)
+
+
+def _existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and p != os.path.dirname(p):
+        p = os.path.dirname(p)
+    return p
+
+
+def check_space(name: str, path: str) -> Check:
+    at = _existing(path)
+    st = os.statvfs(at)
+    free = st.f_bavail * st.f_frsize
+    shown = f"{free / (1 << 30):.1f} GiB free at {at} (for {path})"
+    if free < MIN_FREE_BYTES:
+        return Check(name, "warn", shown + "; writes fail with ENOSPC when it runs out",
+                     "free space on that file system or choose another with --store")
+    return Check(name, "ok", shown)
+
+
+def check_binding() -> Check:
+    try:
+        import pyfuse3
+    except ImportError as e:
+        return Check("fuse_binding", "fail", f"pyfuse3 does not import: {e}",
+                     "bash scripts/setup.sh")
+    version = getattr(pyfuse3, "__version__", "?")
+    try:
+        from fusefs.binding import describe
+
+        detail = describe()
+    except ImportError:
+        detail = f"stock pyfuse3 {version}"
+    return Check("fuse_binding", "ok", detail)
+
+
+def run_checks(store: str, allow_other: bool = False) -> list[Check]:
+    """Every check, in the order shown. A check that cannot look (a permission error, say)
+    is reported as failed with its cause, never raised."""
+    steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
+        ("fuse_device", check_fuse), ("fuse_binding", check_binding),
+        ("runtime_dir", check_runtime_dir),
+        ("user_allow_other", lambda: check_allow_other(allow_other)),
+        ("bash_sandbox", check_sandbox), ("ripgrep", check_ripgrep),
+        ("store_space", lambda: check_space("store_space", store)),
+        ("state_space", lambda: check_space("state_space", os.path.join(store, "sessions")))]
+    out: list[Check] = []
+    for name, fn in steps:
+        try:
+            got = fn()
+        except OSError as e:
+            got = Check(name, "fail", f"cannot check: {e}", "")
+        out.extend(got if isinstance(got, list) else [got])
+    return out
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks = run_checks(args.store, args.allow_other)
+    ok = not any(c.status == "fail" for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:<4}  {c.name}: {c.detail}")
+        if c.fix and c.status != "ok":
+            lines.append(f"      fix: {c.fix}")
+    lines.append("ready" if ok else "not ready: see the fix lines above")
+    emit(args, {"ok": ok, "checks": [asdict(c) for c in checks]}, "\n".join(lines))
+    return 0 if ok else 1

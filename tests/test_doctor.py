@@ -1,0 +1,129 @@
+"""``rewindfs doctor`` on this machine, through the console script: it names a loose or
+foreign runtime directory and a missing ``user_allow_other`` with the command that fixes
+each, and its ``--json`` parses. The ``/etc/fuse.conf`` it reads is swapped only inside a
+private mount namespace of the child (the host's file is never touched)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ROOT = os.getuid() == 0
+CLONE_NEWNS = 0x00020000
+
+
+def doctor(tmp: Path, *extra: str, runtime: Path) -> tuple[int, dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if k != "REWINDFS_STORE"}
+    env["XDG_RUNTIME_DIR"] = str(runtime)
+    p = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(tmp / "store"),
+                        "doctor", "--json", *extra], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=120)
+    return p.returncode, json.loads(p.stdout)
+
+
+def by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in doc["checks"]}
+
+
+def test_a_fresh_runtime_dir_is_fine_and_json_parses(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    code, doc = doctor(tmp_path, runtime=run)
+    checks = by_name(doc)
+    assert {"fuse_device", "fusermount3", "runtime_dir", "user_allow_other", "bash_sandbox",
+            "ripgrep", "store_space", "fuse_binding"} <= set(checks)
+    assert all(c["status"] in ("ok", "warn", "fail") for c in doc["checks"])
+    assert checks["runtime_dir"]["status"] == "ok"
+    assert doc["ok"] is (code == 0) and doc["ok"] is all(
+        c["status"] != "fail" for c in doc["checks"])
+    assert not (run / "rewindfs").exists()  # doctor only looks
+
+
+def test_a_loose_runtime_dir_is_named_with_its_fix(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "rewindfs").mkdir(parents=True)
+    os.chmod(run / "rewindfs", 0o755)
+    _, doc = doctor(tmp_path, runtime=run)
+    c = by_name(doc)["runtime_dir"]
+    assert c["status"] == "warn" and "chmod 700" in c["fix"]
+    assert str(run / "rewindfs") in c["detail"]
+    assert os.stat(run / "rewindfs").st_mode & 0o777 == 0o755
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to chown")
+def test_a_runtime_dir_of_another_user_fails(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "rewindfs").mkdir(parents=True, mode=0o700)
+    os.chown(run / "rewindfs", 65534, 65534)
+    code, doc = doctor(tmp_path, runtime=run)
+    c = by_name(doc)["runtime_dir"]
+    assert code == 1 and c["status"] == "fail" and "XDG_RUNTIME_DIR" in c["fix"]
+
+
+def _doctor_as_nobody_with(conf: Path, run: Path, store: Path, out: Path) -> int:
+    """In a forked child: a private mount namespace whose /etc/fuse.conf is ``conf``, then
+    uid/gid 65534 and ``rewindfs doctor --allow-other --json`` (output to ``out``). The
+    venv's interpreter lives under /root, which uid 65534 cannot exec, hence the fork."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 99
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(CLONE_NEWNS) != 0:
+                os._exit(98)
+            subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+            subprocess.run(["mount", "--bind", str(conf), "/etc/fuse.conf"], check=True)
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.environ["XDG_RUNTIME_DIR"] = str(run)
+            sys.stdout = os.fdopen(fd, "w")  # pytest's capture replaced sys.stdout
+            from rewindfs.cli import main
+
+            code = main(["--store", str(store), "doctor", "--allow-other", "--json"])
+            sys.stdout.flush()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root for a mount namespace")
+@pytest.mark.parametrize("conf,status", [("# nothing\n", "fail"),
+                                         ("user_allow_other\n", "ok")])
+def test_user_allow_other_as_an_unprivileged_user(conf: str, status: str) -> None:
+    tmp_path = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))  # reachable by 65534
+    try:
+        _allow_other_case(tmp_path, conf, status)
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def _allow_other_case(tmp_path: Path, conf: str, status: str) -> None:
+    os.chmod(tmp_path, 0o755)
+    fake = tmp_path / "fuse.conf"
+    fake.write_text(conf)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    for d in (run, store):
+        os.chown(d, 65534, 65534)
+    out = tmp_path / "out.json"
+    code = _doctor_as_nobody_with(fake, run, store, out)
+    doc = json.loads(out.read_text())
+    c = by_name(doc)["user_allow_other"]
+    assert c["status"] == status, doc
+    if status == "fail":
+        assert code == 1 and "user_allow_other" in c["fix"] and "fuse.conf" in c["fix"]
