@@ -73,13 +73,10 @@ def check_fuse() -> list[Check]:
     return out
 
 
-def runtime_path() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    return os.path.join(base, "rewindfs") if base else f"/tmp/rewindfs-{os.getuid()}"
-
-
 def check_runtime_dir() -> Check:
-    d = runtime_path()
+    from fusefs.mounts import runtime_base
+
+    d = runtime_base()
     try:
         st = os.lstat(d)
     except FileNotFoundError:
