@@ -196,7 +196,14 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
                 origins[no] = ob
                 sp.meta.append((no, b))
                 inv.inodes.append(no)
-                if (ov.pins[ob][0] if ob in ov.pins else derive_ino(ob)) != no:
+                # Pin unless a fresh lookup of ``ob`` (once the kernel forgot the inode)
+                # gives ``no`` anyway; a pin of ``no`` for the old identity would not
+                # let it, and goes with the new pin.
+                if ob in ov.pins:
+                    keeps = ov.pins[ob][0] == no
+                else:
+                    keeps = derive_ino(ob) == no and ov.pinned.get(no, ob) == ob
+                if not keeps:
                     _set_pin(ov, rb, ob, no, ov.nodes[no].ctime_ns if no in ov.nodes
                              else b.mtime_ns)
                 continue

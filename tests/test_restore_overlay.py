@@ -55,6 +55,26 @@ def test_restore_undoes_every_change_and_can_be_undone(env: Env) -> None:
     assert res2.pre == env.ref  # the base, unchanged since: its own Ref again
 
 
+def test_a_hard_link_keeps_its_number_after_restore_once_forgotten(env: Env) -> None:
+    """``grp/x`` loses its other name, the restore brings it back: the inode keeps its
+    number, also for a lookup after the kernel forgot it (the kernel drops unused inodes
+    whenever it likes, more often under load) and after a remount."""
+    ov = env.mount()
+    grp = ov.lookup(ROOT_INO, b"grp")
+    assert grp is not None
+    x = ov.lookup(grp.ino, b"x")
+    assert x is not None
+    number = x.ino
+    ov.unlink(grp.ino, b"y")
+    restore_overlay(ov, env.ref)
+    assert ino(ov, "grp/x") == number == ino(ov, "grp/y")
+    ov.forget(number, 1)
+    assert number not in ov.nodes
+    assert ino(ov, "grp/x") == number == ino(ov, "grp/y")
+    ov = env.remount()
+    assert ino(ov, "grp/x") == number == ino(ov, "grp/y")
+
+
 def test_inode_numbers_across_restore(env: Env) -> None:
     ov = env.mount()
     keep = {p: ino(ov, p) for p in ("dir", "dir/sub", "dir/a.txt", "big.bin", "many/d1/f1")}
