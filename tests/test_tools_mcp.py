@@ -37,7 +37,10 @@ def test_end_to_end_over_stdio(tmp_path: Path) -> None:
         args=["-m", "rewindfs.cli", "--store", str(tmp_path / "store"), "mcp",
               "--root", str(root)],
         cwd=str(REPO))
-    run_tests = f"{sys.executable} -m unittest -q test_calc 2>&1; echo rc=$?"
+    # -B: the edit below keeps calc.py's size and may land in the second of the first run,
+    # and a .pyc written by that run would then pass its (mtime seconds, size) check and
+    # be reused, so the second run would test the old code.
+    run_tests = f"{sys.executable} -B -m unittest -q test_calc 2>&1; echo rc=$?"
 
     async def session() -> None:
         async with Client(params, read_timeout_seconds=120) as client:
