@@ -13,7 +13,8 @@ Protocol, shared with the no-FUSE session host (``fusefs.session.control``): one
 per line each way; requests ``{"op": ...}``:
 
 - ``status``: ``{ref, dirty_inodes, dirty_bytes, open_handles, writable_handles, parked,
-  paused, mountpoint, state, pid}``
+  paused, mountpoint, state, pid, requests}`` (``requests``: FUSE requests served so far
+  by operation, those that reached a handler)
 - ``checkpoint {label?, trigger?, timeout_s?}``: ``{ref, elapsed_ms, unchanged, packs,
   bytes}``
 - ``restore {ref, discard?, timeout_s?}``: ``{ref, pre_restore, changes, invalidated,
@@ -360,7 +361,8 @@ class Live:
                 "open_handles": len(ov.handles), "writable_handles": self._writable_handles(),
                 "open_dirs": len(ov.dirs), "parked": self.gate.parked,
                 "paused": self.gate.paused, "permits": self.gate.permits,
-                "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid()}
+                "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid(),
+                "requests": dict(self.ops.counts)}
 
     def diff(self, unified: bool = False) -> dict[str, Any]:
         """The changes since the last checkpoint (the lower), computed without writing;

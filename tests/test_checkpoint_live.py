@@ -206,3 +206,13 @@ def test_checkpoint_waits_for_write_permits(mounter: fh.Mounter, lower_ref: str)
         t.join(30)
     r = c.checkpoint()
     assert read_in(d.store, r["ref"], "by-tool") == b"tool output\n"
+
+
+def test_status_counts_fuse_requests_by_operation(mounter: fh.Mounter, lower_ref: str) -> None:
+    m = mounter.rw(lower_ref).mnt
+    before = client(m).status()["requests"]
+    for i in range(5):
+        (m / f"counted{i}.txt").write_bytes(b"x")
+    after = client(m).status()["requests"]
+    assert after.get("create", 0) - before.get("create", 0) == 5
+    assert after.get("write", 0) - before.get("write", 0) == 5

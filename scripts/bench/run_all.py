@@ -68,6 +68,9 @@ FUSE_LABELS = {
     "untar": "untar the tree (create)", "rm_rf": "rm -rf of it",
     "seq_cold": "256 MiB sequential read, cold", "seq_warm": "256 MiB sequential read, warm",
     "rand_cold": "2,000 random 4 KiB reads, cold",
+    "git_add": "git init + add -A of an untarred tree",
+    "ls_cold": "ls -l of 100,000 entries, first after mount",
+    "ls_warm": "ls -l of 100,000 entries, warm",
 }
 
 
@@ -294,8 +297,10 @@ def fuse_section(res: Result) -> str:
         row = [label, fmt_s(rw[key]["s"])]
         row += [fmt_s(d[n][key]["s"]) if key in d[n] else "-" for n in names]
         row += [ratio(rw[key]["s"], d[n][key]["s"]) if key in d[n] else "-" for n in names]
+        row.append(f"{rw[key]['requests']:,}" if "requests" in rw[key] else "-")
         rows.append(row)
-    header = (["workload", "rewindfs"] + names + [f"rewindfs / {n}" for n in names])
+    header = (["workload", "rewindfs"] + names + [f"rewindfs / {n}" for n in names]
+              + ["FUSE requests"])
     runs = sorted({len(v.get("runs", [])) for v in rw.values()})
     how = (f"median of {runs[-1]} runs ({runs[0]} for the cold ones, untar and rm -rf)"
            if len(runs) > 1 else f"median of {runs[0] if runs else '?'} run(s)")
@@ -471,7 +476,7 @@ def main(argv: list[str]) -> int:
         ("store", [*bench, str(HERE / "bench_store.py"), "--runs", "1" if q else "3",
                    "--json", str(j["store"])], 300, lambda r: load_json(j["store"])),
         ("fuse", [*bench, str(HERE / "bench_fuse.py"), "--runs", "1" if q else "3",
-                  "--heavy-runs", "1", "--json", str(j["fuse"])], 420,
+                  "--heavy-runs", "1", "--json", str(j["fuse"])], 600,
          lambda r: load_json(j["fuse"])),
         ("checkpoint", [*bench, str(HERE / "bench_checkpoint.py"), "--sizes", sizes,
                         "--runs", "1" if q else "3",
