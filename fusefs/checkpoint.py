@@ -52,7 +52,7 @@ from store import chunker
 from store.objects import Store, Writer
 from store.ref import ObjectId, Ref
 from store.snapshot import link_group_id
-from store.tree import Entry, Kind, Tree
+from store.tree import ChunkList, Entry, Kind, Tree, encode_runs, tree_version
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
 from .overlay import Overlay
@@ -88,7 +88,7 @@ class FileJob:
     where the data file is short or absent)."""
 
     size: int
-    lower_chunks: tuple[bytes, ...]
+    lower_chunks: ChunkList
     lower_len: int
     present: frozenset[int]
     data_path: str | None
@@ -345,7 +345,7 @@ class _Planner:
             elif n.kind is Kind.FILE:
                 upper = ov.upper
                 data = upper.data_path(n.ino) if (n.has_data and upper is not None) else None
-                dp.files[idx] = FileJob(n.size, tuple(n.lower_chunks), n.lower_len,
+                dp.files[idx] = FileJob(n.size, n.lower_chunks, n.lower_len,
                                         frozenset(n.present), data,
                                         bytes(n.inline) if n.inline is not None else None)
                 if self.groups and n.nlink > 1:
@@ -414,15 +414,6 @@ def _pread(fd: int | None, off: int, size: int) -> bytes:
     return data + bytes(size - len(data)) if len(data) < size else data
 
 
-def _has_data(fd: int, lo: int, hi: int) -> bool:
-    """True unless the byte range [lo, hi) of ``fd`` lies wholly in a hole (SEEK_DATA)."""
-    try:
-        return os.lseek(fd, lo, os.SEEK_DATA) < hi
-    except OSError as e:
-        # ENXIO: no data at or after lo. Anything else (no SEEK_DATA support): assume data.
-        return e.errno != errno.ENXIO
-
-
 class Sink(Protocol):
     """Where ``build`` puts chunks and trees: a ``store.objects.Writer`` or a
     ``MemoryWriter``."""
@@ -432,49 +423,140 @@ class Sink(Protocol):
     def put_tree(self, entries: list[Entry] | tuple[Entry, ...]) -> ObjectId: ...
 
 
-def file_chunks(job: FileJob, store: Store, w: Sink) -> tuple[ObjectId, ...]:
+def _next_data(fd: int, off: int) -> int | None:
+    """Offset of the first data at or after ``off`` in ``fd`` (SEEK_DATA), None if only a
+    hole remains; without SEEK_DATA support, ``off`` (everything counts as data)."""
+    try:
+        return os.lseek(fd, off, os.SEEK_DATA)
+    except OSError as e:
+        return None if e.errno == errno.ENXIO else off
+
+
+def _hole_at(fd: int, off: int, size: int) -> int:
+    """Offset of the first hole at or after ``off`` (SEEK_HOLE; ``size`` if none)."""
+    try:
+        return min(os.lseek(fd, off, os.SEEK_HOLE), size)
+    except OSError:
+        return size
+
+
+class _Runs:
+    """Builds a file's ``ChunkList`` run by run; holes get the zero chunk of their length,
+    put into the sink once per length."""
+
+    def __init__(self, w: Sink, size: int, cs: int) -> None:
+        self.w = w
+        self.size = size
+        self.cs = cs
+        self.slots = -(-size // cs)
+        self.runs: list[tuple[bytes, int]] = []
+        self._zero: dict[int, ObjectId] = {}
+
+    def add(self, cid: bytes, k: int = 1) -> None:
+        if k > 0:
+            self.runs.append((cid, k))
+
+    def length(self, i: int) -> int:
+        return min(self.cs, self.size - i * self.cs)
+
+    def holes(self, a: int, b: int) -> None:
+        """Slots ``[a, b)`` are holes."""
+        b = min(b, self.slots)
+        if a >= b:
+            return
+        last = self.slots - 1
+        full_end = b if b - 1 < last or self.length(last) == self.cs else b - 1
+        self.add(self.zero(self.cs), full_end - a)
+        if full_end < b:
+            self.add(self.zero(self.length(last)))
+
+    def zero(self, ln: int) -> ObjectId:
+        z = self._zero.get(ln)
+        if z is None:
+            z = self._zero[ln] = self.w.put_chunk(chunker.zeros(ln))
+        return z
+
+
+def file_chunks(job: FileJob, store: Store, w: Sink) -> ChunkList:
     """The chunk ids of a changed file; chunks that differ from lower are read, hashed and
-    put into ``w``. A lower chunk still whole is reused without being read."""
+    put into ``w``. A lower chunk still whole is reused without being read, and the holes
+    of the data file are found with SEEK_DATA/SEEK_HOLE, never read: the cost follows the
+    lower list's runs, the chunks copied up and the data written, not the file's size."""
     cs = store.chunk_size
+    out = _Runs(w, job.size, cs)
+    if job.inline is not None:
+        for i in range(min(out.slots, -(-len(job.inline) // cs))):
+            lo = i * cs
+            ln = out.length(i)
+            data = job.inline[lo:lo + ln]
+            out.add(w.put_chunk(data + bytes(ln - len(data))))
+        out.holes(len(out.runs), out.slots)
+        return ChunkList.from_runs(out.runs)
     fd = None
     if job.data_path is not None:
         try:
             fd = os.open(job.data_path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             fd = None
-    holes: dict[int, ObjectId] = {}
     try:
-        out: list[ObjectId] = []
-        for i, (lo, ln) in enumerate(chunker.chunk_spans(job.size, cs)):
-            hi = lo + ln
-            if job.inline is not None:
-                data = job.inline[lo:hi]
-                out.append(w.put_chunk(data + bytes(ln - len(data))))
-                continue
-            from_lower = i < len(job.lower_chunks) and i not in job.present and lo < job.lower_len
-            if from_lower and hi <= job.lower_len:
-                cid = ObjectId(job.lower_chunks[i])
-                if ln == cs or store.locate(cid).raw_length == ln:
-                    out.append(cid)
-                    continue
-            if from_lower:
-                lend = min(hi, job.lower_len)
-                data = store.read_object(ObjectId(job.lower_chunks[i]))[:lend - lo]
-                if len(data) < lend - lo:
-                    data += bytes(lend - lo - len(data))
-                if lend < hi:
-                    data += _pread(fd, lend, hi - lend)
-            elif fd is None or not _has_data(fd, lo, hi):
-                # A hole of a sparse file: no read, no hash, one put per length.
-                hole = holes.get(ln)
-                if hole is None:
-                    hole = holes[ln] = w.put_chunk(chunker.zeros(ln))
-                out.append(hole)
-                continue
+        lower = job.lower_chunks
+        lower_len = min(job.lower_len, job.size)
+        lower_slots = min(-(-lower_len // cs), len(lower), out.slots)
+        whole = min(lower_len // cs, lower_slots)  # slots wholly below lower_len
+
+        def upper_slot(i: int) -> None:
+            lo = i * cs
+            ln = out.length(i)
+            if fd is None or (nxt := _next_data(fd, lo)) is None or nxt >= lo + ln:
+                out.holes(i, i + 1)
             else:
-                data = _pread(fd, lo, ln)
-            out.append(w.put_chunk(data))
-        return tuple(out)
+                out.add(w.put_chunk(_pread(fd, lo, ln)))
+
+        def lower_slot(i: int) -> None:
+            """Slot ``i`` not copied up, whose lower part ends inside it (or is short)."""
+            lo = i * cs
+            hi = lo + out.length(i)
+            cid = lower[i]
+            if hi <= lower_len and store.locate(cid).raw_length == hi - lo:
+                out.add(cid)
+                return
+            lend = min(hi, lower_len)
+            data = store.read_object(cid)[:lend - lo]
+            if len(data) < lend - lo:
+                data += bytes(lend - lo - len(data))
+            if lend < hi:
+                data += _pread(fd, lend, hi - lend)
+            out.add(w.put_chunk(data))
+
+        # 1. Whole lower slots: lower runs, except the chunks copied up.
+        pos = 0
+        for i in sorted(p for p in job.present if p < whole):
+            for cid, k in lower.between(pos, i):
+                out.add(cid, k)
+            upper_slot(i)
+            pos = i + 1
+        for cid, k in lower.between(pos, whole):
+            out.add(cid, k)
+        for i in range(whole, lower_slots):
+            # 2. The slot where the lower content ends inside (at most one).
+            if i in job.present:
+                upper_slot(i)
+            else:
+                lower_slot(i)
+        # 3. Beyond the lower content: the data file, extent by extent.
+        i = max(lower_slots, whole)
+        while i < out.slots:
+            nxt = None if fd is None else _next_data(fd, i * cs)
+            if nxt is None or nxt >= job.size:
+                out.holes(i, out.slots)
+                break
+            j = nxt // cs
+            out.holes(i, j)
+            end = -(-_hole_at(fd, nxt, job.size) // cs) if fd is not None else out.slots
+            for k in range(j, min(max(end, j + 1), out.slots)):
+                out.add(w.put_chunk(_pread(fd, k * cs, out.length(k))))
+            i = max(end, j + 1)
+        return ChunkList.from_runs(out.runs)
     finally:
         if fd is not None:
             os.close(fd)
@@ -487,7 +569,7 @@ def _remember_tree(store: Store, tree_id: ObjectId, entries: list[Entry]) -> Non
     lock = getattr(store, "_cache_lock", None)
     if cache is None or lock is None:
         return
-    tree = Tree(tuple(sorted(entries, key=lambda e: e.name)))
+    tree = Tree(tuple(sorted(entries, key=lambda e: e.name)), tree_version(entries))
     with lock:
         if tree_id not in cache:
             cache[tree_id] = tree
@@ -541,7 +623,7 @@ def inode_row(n: Node, *, lower_tree: bytes | None = None,
     return (n.ino, int(n.kind), n.mode, n.uid, n.gid, n.nlink, n.lower_links, n.size,
             n.atime_ns, n.mtime_ns, n.ctime_ns, n.parent if is_dir else 0,
             lower_tree if is_dir else None,
-            None if is_dir else (b"".join(n.lower_chunks) or None),
+            None if is_dir else (encode_runs(n.lower_chunks) or None),
             0 if is_dir else n.lower_len, None if is_dir else bitmap(n.present),
             n.target or None, origin)
 

@@ -28,7 +28,7 @@ import stat
 import blake3
 
 from store.ref import ObjectId
-from store.tree import Entry, Kind
+from store.tree import EMPTY_CHUNKS, V1_REPEATS_MAX, ChunkList, Entry, Kind, encode_runs
 
 ROOT_INO = 1
 DERIVED_BIT = 1 << 62
@@ -39,7 +39,12 @@ _ZERO = bytes(32)
 def content_digest(e: Entry) -> bytes:
     """32 bytes that change whenever the entry's content (not its metadata) changes."""
     if e.kind is Kind.FILE:
-        return blake3.blake3(e.size.to_bytes(8, "little") + b"".join(e.chunks)).digest()
+        cl = e.chunks
+        if cl.repeats <= V1_REPEATS_MAX:  # every slot's id, as before chunk runs existed
+            ids = b"".join(c * k if k > 1 else c for c, k in cl.runs())
+        else:  # cost follows the runs, not the slots
+            ids = b"runs" + encode_runs(cl)
+        return blake3.blake3(e.size.to_bytes(8, "little") + ids).digest()
     if e.kind is Kind.SYMLINK:
         return blake3.blake3(e.target).digest()
     return _ZERO
@@ -96,7 +101,7 @@ class Node:
         self.nlink = 2 if kind is Kind.DIR else 1
         self.rdev = 0
         self.target = b""
-        self.lower_chunks: tuple[bytes, ...] = ()
+        self.lower_chunks: ChunkList = EMPTY_CHUNKS
         self.lower_len = 0
         self.present: set[int] = set()
         self.lower_tree: ObjectId | None = None

@@ -26,10 +26,11 @@ import os
 import stat
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 from store import chunker
-from store.tree import NAME_MAX, Entry, Kind
+from store.ref import ObjectId
+from store.tree import NAME_MAX, ChunkList, Entry, Kind, decode_runs, encode_runs
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
 from .lower import Lower
@@ -143,8 +144,7 @@ class Overlay:
             n.size = r["size"]
             n.parent = r["parent"]
             n.lower_tree = r["lower_tree"]
-            chunks = r["lower_chunks"] or b""
-            n.lower_chunks = tuple(chunks[i:i + 32] for i in range(0, len(chunks), 32))
+            n.lower_chunks = decode_runs(r["lower_chunks"] or b"")
             n.lower_len = r["lower_len"]
             n.present = unbitmap(r["present"])
             n.target = r["target"] or b""
@@ -869,7 +869,7 @@ class Overlay:
             self._close_fd(n)
         self._maybe_forget(n)
 
-    def lower_chunks_needed(self, fh: int, off: int, size: int) -> list[bytes]:
+    def lower_chunks_needed(self, fh: int, off: int, size: int) -> list[ObjectId]:
         """Lower chunks a read or write of ``[off, off+size)`` will need that are neither
         cached nor cheap: the adapter loads them in a worker thread first."""
         h = self.handles.get(fh)
@@ -1119,7 +1119,7 @@ class Overlay:
                     n.atime_ns, n.mtime_ns, n.ctime_ns,
                     n.parent if n.kind is Kind.DIR else 0,
                     n.lower_tree if n.kind is Kind.DIR else None,
-                    b"".join(n.lower_chunks) or None, n.lower_len, bitmap(n.present),
+                    encode_runs(n.lower_chunks) or None, n.lower_len, bitmap(n.present),
                     n.target or None, n.origin,
                     bytes(n.inline) if n.inline is not None else None, n.rdev or None))
             else:
@@ -1167,18 +1167,31 @@ class Overlay:
             self.upper.close()
 
 
-def lower_held(chunks: Sequence[bytes], lower_len: int, present: set[int], cs: int) -> int:
+def lower_held(chunks: ChunkList, lower_len: int, present: set[int], cs: int) -> int:
     """Bytes of ``[0, lower_len)`` held by lower chunks that are neither copied up (in
-    ``present``) nor holes (the zero chunk of their length)."""
+    ``present``) nor holes (the zero chunk of their length). O(runs + present)."""
+    slots = -(-lower_len // cs)
     full = chunker.zero_chunk_id(cs)
+    last = slots - 1
+    tail = lower_len - last * cs  # length of the last slot
     held = 0
-    for i, cid in enumerate(chunks):
-        ln = min(cs, lower_len - i * cs)
-        if ln <= 0:
+    for first, k, cid in chunks.spans():
+        if first >= slots:
             break
-        if i in present or cid == (full if ln == cs else chunker.zero_chunk_id(ln)):
+        k = min(k, slots - first)
+        if cid == full:
             continue
-        held += ln
+        held += k * cs
+        if first + k - 1 == last:
+            held -= cs - tail
+            if k == 1 and cid == chunker.zero_chunk_id(tail):
+                held -= tail
+    for i in present:
+        if i < slots:
+            cid = chunks[i]
+            ln = tail if i == last else cs
+            if cid != full and cid != chunker.zero_chunk_id(ln):
+                held -= ln
     return held
 
 

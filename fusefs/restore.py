@@ -82,7 +82,7 @@ def verify(store: Store, current: Ref, target: Ref) -> list[Change]:
     for c in changes:
         new = c.new
         if new is not None and new.kind is Kind.FILE:
-            for cid in new.chunks:
+            for cid in new.chunks.distinct():
                 if not store.has(cid):
                     raise RestoreError(RestoreError.SWAP_FAILED, str(target),
                                        f"chunk {cid.hex()} of {c.path!r} is not in the store")

@@ -26,8 +26,8 @@ Invariants, each checked by ``check`` under the stable name in brackets:
 - [root] a row for inode 1 is a directory, its own parent, showing the base's root tree.
 - [ino-range] an allocated inode number (below 2^62) is below next_ino.
 - [kind-fields] a row carries the fields of its kind only: directories no chunks or data,
-  files no tree or target, symlinks a target as long as their size; ``lower_chunks`` has
-  exactly ``ceil(lower_len / chunk_size)`` ids and ``lower_len <= size``.
+  files no tree or target, symlinks a target as long as their size; ``lower_chunks`` (runs,
+  format 2) holds exactly ``ceil(lower_len / chunk_size)`` ids and ``lower_len <= size``.
 - [dentry-parent] every dentry sits in a directory that has a row.
 - [dentry-target] every non-whiteout dentry names an inode that has a row.
 - [whiteout-lower] a whiteout sits in a directory with a lower tree, and (checked when the
@@ -81,17 +81,19 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from store.errors import InvalidRefError
-from store.ref import Ref
+from store.ref import DIGEST_SIZE, Ref
+from store.tree import ChunkList, decode_runs, encode_runs
 
 from .errors import BaseMismatchError, NoBaseError, StateLockedError, UpperFormatError
 from .inodes import DERIVED_BIT, ROOT_INO
 
-FORMAT = "1"
+FORMAT = "2"  # 2: lower_chunks holds runs (1: every id, concatenated; migrated at open)
 DB_NAME = "upper.sqlite"
 DATA_DIR = "data"
 LOG_NAME = "daemon.log"
@@ -120,7 +122,9 @@ TABLES: dict[str, dict[str, str]] = {
         "parent": "directories: the parent directory's inode (root: 1); else 0.",
         "lower_tree": "directories: 32-byte id of the tree whose entries show through; "
                       "NULL for an opaque or new directory.",
-        "lower_chunks": "files: concatenated 32-byte chunk ids of the lower content.",
+        "lower_chunks": "files: the chunk ids of the lower content as runs "
+                        "(store.tree.encode_runs: per run a varint count and a 32-byte id), "
+                        "so a sparse file's holes are one run; format 1 held every id.",
         "lower_len": "files: bytes [0, lower_len) may come from lower_chunks.",
         "present": "files: bitmap, bit i set = chunk i is in the data file; NULL if none.",
         "target": "symlinks: the target bytes.",
@@ -191,9 +195,15 @@ def bitmap(bits: set[int]) -> bytes | None:
 
 
 def unbitmap(b: bytes | None) -> set[int]:
+    """Decode ``bitmap``; the scan for set bytes runs in C, so a long bitmap with few bits
+    (a chunk copied up at the end of a large sparse file) costs its bits."""
     if not b:
         return set()
-    return {i * 8 + j for i, byte in enumerate(b) if byte for j in range(8) if byte >> j & 1}
+    return {m.start() * 8 + j for m in _SET_BYTE.finditer(b) for j in range(8)
+            if b[m.start()] >> j & 1}
+
+
+_SET_BYTE = re.compile(rb"[^\x00]")
 
 
 @dataclass
@@ -281,6 +291,9 @@ class Upper:
             if "rdev" not in cols:  # an upper made before device nodes existed
                 conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER")
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            if meta.get("format") == "1":
+                _migrate_from_1(conn)
+                meta["format"] = FORMAT
             if meta.get("format", FORMAT) != FORMAT:
                 raise UpperFormatError(state_dir, f"unknown upper format {meta['format']!r}")
             if "base" in meta:
@@ -421,6 +434,22 @@ class Upper:
         self._lock_fd = None
 
 
+def _migrate_from_1(conn: sqlite3.Connection) -> None:
+    """Rewrite a format 1 upper's chunk lists as runs (one transaction)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        rows = conn.execute("SELECT ino, lower_chunks FROM inodes "
+                            "WHERE lower_chunks IS NOT NULL").fetchall()
+        conn.executemany("UPDATE inodes SET lower_chunks=? WHERE ino=?", [
+            (encode_runs(ChunkList(b[i:i + DIGEST_SIZE] for i in range(0, len(b), DIGEST_SIZE)))
+             or None, ino) for ino, b in rows])
+        conn.execute("UPDATE meta SET value=? WHERE key='format'", (FORMAT,))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 def iter_data_files(data_dir: str) -> Iterator[tuple[int, str]]:
     """Yield (ino, path) of every data file under ``data_dir``; odd names yield ino -1."""
     try:
@@ -512,6 +541,10 @@ def check(state_dir: str, store: object | None = None) -> list[Problem]:
             bad("ino-range", f"inode {ino} is not below next_ino {next_ino}")
         kind = r["kind"]
         chunks = r["lower_chunks"] or b""
+        try:
+            nids = len(decode_runs(chunks))
+        except ValueError:
+            nids = -1
         why = None
         if kind not in (1, 2, 3, 4, 5, 6, 7):
             why = f"unknown kind {kind}"
@@ -527,7 +560,7 @@ def check(state_dir: str, store: object | None = None) -> list[Problem]:
             why = "symlink size differs from its target length"
         elif kind != 3 and r["target"]:
             why = "non-symlink with a target"
-        elif len(chunks) % 32 or len(chunks) // 32 != -(-r["lower_len"] // cs):
+        elif nids != -(-r["lower_len"] // cs):
             why = "lower_chunks does not cover exactly lower_len bytes"
         elif r["lower_len"] > r["size"] or r["lower_len"] < 0:
             why = "lower_len outside [0, size]"

@@ -76,12 +76,14 @@ def cat(store: Store, ref: Ref | str, path: PathLike) -> Iterator[bytes]:
 def _content(store: Store, ref: Ref, entry: Entry, path: PathLike) -> Iterator[bytes]:
     total = 0
     cs = store.chunk_size
-    for i, cid in enumerate(entry.chunks):
-        want = chunker.chunk_length(i, entry.size, cs)
+    for first, k, cid in entry.chunks.spans():
+        want = chunker.chunk_length(first, entry.size, cs)
+        # A run (the holes of a sparse file) is read once and yielded k times.
         data = chunker.zeros(cs) if want == cs and cid == chunker.zero_chunk_id(cs) else \
             store.read_object(cid)
-        total += len(data)
-        yield data
+        for _ in range(k):
+            total += len(data)
+            yield data
     if total != entry.size:
         raise IntegrityError(str(ref), f"{os.fsdecode(path)!r} has {total} bytes of content, "
                              f"its entry says {entry.size}")

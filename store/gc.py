@@ -128,7 +128,7 @@ def mark(store: Store, roots: Iterable[ObjectId]) -> set[ObjectId]:
                 if ent.tree_id not in live:
                     stack.append(ent.tree_id)
             elif ent.kind is Kind.FILE:
-                live.update(ent.chunks)
+                live.update(ent.chunks.distinct())
     return live
 
 

@@ -239,7 +239,7 @@ class _Extractor:
         zero = chunker.zero_chunk_id(self.store.chunk_size)
         for e in entries:
             if e.kind is Kind.FILE:
-                want.extend(c for c in e.chunks if c != zero)
+                want.extend(c for c in e.chunks.distinct() if c != zero)
             elif e.kind is Kind.DIR and e.tree_id is not None:
                 want.append(e.tree_id)
         if want:
@@ -344,33 +344,36 @@ class _Extractor:
         try:
             off = 0
             pos = 0  # the file offset
-            for i, cid in enumerate(e.chunks):
-                want = chunker.chunk_length(i, e.size, cs)
+            # Per run of one id (the holes of a sparse file are one run): read it once.
+            for first, k, cid in e.chunks.spans():
+                want = chunker.chunk_length(first, e.size, cs)
                 if want == cs and cid == chunker.zero_chunk_id(cs):
-                    off += want
+                    off += want * k
                     continue
                 try:
                     data = self.store.read_object(cid, self.locs.pop(cid, None))
                 except ObjectNotFoundError:
                     raise IntegrityError(str(self.ref), f"chunk {cid.hex()} of "
                                          f"{os.fsdecode(rel)!r} is missing") from None
-                if off + len(data) > e.size:
+                if off + len(data) * k > e.size:
                     raise IntegrityError(str(self.ref), f"{os.fsdecode(rel)!r} has more "
                                          f"content than its size {e.size}")
                 if chunker.is_zero(data):
-                    off += len(data)
+                    off += len(data) * k
                     continue
-                if self.written + len(data) > self.max_bytes:
-                    raise ArchiveLimitError("bytes", self.max_bytes, self.written + len(data))
-                if pos != off:
-                    os.lseek(fd, off, os.SEEK_SET)
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                off += len(data)
-                pos = off
-                self.written += len(data)
+                for _ in range(k):
+                    if self.written + len(data) > self.max_bytes:
+                        raise ArchiveLimitError("bytes", self.max_bytes,
+                                                self.written + len(data))
+                    if pos != off:
+                        os.lseek(fd, off, os.SEEK_SET)
+                    view = memoryview(data)
+                    while view:
+                        n = os.write(fd, view)
+                        view = view[n:]
+                    off += len(data)
+                    pos = off
+                    self.written += len(data)
             if off != e.size:
                 raise IntegrityError(str(self.ref), f"{os.fsdecode(rel)!r} has {off} bytes of "
                                      f"content, its entry says {e.size}")

@@ -267,9 +267,12 @@ class Store:
             raise RefNotFoundError(str(r)) from None
 
     def iter_file(self, entry: Entry) -> Iterator[bytes]:
-        """Yield a file entry's content chunk by chunk, each verified."""
-        for cid in entry.chunks:
-            yield self.read_object(cid)
+        """Yield a file entry's content chunk by chunk, each verified (a run of one id
+        is read once)."""
+        for cid, k in entry.chunks.runs():
+            data = self.read_object(cid)
+            for _ in range(k):
+                yield data
 
     # -- writing ---------------------------------------------------------------------
 

@@ -74,7 +74,7 @@ from .errors import BackendError, SnapshotError
 from .objects import Store, Writer
 from .pack import ObjKind
 from .ref import DIGEST_SIZE, ObjectId, Ref, object_id
-from .tree import Entry, Kind, encode_tree
+from .tree import V1_REPEATS_MAX, ChunkList, Entry, Kind, encode_tree
 
 Progress = Callable[[int, int], None]
 """``progress(files_done, bytes_done)``: files and logical content bytes done so far."""
@@ -269,7 +269,7 @@ class _Walker:
         # (dev, ino) -> [root-relative paths] of files with st_nlink > 1
         self.links: dict[tuple[int, int], list[bytes]] = {}
         # (dev, ino) -> (size, mtime_ns, ctime_ns, chunks, xattrs) of such files, read once
-        self.link_content: dict[tuple[int, int], tuple[int, int, int, tuple[ObjectId, ...],
+        self.link_content: dict[tuple[int, int], tuple[int, int, int, ChunkList,
                                                        tuple[tuple[bytes, bytes], ...]]] = {}
         self.cache_rows: list[tuple[bytes, int, int, int, int, bytes, int]] = []
         self.dir_rows: list[tuple[bytes, dircache.Row, int]] = []
@@ -686,7 +686,7 @@ class _Walker:
             q = "SELECT id FROM objects WHERE id IN (" + ",".join("?" * len(batch)) + ")"
             d.present.update(r[0] for r in conn.execute(q, batch))
 
-    def _cached(self, d: _Dir, name: bytes, st: os.stat_result) -> tuple[ObjectId, ...] | None:
+    def _cached(self, d: _Dir, name: bytes, st: os.stat_result) -> ChunkList | None:
         if d.cache is None:
             self._load_cache(d)
             assert d.cache is not None
@@ -701,35 +701,48 @@ class _Walker:
         ids = [ObjectId(blob[i:i + DIGEST_SIZE]) for i in range(0, len(blob), DIGEST_SIZE)]
         if not all(c in d.present for c in ids) and not self.sink.have(ids):
             return None
-        return tuple(ids)
+        return ChunkList(ids)
 
     def _content(self, d: _Dir, name: bytes, fd: int, st: os.stat_result,
-                 rel: bytes) -> tuple[ObjectId, ...]:
+                 rel: bytes) -> ChunkList:
         cached = self._cached(d, name, st)
         if cached is not None:
             return cached
         size = st.st_size
+        cs = self.cs
         sparse = st.st_blocks * 512 < size
-        next_data = 0  # with ``sparse``: offset of the next data at or after ``off``
-        chunks: list[ObjectId] = []
-        for off, length in chunker.chunk_spans(size, self.cs):
-            if sparse and next_data < off:
+        slots = chunker.chunk_count(size, cs)
+        tail = size - (slots - 1) * cs  # length of the last chunk
+        runs: list[tuple[bytes, int]] = []
+        i = 0
+        while i < slots:
+            off = i * cs
+            if sparse:  # whole chunks of a hole: one run, neither read nor hashed
                 try:
                     next_data = os.lseek(fd, off, os.SEEK_DATA)
                 except OSError as e:
                     if e.errno != errno.ENXIO:
                         raise self.oserror(rel, e) from None
                     next_data = size  # only a hole remains
-            if sparse and next_data >= off + length:
-                chunks.append(self.sink.zero(length))
-                continue
+                j = slots if next_data >= size else next_data // cs
+                if j > i:
+                    full = j - 1 if j == slots and tail != cs else j
+                    if full > i:
+                        runs.append((self.sink.zero(cs), full - i))
+                    if full < j:
+                        runs.append((self.sink.zero(tail), 1))
+                    i = j
+                    continue
+            length = cs if i < slots - 1 else tail
             try:
                 data = os.pread(fd, length, off)
             except OSError as e:
                 raise self.oserror(rel, e) from None
             if len(data) != length:
                 raise self.fail(rel, "changed while read (file shrank)")
-            chunks.append(self.sink.chunk(data))
+            runs.append((self.sink.chunk(data), 1))
+            i += 1
+        chunks = ChunkList.from_runs(runs)
         try:
             after = os.fstat(fd)
         except OSError as e:
@@ -738,12 +751,14 @@ class _Walker:
             raise self.fail(rel, "changed while read")
         self.result.files_read += 1
         self.result.bytes_read += size
-        if self.cache_prefix is not None:
+        if self.cache_prefix is not None and chunks.repeats <= V1_REPEATS_MAX:
+            # (a file of more repeats is scanned again, by its data extents)
             self.cache_rows.append((self.cache_prefix + rel, size, st.st_mtime_ns,
-                                    st.st_ctime_ns, st.st_ino, b"".join(chunks), self.horizon))
+                                    st.st_ctime_ns, st.st_ino,
+                                    b"".join(c * k for c, k in chunks.runs()), self.horizon))
             if len(self.cache_rows) >= _CACHE_BATCH:
                 self.flush_cache()
-        return tuple(chunks)
+        return chunks
 
     def flush_cache(self) -> None:
         """Write the queued files cache and dirs cache rows in one transaction. Either may

@@ -4,9 +4,11 @@ A tree lists the entries of one directory, sorted bytewise by name. Its id is th
 digest of the encoding below; equal directories therefore have equal ids wherever and
 whenever they are taken, and a Ref is the id of a root tree.
 
-Canonical encoding (all integers are unsigned LEB128 varints unless noted)::
+Canonical encoding (all integers are unsigned LEB128 varints unless noted). Two versions
+share one layout and differ only in a file's ``content``::
 
-    tree    := MAGIC count entry*            MAGIC = b"RWT1", count = number of entries
+    tree    := MAGIC count entry*            MAGIC = b"RWT1" (version 1) or b"RWT2"
+                                             (version 2); count = number of entries
     entry   := name kind mode uid gid mtime size content xattrs link
     name    := len bytes                     1..255 bytes, no b"/" or NUL, not "." or ".."
     kind    := u8                            1 dir, 2 file, 3 symlink, 4 fifo, 5 socket,
@@ -15,8 +17,10 @@ Canonical encoding (all integers are unsigned LEB128 varints unless noted)::
     mtime   := zigzag varint                 nanoseconds since the epoch, may be negative
     size    := varint                        file: bytes; symlink: target length; else 0
     content := dir:     32-byte tree id
-               file:    varint n, then n 32-byte chunk ids, in file order; a hole is a chunk
-                        id like any other (the id of a run of zeros)
+               file:    version 1: varint n, then n 32-byte chunk ids, in file order; a
+                        hole is a chunk id like any other (the id of a run of zeros)
+                        version 2: varint r, then r runs (varint k >= 1, 32-byte id): the
+                        id repeated k times; two adjacent runs never hold the same id
                symlink: len bytes            the target, verbatim
                block, char: varint rdev  the device number (``st_rdev``), verbatim
                fifo, socket: nothing
@@ -24,9 +28,18 @@ Canonical encoding (all integers are unsigned LEB128 varints unless noted)::
     link    := u8 0                          not hard-linked
              | u8 1, 32-byte group id        a member of a hard-link group
 
+Which version: a tree is written in version 1 unless one of its files repeats chunk ids
+more than ``V1_REPEATS_MAX`` times (the number of chunk slots beyond the first of each run
+of equal ids, e.g. the holes of a large sparse file): then in version 2, whose size follows
+the runs, not the slots. Both are a pure function of the entries, so equal trees give equal
+ids; and every tree version 1 can hold is written exactly as before version 2 existed, so
+its id (and a Ref naming it) is unchanged. A version 1 tree over the bound (written before
+version 2 existed) still decodes and verifies; the same entries are now written in version
+2, under another id.
+
 Entries must be strictly increasing by name; the decoder rejects anything that would not
-re-encode to the same bytes (``IntegrityError``), and names that could escape a directory
-(``ArchiveEntryError``). The hard-link group id is derived from the group's members (the
+re-encode to the same bytes in its version, a version 2 tree that version 1 could hold
+(``IntegrityError``), and names that could escape a directory (``ArchiveEntryError``). The hard-link group id is derived from the group's members (the
 blake3 of their sorted root-relative paths), never from a counter, so unchanged subtrees
 keep their ids.
 """
@@ -34,14 +47,19 @@ keep their ids.
 from __future__ import annotations
 
 import stat
-from collections.abc import Iterator
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from itertools import repeat
+from typing import overload
 
 from .errors import ArchiveEntryError, IntegrityError
 from .ref import DIGEST_SIZE, ObjectId, object_id
 
 MAGIC = b"RWT1"
+MAGIC_V2 = b"RWT2"
+V1_REPEATS_MAX = 1 << 16
 NAME_MAX = 255
 PATH_MAX = 4096
 
@@ -75,11 +93,178 @@ _S_IFMT = {
 }
 
 
+class ChunkList(Sequence[ObjectId]):
+    """The chunk ids of a file in file order (slot ``i`` holds bytes ``[i * chunk_size,
+    (i + 1) * chunk_size)``), kept as runs of one id repeated, so that the holes of a sparse
+    file cost one run, not one slot each. Immutable; equal lists have equal runs.
+
+    Indexing is O(log runs); ``runs``, ``spans``, ``distinct`` and ``between`` are
+    O(runs); iterating yields every slot (O(slots)): code that must stay cheap on sparse
+    files uses the runs.
+    """
+
+    __slots__ = ("_ids", "_ends")
+
+    _ids: tuple[ObjectId, ...]
+    _ends: tuple[int, ...]  # _ends[j]: slots covered by runs 0..j
+
+    def __init__(self, ids: Iterable[bytes] = ()) -> None:
+        rids: list[ObjectId] = []
+        ends: list[int] = []
+        n = 0
+        last = None
+        for c in ids:
+            n += 1
+            if c == last:
+                ends[-1] = n
+            else:
+                rids.append(ObjectId(bytes(c)))
+                ends.append(n)
+                last = c
+        self._ids = tuple(rids)
+        self._ends = tuple(ends)
+
+    @classmethod
+    def from_runs(cls, runs: Iterable[tuple[bytes, int]]) -> ChunkList:
+        """The list of ``runs``, ``(id, k)``: the id repeated ``k >= 0`` times."""
+        rids: list[ObjectId] = []
+        ends: list[int] = []
+        n = 0
+        for cid, k in runs:
+            if k < 0:
+                raise ValueError("a run repeats an id a negative number of times")
+            if not k:
+                continue
+            n += k
+            if rids and rids[-1] == cid:
+                ends[-1] = n
+            else:
+                rids.append(ObjectId(bytes(cid)))
+                ends.append(n)
+        out = cls.__new__(cls)
+        out._ids = tuple(rids)
+        out._ends = tuple(ends)
+        return out
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    @overload
+    def __getitem__(self, i: int) -> ObjectId: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> ChunkList: ...
+
+    def __getitem__(self, i: int | slice) -> ObjectId | ChunkList:
+        n = len(self)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step != 1:
+                return ChunkList(list(self)[i])
+            return ChunkList.from_runs(self.between(start, stop))
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("chunk index out of range")
+        return self._ids[bisect_right(self._ends, i)]
+
+    def __iter__(self) -> Iterator[ObjectId]:
+        for cid, k in self.runs():
+            yield from repeat(cid, k)
+
+    def __contains__(self, cid: object) -> bool:
+        return cid in self._ids
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkList):
+            return self._ends == other._ends and self._ids == other._ids
+        if isinstance(other, (tuple, list)):
+            return self == ChunkList(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._ids, self._ends))
+
+    def __repr__(self) -> str:
+        return f"ChunkList({len(self)} slots in {len(self._ids)} runs)"
+
+    @property
+    def run_count(self) -> int:
+        return len(self._ids)
+
+    @property
+    def repeats(self) -> int:
+        """Slots beyond the first of each run: what version 1 spends and version 2 saves."""
+        return len(self) - len(self._ids)
+
+    def runs(self) -> Iterator[tuple[ObjectId, int]]:
+        """Yield ``(id, k)`` per run, in file order."""
+        prev = 0
+        for cid, end in zip(self._ids, self._ends, strict=True):
+            yield cid, end - prev
+            prev = end
+
+    def spans(self) -> Iterator[tuple[int, int, ObjectId]]:
+        """Yield ``(first slot, k, id)`` per run, in file order."""
+        prev = 0
+        for cid, end in zip(self._ids, self._ends, strict=True):
+            yield prev, end - prev, cid
+            prev = end
+
+    def between(self, start: int, stop: int) -> Iterator[tuple[ObjectId, int]]:
+        """Yield ``(id, k)`` runs covering slots ``[start, stop)`` (clipped to the list)."""
+        stop = min(stop, len(self))
+        if start >= stop:
+            return
+        j = bisect_right(self._ends, start)
+        pos = start
+        while pos < stop:
+            end = min(self._ends[j], stop)
+            yield self._ids[j], end - pos
+            pos = end
+            j += 1
+
+    def distinct(self) -> set[ObjectId]:
+        """The ids in the list, each once."""
+        return set(self._ids)
+
+
+EMPTY_CHUNKS = ChunkList()
+
+
+def encode_runs(chunks: ChunkList) -> bytes:
+    """The runs of ``chunks`` as bytes: per run a varint k, then the 32-byte id (the
+    version 2 file content without its run count; b"" for an empty list)."""
+    out = bytearray()
+    for cid, k in chunks.runs():
+        _put_varint(out, k)
+        out += cid
+    return bytes(out)
+
+
+def decode_runs(data: bytes) -> ChunkList:
+    """The inverse of ``encode_runs``; raises ValueError on malformed bytes."""
+    buf = bytes(data)
+    runs = []
+    pos = 0
+    try:
+        while pos < len(buf):
+            k, pos = _varint(buf, pos)
+            cid, pos = _take(buf, pos, DIGEST_SIZE)
+            if not k:
+                raise _Malformed(pos, "empty run")
+            runs.append((cid, k))
+    except _Malformed as e:
+        raise ValueError(f"malformed chunk runs at byte {e.pos}: {e.why}") from None
+    return ChunkList.from_runs(runs)
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One name in a tree.
 
-    ``chunks`` holds the chunk ids of a file; ``tree_id`` the child tree of a dir;
+    ``chunks`` holds the chunk ids of a file (a ``ChunkList``; any sequence of ids given is
+    made one); ``tree_id`` the child tree of a dir;
     ``target`` the bytes of a symlink. ``xattrs`` is a tuple of (name, value) pairs sorted
     by name. ``link_group`` is the 32-byte group id of a hard-linked file, else None.
     ``rdev`` is the device number of a block or character device (0 for other kinds).
@@ -92,12 +277,16 @@ class Entry:
     gid: int
     mtime_ns: int
     size: int = 0
-    chunks: tuple[ObjectId, ...] = ()
+    chunks: ChunkList = EMPTY_CHUNKS
     tree_id: ObjectId | None = None
     target: bytes = b""
     xattrs: tuple[tuple[bytes, bytes], ...] = ()
     link_group: bytes | None = None
     rdev: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.chunks) is not ChunkList:
+            object.__setattr__(self, "chunks", ChunkList(self.chunks))
 
     @property
     def st_mode(self) -> int:
@@ -106,9 +295,11 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class Tree:
-    """A decoded tree: entries sorted by name, plus a name -> index map for lookups."""
+    """A decoded tree: entries sorted by name, plus a name -> index map for lookups;
+    ``version`` is the encoding it was decoded from."""
 
     entries: tuple[Entry, ...]
+    version: int = field(default=1, compare=False)
     _by_name: dict[bytes, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -169,10 +360,24 @@ def _put_bytes(out: bytearray, b: bytes) -> None:
     out += b
 
 
-def encode_tree(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
-    """Return the canonical encoding of ``entries`` (sorted here; duplicate names raise)."""
+def tree_version(entries: Iterable[Entry]) -> int:
+    """The version ``entries`` are written in: 2 if a file repeats chunk ids more than
+    ``V1_REPEATS_MAX`` times, else 1 (see the module docstring)."""
+    for e in entries:
+        if e.kind is Kind.FILE and e.chunks.repeats > V1_REPEATS_MAX:
+            return 2
+    return 1
+
+
+def encode_tree(entries: list[Entry] | tuple[Entry, ...], version: int | None = None) -> bytes:
+    """Return the canonical encoding of ``entries`` (sorted here; duplicate names raise),
+    in ``version`` (1 or 2; None: ``tree_version(entries)``, the canonical one)."""
     ordered = sorted(entries, key=lambda e: e.name)
-    out = bytearray(MAGIC)
+    if version is None:
+        version = tree_version(ordered)
+    if version not in (1, 2):
+        raise ValueError(f"unknown tree version {version}")
+    out = bytearray(MAGIC if version == 1 else MAGIC_V2)
     _put_varint(out, len(ordered))
     prev: bytes | None = None
     for e in ordered:
@@ -193,9 +398,15 @@ def encode_tree(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
             out += e.tree_id
         elif e.kind is Kind.FILE:
             _put_varint(out, e.size)
-            _put_varint(out, len(e.chunks))
-            for c in e.chunks:
-                out += c
+            if version == 1:
+                _put_varint(out, len(e.chunks))
+                for c, reps in e.chunks.runs():
+                    out += c * reps if reps > 1 else c
+            else:
+                _put_varint(out, e.chunks.run_count)
+                for c, reps in e.chunks.runs():
+                    _put_varint(out, reps)
+                    out += c
         elif e.kind is Kind.SYMLINK:
             _put_varint(out, len(e.target))
             _put_bytes(out, e.target)
@@ -270,14 +481,33 @@ def decode_tree(data: bytes, tree_id: str = "tree") -> Tree:
     hostile name (``/``, NUL, ``.``, ``..``, empty, over 255 bytes).
     """
     try:
-        return Tree(tuple(_decode_entries(bytes(data))))
+        buf = bytes(data)
+        entries = _decode_entries(buf)
+        version = 2 if buf[:len(MAGIC_V2)] == MAGIC_V2 else 1
+        if version == 2 and tree_version(entries) == 1:
+            raise _Malformed(0, "version 2 tree that version 1 holds (non-canonical)")
+        return Tree(tuple(entries), version)
     except _Malformed as e:
         raise IntegrityError(tree_id, f"malformed tree at byte {e.pos}: {e.why}") from None
 
 
+_ONE: dict[bytes, ChunkList] = {}  # one-chunk lists by id, shared (they are immutable)
+
+
+def _one(cid: bytes) -> ChunkList:
+    cl = _ONE.get(cid)
+    if cl is None:
+        if len(_ONE) > 1 << 16:
+            _ONE.clear()
+        cl = _ONE[cid] = ChunkList.from_runs(((cid, 1),))
+    return cl
+
+
 def _decode_entries(buf: bytes) -> list[Entry]:
-    if buf[:len(MAGIC)] != MAGIC:
+    magic = buf[:len(MAGIC)]
+    if magic != MAGIC and magic != MAGIC_V2:
         raise _Malformed(0, "bad magic" if len(buf) >= len(MAGIC) else "truncated")
+    v2 = magic == MAGIC_V2
     count, pos = _varint(buf, len(MAGIC))
     size_limit = len(buf)
     if count > size_limit:
@@ -306,7 +536,7 @@ def _decode_entries(buf: bytes) -> list[Entry]:
         zz, pos = _varint(buf, pos)
         mtime_ns = _unzigzag(zz)
         size, pos = _varint(buf, pos)
-        chunks: tuple[ObjectId, ...] = ()
+        chunks = EMPTY_CHUNKS
         tree_id_: ObjectId | None = None
         target = b""
         rdev = 0
@@ -315,16 +545,34 @@ def _decode_entries(buf: bytes) -> list[Entry]:
                 raise _Malformed(pos, "dir with a size")
             raw, pos = _take(buf, pos, DIGEST_SIZE)
             tree_id_ = ObjectId(raw)
+        elif kind is Kind.FILE and v2:
+            n, pos = _varint(buf, pos)
+            if n * DIGEST_SIZE > size_limit:
+                raise _Malformed(pos, "run count larger than the object")
+            runs = []
+            prev_id = b""
+            for _ in range(n):
+                reps, pos = _varint(buf, pos)
+                cid, pos = _take(buf, pos, DIGEST_SIZE)
+                if not reps:
+                    raise _Malformed(pos, "empty run")
+                if cid == prev_id:
+                    raise _Malformed(pos, "two adjacent runs of one id")
+                prev_id = cid
+                runs.append((cid, reps))
+            if runs:
+                chunks = _one(runs[0][0]) if n == 1 and runs[0][1] == 1 else \
+                    ChunkList.from_runs(runs)
         elif kind is Kind.FILE:
             n, pos = _varint(buf, pos)
             if n * DIGEST_SIZE > size_limit:
                 raise _Malformed(pos, "chunk count larger than the object")
             raw, pos = _take(buf, pos, n * DIGEST_SIZE)
             if n == 1:
-                chunks = (ObjectId(raw),)
+                chunks = _one(raw)
             elif n:
-                chunks = tuple(ObjectId(raw[i:i + DIGEST_SIZE])
-                               for i in range(0, len(raw), DIGEST_SIZE))
+                chunks = ChunkList(raw[i:i + DIGEST_SIZE]
+                                   for i in range(0, len(raw), DIGEST_SIZE))
         elif kind is Kind.SYMLINK:
             n, pos = _varint(buf, pos)
             target, pos = _take(buf, pos, n)

@@ -243,7 +243,7 @@ def _check_reachable(store: Store, rep: _Report, idx: _Index) -> None:
             continue  # reported as object-hash or object-location
         try:
             tree = decode_tree(data, tid.hex())
-            if encode_tree(tree.entries) != data:
+            if encode_tree(tree.entries, tree.version) != data:
                 raise ValueError("does not re-encode to the same bytes")
         except (StoreError, ValueError) as e:
             rep.add("tree-decodes", tid.hex(), str(e))
@@ -261,14 +261,14 @@ def _check_reachable(store: Store, rep: _Report, idx: _Index) -> None:
             elif ent.kind is Kind.FILE:
                 total = 0
                 complete = True
-                for cid in ent.chunks:
+                for cid, reps in ent.chunks.runs():
                     k = kinds.get(cid)
                     if k is None or k[0] != ObjKind.CHUNK:
                         complete = False
                         rep.add("tree-complete", where, f"chunk {cid.hex()} "
                                 + ("is not indexed" if k is None else "is indexed as a tree"))
                     else:
-                        total += k[1]
+                        total += k[1] * reps
                 if complete and total != ent.size:
                     rep.add("file-size", where,
                             f"size {ent.size} but its chunks hold {total} bytes")

@@ -5,6 +5,7 @@ import os
 from fusefs.checkpoint import FileJob, MemoryWriter, file_chunks
 from store import chunker
 from store.objects import Store
+from store.tree import ChunkList
 
 
 class CountingWriter(MemoryWriter):
@@ -27,7 +28,7 @@ def test_holes_are_neither_read_nor_hashed(tmp_path):
         f.seek(40 << 30)
         f.write(b"HELLO")
     w = CountingWriter(store)
-    job = FileJob(size=size, lower_chunks=(), lower_len=0, present=frozenset(),
+    job = FileJob(size=size, lower_chunks=ChunkList(), lower_len=0, present=frozenset(),
                   data_path=str(path))
     ids = file_chunks(job, store, w)
     assert len(ids) == size // cs
@@ -46,7 +47,7 @@ def test_a_data_file_shorter_than_the_size_reads_as_zeros(tmp_path):
     path = tmp_path / "data"
     path.write_bytes(b"x" * 10)
     w = CountingWriter(store)
-    job = FileJob(size=3 * cs, lower_chunks=(), lower_len=0, present=frozenset(),
+    job = FileJob(size=3 * cs, lower_chunks=ChunkList(), lower_len=0, present=frozenset(),
                   data_path=str(path))
     ids = file_chunks(job, store, w)
     assert w.chunks[ids[0]] == b"x" * 10 + bytes(cs - 10)

@@ -6,9 +6,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from store import chunker
 from store.errors import ArchiveEntryError, IntegrityError
-from store.ref import ObjectId
-from store.tree import EMPTY_TREE, MAGIC, Entry, Kind, decode_tree, encode_tree
+from store.ref import ObjectId, object_id
+from store.tree import (
+    EMPTY_TREE,
+    MAGIC,
+    V1_REPEATS_MAX,
+    ChunkList,
+    Entry,
+    Kind,
+    decode_runs,
+    decode_tree,
+    encode_runs,
+    encode_tree,
+    tree_version,
+)
 
 names = st.binary(min_size=1, max_size=255).filter(
     lambda b: b"/" not in b and b"\0" not in b and b not in (b".", b".."))
@@ -29,8 +42,13 @@ def entries(draw: st.DrawFn, name: bytes) -> Entry:
     if kind is Kind.DIR:
         return Entry(**common, tree_id=draw(digests))  # type: ignore[arg-type]
     if kind is Kind.FILE:
-        chunks = tuple(draw(st.lists(digests, max_size=4)))
+        # Runs of ids, some repeated past the version 1 bound (a sparse file's holes).
+        runs = draw(st.lists(st.tuples(digests, st.sampled_from(
+            [1, 1, 2, 3, V1_REPEATS_MAX, V1_REPEATS_MAX + 1, 1 << 24])), max_size=4))
+        chunks = ChunkList.from_runs(runs)
         return Entry(**common, size=draw(st.integers(0, 2**40)), chunks=chunks)  # type: ignore[arg-type]
+    if kind.is_device:
+        return Entry(**common, rdev=draw(u32))  # type: ignore[arg-type]
     if kind is Kind.SYMLINK:
         target = draw(st.binary(max_size=300))
         return Entry(**common, size=len(target), target=target)  # type: ignore[arg-type]
@@ -94,7 +112,8 @@ def test_empty_tree() -> None:
 
 @pytest.mark.parametrize("data, why", [
     (b"", "truncated"),
-    (b"RWT2\x00", "bad magic"),
+    (b"RWT3\x00", "bad magic"),
+    (b"RWT2\x00", "version 1 holds"),
     (MAGIC, "truncated varint"),
     (MAGIC + b"\x00\x00", "trailing bytes"),
     (MAGIC + b"\x80\x00", "non-canonical varint"),
@@ -167,3 +186,115 @@ def test_metadata_changes_the_encoding() -> None:
     ]
     encs = {encode_tree([v]) for v in variants} | {encode_tree([base])}
     assert len(encs) == len(variants) + 1
+
+
+# -- versions: old trees keep their encoding and their ids -----------------------------------
+
+MIB = 1 << 20
+# Ids computed with the encoder as it was before tree version 2 existed (commit 6c0f72e).
+OLD_SMALL_TREE_ID = "63e95dff763a6f148244b82930d8038e5a3859179e8d288909a8e7ddb3922715"
+OLD_SUBTREE_ID = "b9dd481f4ba9111eb75402c41d24dbce6862f6967dc77613e6d3a3eec57f4341"
+OLD_BIG_TREE_ID = "70ad6d24aac644f875eef181da4a2069d07f9c6fd9a88fcf75f1fc78a48bacda"
+
+
+def _old_small_tree() -> list[Entry]:
+    z = chunker.zero_chunk_id(MIB)
+    a = object_id(b"a" * MIB)
+    b = object_id(b"tail")
+    sub = encode_tree([Entry(b"inner.txt", Kind.FILE, 0o644, 1000, 1000,
+                             1_700_000_000_123_456_789, 5, (object_id(b"hello"),))])
+    assert object_id(sub).hex() == OLD_SUBTREE_ID
+    return [
+        Entry(b"dir", Kind.DIR, 0o755, 1000, 1000, 1_700_000_000_000_000_000,
+              tree_id=object_id(sub)),
+        Entry(b"sparse.img", Kind.FILE, 0o600, 0, 0, -5, 6 * MIB + 4,
+              (a, z, z, z, z, a, b), xattrs=((b"user.k", b"v"),)),
+        Entry(b"link", Kind.SYMLINK, 0o777, 1, 2, 3, 9, target=b"dir/inner"),
+        Entry(b"fifo", Kind.FIFO, 0o644, 0, 0, 0),
+        Entry(b"empty", Kind.FILE, 0o444, 0, 0, 0, 0, ()),
+    ]
+
+
+def _old_big_entry() -> Entry:
+    """A file of 70,000 hole chunks and one data chunk: over the version 1 bound."""
+    z = chunker.zero_chunk_id(MIB)
+    d = object_id(b"d" * 4096)
+    return Entry(b"big.img", Kind.FILE, 0o644, 0, 0, 0, 70_000 * MIB + 4096,
+                 ChunkList.from_runs([(z, 70_000), (d, 1)]))
+
+
+def test_a_tree_version_1_holds_keeps_its_old_id() -> None:
+    enc = encode_tree(_old_small_tree())
+    assert enc[:4] == b"RWT1"
+    assert object_id(enc).hex() == OLD_SMALL_TREE_ID
+    t = decode_tree(enc)
+    assert t.version == 1 and list(t.entries) == sorted(_old_small_tree(), key=lambda e: e.name)
+    e = t.get(b"sparse.img")
+    assert e is not None and e.chunks.run_count == 4 and len(e.chunks) == 7
+
+
+def test_an_old_version_1_tree_over_the_bound_still_reads_and_reencodes() -> None:
+    big = [_old_big_entry()]
+    old = encode_tree(big, version=1)  # the bytes the old encoder wrote
+    assert object_id(old).hex() == OLD_BIG_TREE_ID and len(old) > 70_000 * 32
+    t = decode_tree(old)
+    assert t.version == 1 and t.entries == tuple(big)
+    assert encode_tree(t.entries, t.version) == old  # verify re-encodes it in its version
+    new = encode_tree(big)  # the same entries are now written in version 2, small
+    assert new[:4] == b"RWT2" and len(new) < 200
+    t2 = decode_tree(new)
+    assert t2.version == 2 and t2.entries == t.entries
+    assert tree_version(big) == 2
+
+
+def test_version_is_chosen_by_the_repeats_bound() -> None:
+    z = chunker.zero_chunk_id(MIB)
+
+    def f(n: int) -> Entry:
+        return Entry(b"f", Kind.FILE, 0o644, 0, 0, 0, n * MIB, ChunkList.from_runs([(z, n)]))
+
+    assert encode_tree([f(V1_REPEATS_MAX + 1)])[:4] == b"RWT1"  # repeats == the bound
+    assert encode_tree([f(V1_REPEATS_MAX + 2)])[:4] == b"RWT2"
+
+
+def test_version_2_rejects_non_canonical_runs() -> None:
+    good = encode_tree([_old_big_entry()])
+    e = _old_big_entry()
+    z = chunker.zero_chunk_id(MIB)
+    head = good[:good.index(z) - 4]  # up to the run count of the file (1 + 3 bytes)
+    tail = good[good.index(z) + 32 + 1 + 32:]  # after both runs
+
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append(n & 0x7F | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+
+    def runs(*rs: tuple[int, bytes]) -> bytes:
+        return varint(len(rs)) + b"".join(varint(k) + cid for k, cid in rs)
+
+    d = e.chunks[len(e.chunks) - 1]
+    assert head + runs((70_000, z), (1, d)) + tail == good
+    with pytest.raises(IntegrityError) as ei:
+        decode_tree(head + runs((35_000, z), (35_000, z), (1, d)) + tail)
+    assert "adjacent runs" in ei.value.got
+    with pytest.raises(IntegrityError) as ei:
+        decode_tree(head + runs((70_000, z), (0, d)) + tail)
+    assert "empty run" in ei.value.got
+
+
+def test_chunk_list_is_a_sequence_of_slots() -> None:
+    a, b = object_id(b"a"), object_id(b"b")
+    cl = ChunkList([a, a, b, b, b, a])
+    assert len(cl) == 6 and cl.run_count == 3 and cl.repeats == 3
+    assert [cl[i] for i in range(6)] == [a, a, b, b, b, a] == list(cl)
+    assert cl[-1] == a and cl[:3] == ChunkList([a, a, b]) and cl[2:] == (b, b, b, a)
+    assert list(cl.between(1, 4)) == [(a, 1), (b, 2)]
+    assert cl.distinct() == {a, b}
+    assert decode_runs(encode_runs(cl)) == cl and encode_runs(ChunkList()) == b""
+    huge = ChunkList.from_runs([(a, 1), (b, 1 << 40), (a, 1)])
+    assert len(huge) == (1 << 40) + 2 and huge[1 << 39] == b and huge[-1] == a
+    with pytest.raises(IndexError):
+        cl[6]

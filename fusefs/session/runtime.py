@@ -449,7 +449,7 @@ def verify_complete(store: Any, ref: Ref) -> None:
             if e.kind is Kind.DIR and e.tree_id is not None:
                 stack.append(e.tree_id)
             elif e.kind is Kind.FILE:
-                for cid in e.chunks:
+                for cid in e.chunks.distinct():
                     if cid not in seen:
                         if not store.has(cid):
                             raise ObjectNotFoundError(cid.hex())
