@@ -306,6 +306,8 @@ def _entry_dict(e: Any) -> dict[str, Any]:
                          "size": e.size}
     if e.kind.name == "SYMLINK":
         d["target"] = os.fsdecode(e.target)
+    if e.kind.is_device:
+        d["rdev"] = e.rdev
     if e.xattrs:
         d["xattrs"] = [os.fsdecode(k) for k, _ in e.xattrs]
     if e.link_group is not None:
@@ -325,7 +327,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     lines = []
     for e, d in zip(entries, data, strict=True):
         perms = stat_mod.filemode(e.st_mode)
-        line = (f"{perms} {e.uid:>5} {e.gid:>5} {e.size:>10} "
+        size = f"{os.major(e.rdev)}, {os.minor(e.rdev)}" if "rdev" in d else str(e.size)
+        line = (f"{perms} {e.uid:>5} {e.gid:>5} {size:>10} "
                 f"{_time_text(e.mtime_ns)} {text_path(d['name'])}")
         if "target" in d:
             line += f" -> {text_path(d['target'])}"

@@ -136,6 +136,11 @@ def test_snapshot_dir_accepts_devices(tmp_path: Path) -> None:
         st.close()
     assert got == {b"loop7": ("BLOCK", os.makedev(7, 7), 0o660),
                    b"tty0": ("CHAR", os.makedev(4, 0), 0o620)}
+    out = json.loads(cli(tmp_path / "store", "ls", str(ref), "--json").stdout)
+    assert {d["name"]: (d["kind"], d["rdev"]) for d in out} == {
+        "loop7": ("block", os.makedev(7, 7)), "tty0": ("char", os.makedev(4, 0))}
+    text = cli(tmp_path / "store", "ls", str(ref)).stdout
+    assert text.startswith("brw-rw----") and "7, 7" in text and "crw--w----" in text
 
 
 # -- names over 255 bytes ------------------------------------------------------------------
@@ -184,12 +189,19 @@ def test_st_blocks_of_a_sparse_file_counts_data_not_holes(
     assert 8 <= st.st_blocks <= 64, st.st_blocks
     dense = d.mnt / "dense"
     dense.write_bytes(b"z" * 100_000)
-    cli(fuse_store, "checkpoint", str(d.mnt))
+    ref = cli(fuse_store, "checkpoint", str(d.mnt)).stdout.strip()
     mounter.unmount(d)
     d = mounter.rw(None, state=d.state, mnt=d.mnt)  # attributes computed from the lower
     # One chunk (the store's 1 MiB) holds the 4 KiB; every other chunk is a hole.
     assert os.stat(p).st_blocks == (1 << 20) // 512
     assert os.stat(dense).st_blocks == (100_000 + 511) // 512
+    ro = mounter.ro(ref)
+    with open(ro.mnt / "sparse", "rb") as f:
+        assert os.fstat(f.fileno()).st_size == 1 << 40
+        f.seek((1 << 30) - 1)
+        assert f.read(4098) == b"\0" + b"d" * 4096 + b"\0"
+        f.seek((1 << 40) - 3)
+        assert f.read(10) == bytes(3)
 
 
 # -- the 1 TiB limit -----------------------------------------------------------------------
