@@ -614,6 +614,7 @@ class Rebase:
     drop_data: list[str] = field(default_factory=list)  # data files to remove after commit
     next_ino: int = 2
     next_cookie: int = 1
+    held: list[str] = field(default_factory=list)  # lowers detached files read (Ref texts)
 
 
 def inode_row(n: Node, *, lower_tree: bytes | None = None,
@@ -648,6 +649,10 @@ def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes,
             rb.xattrs[ROOT_INO] = sorted(root.xattrs.items())
     rb.next_ino = ov.next_ino
     rb.next_cookie = ov.next_cookie
+    held = set(ov.held_lowers())
+    if ov.readers_of_lower():  # detached files reading the lower being replaced
+        held.add(str(ov.lower.ref))
+    rb.held = sorted(held)
 
 
 def _set_pin(ov: Overlay, rb: Rebase, origin: bytes, ino: int, ctime: int) -> None:
@@ -721,7 +726,7 @@ def reset_upper(upper: Upper, rb: Rebase) -> None:
                               [(o, i, t) for o, (i, t) in rb.pins.items()])
             c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [
                 ("base", str(rb.ref)), ("next_ino", str(rb.next_ino)),
-                ("next_cookie", str(rb.next_cookie))])
+                ("next_cookie", str(rb.next_cookie)), ("held_lowers", " ".join(rb.held))])
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")
@@ -753,6 +758,7 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     attributes and open handles; the upper keeps only orphans and the root's row."""
     if p.unchanged:
         return
+    ov.hold(ov.readers_of_lower(), str(ov.lower.ref))
     switch_lower(ov, rb.ref)
     done: set[int] = set()
     for pl in p.placements:

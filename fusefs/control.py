@@ -12,13 +12,13 @@ finds it from the mount point (the daemon's mount record names the state directo
 Protocol, shared with the no-FUSE session host (``fusefs.session.control``): one JSON object
 per line each way; requests ``{"op": ...}``:
 
-- ``status``: ``{ref, dirty_inodes, dirty_bytes, open_handles, writable_handles, parked,
-  paused, mountpoint, state, pid, requests}`` (``requests``: FUSE requests served so far
-  by operation, those that reached a handler)
+- ``status``: ``{ref, dirty_inodes, dirty_bytes, detached_inodes, held_lowers,
+  open_handles, writable_handles, parked, paused, mountpoint, state, pid, requests}``
+  (``requests``: FUSE requests served so far by operation, those that reached a handler)
 - ``checkpoint {label?, trigger?, timeout_s?}``: ``{ref, elapsed_ms, unchanged, packs,
   bytes}``
-- ``restore {ref, discard?, timeout_s?}``: ``{ref, pre_restore, changes, invalidated,
-  elapsed_ms}``
+- ``restore {ref, discard?, timeout_s?, wait_writers_s?}``: ``{ref, pre_restore, changes,
+  detached, invalidated, elapsed_ms}``
 - ``diff``: ``{base, ref, changes: [{path, status}]}`` (changes since the last checkpoint)
 - ``write_permit``: replies ``{ok}`` once granted and holds the permit until the client
   closes the connection.
@@ -214,13 +214,56 @@ class Live:
                 "packs": done["packs"], "bytes": done["bytes"], "trigger": trigger,
                 "phases": dict(self.phases)}
 
+    async def _admit_restore(self, target: Ref, permits_s: float,
+                             writers_s: float | None) -> None:
+        """Pause admission of opens and mutations for a restore and drain what runs: first
+        wait up to ``permits_s`` for write permits (tool calls in flight) to end, then, with
+        ``writers_s``, up to that long for files open for writing to close. Returns paused
+        (the caller resumes with ``opens=True``). Raises RestoreError(permit_failed), not
+        paused, when a wait runs out."""
+        import trio
+
+        with trio.move_on_after(permits_s) as cs:
+            await self.gate.no_permits()
+        if cs.cancelled_caught:
+            raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
+                               f"a write permit still held after {permits_s} s")
+        self._lap("permits")
+        await self._syncfs()  # dirty pages reach the daemon before anything pauses
+        self._lap("syncfs")
+        deadline = trio.current_time() + (writers_s or 0.0)
+        while True:
+            if writers_s is not None:
+                # Unpaused, so a writer can finish and close; then pause and look again
+                # (a new writable open parks once paused).
+                with trio.move_on_at(deadline):
+                    while self._writable_handles():
+                        await trio.sleep(0.005)
+            self.gate.pause(opens=True)
+            try:
+                await self.gate.drain()
+            except BaseException:
+                self.gate.resume(opens=True)
+                raise
+            n = self._writable_handles()
+            if writers_s is None or n == 0:
+                return
+            self.gate.resume(opens=True)
+            if trio.current_time() >= deadline:
+                raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
+                                   f"{n} file(s) still open for writing after {writers_s} s")
+
     async def restore(self, ref: Ref | str, *, discard: bool = False,
-                      timeout_s: float | None = None,
+                      timeout_s: float | None = None, wait_writers_s: float | None = None,
                       label: str | None = None) -> dict[str, Any]:
-        """CONTRACT 3.2. Raises RestoreError: permit_failed (a writer or permit still there
-        after ``timeout_s``), swap_failed (the target is not complete in the store, or a
-        step before the swap failed), closing, append_failed (``on_restored`` failed after
-        the swap: the tree is the target). Except append_failed, nothing changed."""
+        """CONTRACT 3.2 with its amendment: never waits for open files; what they hold is
+        detached (``restore.py``). Waits up to ``timeout_s`` (default 60 s) for write
+        permits (tool calls in flight) to end; with ``wait_writers_s``, also up to that long
+        for files open for writing to close, else refuses (the old behaviour). Raises
+        RestoreError: permit_failed (a permit, or with ``wait_writers_s`` a writer, still
+        there), swap_failed (the target is not complete in the store, or a step before the
+        swap failed), closing, append_failed (``on_restored`` failed after the swap: the
+        tree is the target). Except append_failed, nothing changed."""
         import trio
 
         from . import checkpoint as ck
@@ -232,27 +275,20 @@ class Live:
             raise RestoreError(RestoreError.SWAP_FAILED, str(target), "a read-only mount")
         if self.closing:
             raise RestoreError(RestoreError.CLOSING, str(target))
+        if wait_writers_s is not None and wait_writers_s < 0:
+            raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
+                               f"wait_writers_s must not be negative, not {wait_writers_s}")
         wait = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         ov = self.ov
         append_error: BaseException | None = None
         async with self._busy, self.gate.exclusive():
             self._start_laps()
-            self.gate.pause(opens=True)
+            await self._admit_restore(target, wait, wait_writers_s)
             ck.crash_point("restore.paused")
             try:
-                with trio.move_on_after(wait) as cs:
-                    await self.gate.no_permits()
-                    while self._writable_handles():
-                        await trio.sleep(0.005)
-                    await self.gate.drain()
-                if cs.cancelled_caught:
-                    n = self._writable_handles()
-                    raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
-                                       f"{n} file(s) still open for writing after {wait} s"
-                                       if n else f"a write permit still held after {wait} s")
                 # Verified against the current lower before anything changes (the clean
                 # tree below differs, so the swap diffs again).
-                self._lap("wait_writers")
+                self._lap("drain")
                 await trio.to_thread.run_sync(rs.verify, self.store, ov.lower.ref, target)
                 self._lap("verify")
                 async with self.ops.upper_lock:
@@ -277,7 +313,7 @@ class Live:
                             rs.verify, self.store, ov.lower.ref, target)
                         self._lap("diff")
                         ck.crash_point("restore.verified")
-                        sp = rs.plan_swap(ov, changes, target, rb0, uppers)
+                        sp = rs.plan_swap(ov, changes, target, rb0, uppers, rs.writers(ov))
                         self._lap("plan_swap")
                         upper = ov.upper
                         assert upper is not None
@@ -288,9 +324,15 @@ class Live:
                             await self._persist_rebase(rb0)
                         raise
                     ck.crash_point("restore.swapped")
+                    detached = -len(ov.unlinked)
                     rs.apply_swap(ov, sp)
+                    detached += len(ov.unlinked)  # inodes the kernel holds on paths that went
                     self._forget_pending_batches()
                     self._lap("apply_swap")
+                    # Before any request is admitted again: a detached writer's next write
+                    # may make a data file at a path this would remove.
+                    await trio.to_thread.run_sync(ck.drop_data, sp.rebase.drop_data)
+                    self._lap("drop_data")
                 if self.on_restored is not None:
                     try:
                         self.on_restored(target)
@@ -302,16 +344,14 @@ class Live:
             inv = rs.known_to_kernel(ov, sp.invalidation)
             await trio.to_thread.run_sync(invalidate, inv)
             self._lap("invalidate")
-            await trio.to_thread.run_sync(ck.drop_data, sp.rebase.drop_data)
-            self._lap("drop_data")
         ms = (time.perf_counter() - t0) * 1000
-        log.info("restore -> %s in %.1f ms (%d changes, %d invalidated)", target, ms,
-                 sp.changes, len(inv))
+        log.info("restore -> %s in %.1f ms (%d changes, %d detached, %d invalidated)", target,
+                 ms, sp.changes, detached, len(inv))
         if append_error is not None:
             raise RestoreError(RestoreError.APPEND_FAILED, str(target), append_error)
         return {"ref": str(target), "pre_restore": str(pre) if pre else None,
-                "changes": sp.changes, "invalidated": len(inv), "elapsed_ms": ms,
-                "phases": dict(self.phases)}
+                "changes": sp.changes, "detached": detached,
+                "invalidated": len(inv), "elapsed_ms": ms, "phases": dict(self.phases)}
 
     async def _clean_discard(self) -> Any:
         """Freeze the upper without listing it and rebase onto it in memory only (the
@@ -348,16 +388,21 @@ class Live:
             await trio.to_thread.run_sync(ck.reset_upper, self.ov.upper, rb)
 
     def status(self) -> dict[str, Any]:
+        """Counts of the live mount. ``dirty_*``: changes the next checkpoint takes (linked
+        inodes with an upper row); ``detached_inodes``: inodes no name reaches (unlinked, or
+        removed by a restore) that the kernel still holds, whose changes no checkpoint
+        takes; ``held_lowers``: older lowers those still read (GC keeps them)."""
         ov = self.ov
         cs = ov.cs
         dirty = 0
         nbytes = 0
         for n in ov.nodes.values():
-            if n.upper and n.ino != 1:
+            if n.upper and n.ino != 1 and n.nlink > 0:
                 dirty += 1
                 if n.kind == 2:
                     nbytes += max(0, n.size - n.lower_len) + len(n.present) * cs
         return {"ref": str(ov.lower.ref), "dirty_inodes": dirty, "dirty_bytes": nbytes,
+                "detached_inodes": len(ov.unlinked), "held_lowers": ov.held_lowers(),
                 "open_handles": len(ov.handles), "writable_handles": self._writable_handles(),
                 "open_dirs": len(ov.dirs), "parked": self.gate.parked,
                 "paused": self.gate.paused, "permits": self.gate.permits,
@@ -396,7 +441,8 @@ class Live:
             return dict(out, ok=True)
         if op == "restore":
             out = await self.restore(req.get("ref", ""), discard=bool(req.get("discard")),
-                                     timeout_s=req.get("timeout_s"))
+                                     timeout_s=req.get("timeout_s"),
+                                     wait_writers_s=req.get("wait_writers_s"))
             return dict(out, ok=True)
         if op == "diff":
             return dict(self.diff(bool(req.get("unified"))), ok=True)
@@ -411,6 +457,12 @@ def invalidate(inv: Any) -> None:
 
     import pyfuse3
 
+    for parent, name, ino in reversed(inv.deleted):  # children before their directory
+        try:
+            pyfuse3.invalidate_entry(parent, name, deleted=ino)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
+                log.warning("invalidate_entry(%d, %r, deleted=%d): %s", parent, name, ino, e)
     for parent, name in inv.entries:
         try:
             pyfuse3.invalidate_entry(parent, name)
@@ -593,9 +645,13 @@ class Client:
                           "timeout_s": timeout_s})
 
     def restore(self, ref: Ref | str, discard: bool = False,
-                timeout: float | None = None) -> dict[str, Any]:
+                timeout: float | None = None,
+                wait_writers: float | None = None) -> dict[str, Any]:
+        """Restore the mount to ``ref`` (see ``Live.restore``): ``timeout`` (s) bounds the
+        wait for write permits, ``wait_writers`` (s, None: never wait) the wait for files
+        open for writing."""
         return self.call({"op": "restore", "ref": str(ref), "discard": discard,
-                          "timeout_s": timeout})
+                          "timeout_s": timeout, "wait_writers_s": wait_writers})
 
     def status(self) -> dict[str, Any]:
         return self.call({"op": "status"})

@@ -236,7 +236,8 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
             write_record(cfg.mountpoint, {
                 "pid": os.getpid(), "started": start_time(os.getpid()),
                 "mountpoint": cfg.mountpoint, "ref": str(ov.lower.ref),
-                "state": cfg.state_dir, "log": cfg.log_path, "readonly": ov.readonly})
+                "state": cfg.state_dir, "log": cfg.log_path, "readonly": ov.readonly,
+                "store": store.root})
             try:
                 pyfuse3.init(ops, cfg.mountpoint, options)
             except Exception as e:

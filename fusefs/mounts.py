@@ -102,6 +102,37 @@ def read_record(mountpoint: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def served_refs(store_root: str) -> list[str]:
+    """Ref texts that the live mount daemons of this user serve from the store at
+    ``store_root``, for GC (CONTRACT 1.6): a read-only mount's Ref, and for a read-write
+    mount what its state directory pins (base, and older lowers its detached inodes still
+    read: ``fusefs.session.fusetree.pinned_refs``). Records of dead daemons are skipped.
+    Raises OSError or ValueError if a live mount's state cannot be read (GC fails closed)."""
+    from .session.fusetree import pinned_refs
+
+    want = os.path.realpath(store_root)
+    d = os.path.join(runtime_dir(), "mounts")
+    out: list[str] = []
+    for name in sorted(os.listdir(d)):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(d, name)) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(rec, dict) or not rec.get("store") or not isinstance(
+                rec.get("pid"), int) or os.path.realpath(str(rec["store"])) != want:
+            continue
+        if not alive(rec["pid"], rec.get("started")):
+            continue
+        if rec.get("state"):
+            out.extend(str(r) for r in pinned_refs(str(rec["state"])))
+        elif rec.get("ref"):
+            out.append(str(rec["ref"]))
+    return out
+
+
 def remove_record(mountpoint: str, pid: int) -> None:
     """Remove the record of ``mountpoint`` if it is ``pid``'s."""
     rec = read_record(mountpoint)

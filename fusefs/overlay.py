@@ -11,6 +11,15 @@ of small new files (inline, in memory and in their row, so creating one makes no
 disk), whiteouts, stable readdir cookies, open handles, and the batches written to the
 upper.
 
+*Detached* inodes: an inode no name reaches any more (``nlink`` 0: unlinked, or removed by a
+restore) that the kernel still holds, by a lookup count or an open handle, stays in memory
+and keeps working, as Linux keeps a file unlinked while open: reads give its old bytes,
+writes land in its own upper row and data file, which no checkpoint includes. ``unlinked``
+lists them. A detached file whose content still comes partly from an older lower records that
+lower's Ref in ``held`` until the kernel forgets the inode; the upper persists the set as
+``held_lowers`` so GC keeps those chunks (CONTRACT 1.6). Both follow the inode and its lookup
+count, not only file handles.
+
 What it must never do: touch the mount point, block on anything but local files, or write
 the store. Methods are not thread safe: call them from one thread (the trio thread).
 
@@ -121,6 +130,9 @@ class Overlay:
         self._dirty_data: set[int] = set()
         self._unlink_after: list[str] = []
         self.inline_bytes = 0  # total inline content in memory
+        self.unlinked: set[int] = set()  # detached inodes in memory (see the module doc)
+        self.held: dict[int, str] = {}  # detached file -> Ref text of the lower it reads
+        self._held_changed = False
         if upper is not None:
             self._load(upper.load())
         if ROOT_INO not in self.nodes:
@@ -312,6 +324,7 @@ class Overlay:
         if not n.upper:
             del self.nodes[n.ino]
             self._drop_inline(n)
+            self._undetach(n.ino)
             return
         if n.nlink > 0:
             return
@@ -319,6 +332,7 @@ class Overlay:
         # only after that commit (see the crash table in upper.py).
         del self.nodes[n.ino]
         self._drop_inline(n)
+        self._undetach(n.ino)
         if n.origin is not None and self.by_origin.get(n.origin) == n.ino:
             del self.by_origin[n.origin]
         self._close_fd(n)
@@ -327,6 +341,49 @@ class Overlay:
         self._dirty_data.discard(n.ino)
         if n.has_data and self.upper is not None:
             self._unlink_after.append(self.upper.data_path(n.ino))
+
+    # -- detached inodes -------------------------------------------------------------------
+
+    def _undetach(self, ino: int) -> None:
+        """``ino`` left memory: it no longer holds a lower."""
+        self.unlinked.discard(ino)
+        if self.held.pop(ino, None) is not None:
+            self._held_changed = True
+
+    def detach(self, n: Node) -> None:
+        """No name reaches ``n`` any more (a restore removed or replaced its path)."""
+        n.origin = None
+        n.nlink = 0
+        n.lower_links = 0
+        if n.kind is Kind.DIR:
+            # Nothing of either tree shows through a removed directory: a process whose cwd
+            # it is finds nothing there (ENOENT), as in a directory removed under it.
+            n.lower_tree = None
+            n.entries = {}
+        self.unlinked.add(n.ino)
+        self._maybe_forget(n)
+
+    def readers_of_lower(self) -> list[Node]:
+        """Detached files that read chunks of the current lower and hold no older one: they
+        must hold it before the lower changes (checkpoint, restore)."""
+        out = []
+        for ino in self.unlinked:
+            n = self.nodes.get(ino)
+            if (n is not None and ino not in self.held and n.kind is Kind.FILE
+                    and n.lower_len > 0 and len(n.present) < len(n.lower_chunks)):
+                out.append(n)
+        return out
+
+    def hold(self, nodes: list[Node], ref: str) -> None:
+        """Record that ``nodes`` (detached files) read chunks of the lower ``ref``."""
+        for n in nodes:
+            if self.nodes.get(n.ino) is n:
+                self.held[n.ino] = ref
+                self._held_changed = True
+
+    def held_lowers(self) -> list[str]:
+        """Ref texts of the older lowers detached files still read, sorted."""
+        return sorted(set(self.held.values()))
 
     # -- changes: helpers ----------------------------------------------------------------
 
@@ -341,7 +398,9 @@ class Overlay:
         if not n.upper:
             self._mut()
             self._row(n)
-            p = self.nodes.get(n.parent)
+            # A detached inode is in no directory: no ancestor to give a row ([closure]
+            # holds for linked inodes only).
+            p = self.nodes.get(n.parent) if n.nlink > 0 else None
             while p is not None and not p.upper:
                 self._row(p)
                 self._dirty_ino.add(p.ino)
@@ -416,6 +475,8 @@ class Overlay:
         n.ctime_ns = now
         if n.upper or n.nlink > 0:
             self._copy_up(n)
+        if n.nlink == 0:
+            self.unlinked.add(n.ino)
         self._maybe_forget(n)
 
     def _new(self, d: Node, kind: Kind, mode: int, uid: int, gid: int, now: int) -> Node:
@@ -1105,7 +1166,7 @@ class Overlay:
     @property
     def dirty(self) -> bool:
         return bool(self._dirty_ino or self._dirty_dent or self._dirty_xattr
-                    or self._unlink_after)
+                    or self._unlink_after or self._held_changed)
 
     def collect(self) -> Batch:
         """Take the changes since the last batch, as rows (cheap; on the request thread)."""
@@ -1135,7 +1196,9 @@ class Overlay:
             n = nodes.get(ino)
             if n is not None and n.upper:
                 b.xattrs[ino] = sorted(n.xattrs.items())
-        b.meta = {"next_ino": str(self.next_ino), "next_cookie": str(self.next_cookie)}
+        b.meta = {"next_ino": str(self.next_ino), "next_cookie": str(self.next_cookie),
+                  "held_lowers": " ".join(self.held_lowers())}
+        self._held_changed = False
         b.unlink_after = self._unlink_after
         self._unlink_after = []
         self._dirty_ino = set()

@@ -1,8 +1,18 @@
 """Restore: repoint a live overlay at another snapshot (CONTRACT 3.2), data side.
 
 Owns what a restore changes in the overlay and the upper layer, and the list of kernel
-cache entries to invalidate; the ordering around it (pause, waiting for writers, the
-pre-restore checkpoint, journal, release, invalidation worker) is ``restore_live``'s.
+cache entries to invalidate; the ordering around it (pause, the optional wait for writers,
+the pre-restore checkpoint, journal, release, invalidation worker) is ``control.Live``'s.
+
+A restore treats what it replaces as Linux treats a file unlinked while open: it never
+waits for open files. Every inode the kernel still holds on a path the restore removes or
+replaces is *detached* (``Overlay.detach``): handles keep reading its old bytes, its later
+writes stay in its own upper row and reach neither the restored tree nor any checkpoint,
+and a removed directory shows nothing (relative lookups from a cwd inside it give ENOENT).
+A file open for writing is detached even where its path does not change, and the path gets
+a new inode number (the kernel keys page cache and attributes by inode, so the writer and
+the restored file cannot share one). Detached files that still read chunks of the old
+lower hold its Ref (``Overlay.held``), which the upper records for GC.
 
 It starts from a *clean* overlay: every change is in the lower (the pre-restore
 checkpoint, or for ``discard`` an unlisted freeze), so the old and the new tree are two
@@ -14,6 +24,7 @@ every step below costs the difference, not the tree.
 2. ``plan_swap`` (event-loop thread): for each changed path, the inode numbers before and
    after. A path whose content (or kind, or hard-link group) changes gets a new number, its
    old inode is detached (no name reaches it; open handles keep reading the old content);
+   so is a file open for writing (``writers``), whatever happens to its path;
    a path whose metadata only changes keeps its number and gets new attributes; a directory
    present in both trees keeps its number, so a process whose cwd it is keeps a valid cwd.
    Pins make the new numbers stable (see ``inodes.py``).
@@ -46,14 +57,19 @@ from .session.errors import RestoreError
 
 @dataclass
 class Invalidation:
-    """Kernel caches to drop after a swap: ``entries`` (directory inode, name) and
-    ``inodes`` (numbers whose attributes changed)."""
+    """Kernel caches to drop after a swap: ``entries`` (directory inode, name),
+    ``deleted`` (directory inode, name, the detached inode it named: the kernel also drops
+    that inode's link count and marks a directory dead, as rmdir(2) does, so nothing new is
+    looked up or cached inside it and the inode is forgotten once its last user is gone;
+    a parent before its children, so they are dropped in reverse) and ``inodes`` (numbers
+    whose attributes changed)."""
 
     entries: list[tuple[int, bytes]] = field(default_factory=list)
     inodes: list[int] = field(default_factory=list)
+    deleted: list[tuple[int, bytes, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.entries) + len(self.inodes)
+        return len(self.entries) + len(self.inodes) + len(self.deleted)
 
 
 @dataclass
@@ -68,6 +84,7 @@ class SwapPlan:
     invalidation: Invalidation = field(default_factory=Invalidation)
     origins: dict[int, bytes] = field(default_factory=dict)  # kept inodes' new identity
     changes: int = 0
+    old: str = ""  # Ref text of the lower being replaced (what detached files read)
 
 
 def verify(store: Store, current: Ref, target: Ref) -> list[Change]:
@@ -135,20 +152,61 @@ class _Trees:
         return tid
 
 
+def writers(ov: Overlay) -> set[int]:
+    """Numbers of the linked files open for writing (they are detached by a restore)."""
+    return {h.node.ino for h in ov.handles.values()
+            if h.writable and h.node.nlink > 0 and h.node.kind is Kind.FILE}
+
+
+def _paths(ov: Overlay, n: Node, old: _Trees) -> list[bytes]:
+    """The paths of clean node ``n`` in the lower, found through the origins of its
+    ancestors in memory (the kernel holds every ancestor of what it holds); a hard-link
+    group, or an ancestor not in memory, costs a walk of the lower's trees."""
+    o = n.origin
+    if o is None:
+        return []
+    if o[:1] == b"p":
+        parts = [o[42:]]
+        d = int.from_bytes(o[1:9], "little")
+        while d != ROOT_INO:
+            dn = ov.nodes.get(d)
+            if dn is None or dn.origin is None or dn.origin[:1] != b"p":
+                break
+            parts.append(dn.origin[42:])
+            d = int.from_bytes(dn.origin[1:9], "little")
+        else:
+            return [b"/".join(reversed(parts))]
+    out = []
+    todo: list[tuple[bytes, int, ObjectId]] = [(b"", ROOT_INO, ov.lower.root_tree)]
+    while todo:
+        path, dino, tid = todo.pop()
+        for e in old.store.get_tree(tid).entries:
+            p = path + b"/" + e.name if path else e.name
+            if e.kind is Kind.DIR and e.tree_id is not None:
+                todo.append((p, number(ov, dino, e.name, e)[0], e.tree_id))
+            elif origin_key(dino, e.name, e) == o:
+                out.append(p)
+    return out
+
+
 def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
-              uppers: list[Node] | None = None) -> SwapPlan:
+              uppers: list[Node] | None = None,
+              writing: set[int] | None = None) -> SwapPlan:
     """Plan the swap of clean overlay ``ov`` to ``target`` (event-loop thread). Changes
     only ``ov.pins``/``pinned``/``next_ino`` (new numbers must be reserved before commit).
 
     ``uppers``: the nodes that had an upper row before the overlay was cleaned, if known
-    (saves a pass over every node). Two passes: first every path present on both sides (an inode kept, maybe under a new
-    identity when only its hard-link group changed) and every removal, then the paths that
-    need a number (added, content changed), so an added name of a hard-link group joins the
+    (saves a pass over every node). ``writing``: numbers of files open for writing (see
+    ``writers``), detached whatever the target holds at their paths. Two passes: first every
+    path present on both sides (an inode kept, maybe under a new identity when only its
+    hard-link group changed) and every removal, then the paths that need a number (added,
+    content changed, or held by a writer), so an added name of a hard-link group joins the
     inode its other names keep."""
     store = ov.lower.store
     old = _Trees(store, ov.lower.root_tree)
     new = _Trees(store, target.tree_id)
-    sp = SwapPlan(target, rb, changes=len(changes))
+    writing = writing or set()
+    sp = SwapPlan(target, rb, changes=len(changes), old=str(ov.lower.ref))
     dir_ino: dict[bytes, int] = {b"": ROOT_INO}
     covered: set[bytes] = set()
     refresh: set[bytes] = set()
@@ -156,6 +214,7 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
     origins: dict[int, bytes | None] = {}  # planned origin of nodes kept or detached
     owner: dict[bytes, int] = {}  # new origin -> the number it resolves to
     numbered: list[tuple[int, bytes, Entry, int | None]] = []  # for the second pass
+    gone: list[tuple[int, bytes, int]] = []  # (directory, name, the number it named)
 
     def ino_of_dir(path: bytes) -> int:
         got = dir_ino.get(path)
@@ -179,6 +238,13 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
         head, name = _split(c.path)
         parent = ino_of_dir(head)
         a, b = c.old, c.new
+        if (writing and a is not None and b is not None and a.kind is not Kind.DIR
+                and not content_changed(a, b)
+                and (w := number(ov, parent, name, a, origins)[0]) in writing):
+            detach(w)  # a writer's file: the target's gets a new number
+            numbered.append((parent, name, b, w))
+            gone.append((parent, name, w))
+            continue
         if a is not None and b is not None and not content_changed(a, b):
             no = number(ov, parent, name, a, origins)[0]
             oa, ob = origin_key(parent, name, a), origin_key(parent, name, b)
@@ -210,7 +276,7 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
             if ob in owner and not origins.get(no):
                 detach(no)
             numbered.append((parent, name, b, None))
-            inv.entries.append((parent, name))
+            gone.append((parent, name, no))
             continue
         old_no = None
         if a is not None:
@@ -222,7 +288,25 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
             if b.kind is Kind.DIR:
                 covered.add(c.path)
             numbered.append((parent, name, b, old_no))
-        inv.entries.append((parent, name))
+        if old_no is None:
+            inv.entries.append((parent, name))
+        else:
+            gone.append((parent, name, old_no))
+
+    changed = {c.path for c in changes}
+    for w in sorted(writing):
+        if w in sp.detach or (wn := ov.nodes.get(w)) is None:
+            continue
+        for path in _paths(ov, wn, old):
+            if path in changed or any(a in covered for a in _ancestors(path)[1:]):
+                continue  # planned above, or below a directory that goes
+            b = new.entry(path)
+            if b is None:
+                continue
+            head, name = _split(path)
+            numbered.append((ino_of_dir(head), name, b, w))
+            gone.append((dir_ino[head], name, w))
+        detach(w)
 
     for parent, name, b, old_no in numbered:
         o = origin_key(parent, name, b)
@@ -250,9 +334,17 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
         no = ino_of_dir(path)
         sp.dirs.append((no, tid))
         inv.inodes.append(no)
+    detached = set(sp.detach)
+    for parent, name, no in gone:
+        if no in detached:
+            inv.deleted.append((parent, name, no))
+        else:
+            inv.entries.append((parent, name))
     sp.origins = {i: o for i, o in origins.items() if o is not None}
     rb.ref = target
     kept_rows(ov, rb, target.tree_id, uppers)
+    if sp.detach:  # what is detached may read the old lower: pinned with the swap
+        rb.held = sorted(set(rb.held) | {sp.old})
     return sp
 
 
@@ -276,29 +368,33 @@ def _unlinked(ov: Overlay, o: bytes) -> list[int]:
     return out
 
 
-def _detach(ov: Overlay, n: Node, children: dict[int, list[Node]]) -> None:
+def _detach(ov: Overlay, n: Node, children: dict[int, list[Node]],
+            inv: Invalidation) -> None:
     """No name reaches ``n`` (and, for a directory, its subtree) any more; open handles keep
-    what they read. Dropped from memory once the kernel forgets it."""
+    what they read. Dropped from memory once the kernel forgets it. The names inside a
+    detached directory that the kernel may hold go to ``inv``: a process whose cwd it is
+    then looks them up again, and finds nothing."""
     stack = [n]
     while stack:
         x = stack.pop()
         if x.ino == ROOT_INO:
             continue
-        x.origin = None
-        x.nlink = 0
-        x.lower_links = 0
         if x.kind is Kind.DIR:
             # Only what the directory's own entries name: a node's ``parent`` may be a
             # directory it was first found in, not where it is now (moved, hard-linked).
-            stack.extend(c for c in children.get(x.ino, ()) if c.origin is not None
-                         and c.origin[:1] == b"p"
-                         and int.from_bytes(c.origin[1:9], "little") == x.ino)
-        ov.release_unused(x)
+            for c in children.get(x.ino, ()):
+                o = c.origin
+                if o is not None and o[:1] == b"p" and int.from_bytes(o[1:9], "little") == x.ino:
+                    stack.append(c)
+                    if c.nlookup > 0 and x.nlookup > 0:
+                        inv.deleted.append((x.ino, o[42:], c.ino))
+        ov.detach(x)
 
 
 def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
     """Switch clean ``ov`` to the planned target in memory (event-loop thread, atomic, after
     ``reset_upper`` committed)."""
+    readers = ov.readers_of_lower()  # detached earlier, reading the old lower
     switch_lower(ov, sp.target)
     nodes = ov.nodes
     children: dict[int, list[Node]] = defaultdict(list)
@@ -309,7 +405,8 @@ def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
     for ino in sp.detach:
         gone = nodes.get(ino)
         if gone is not None:
-            _detach(ov, gone, children)
+            _detach(ov, gone, children, sp.invalidation)
+    ov.hold(readers + ov.readers_of_lower(), sp.old)
     for ino, e in sp.meta:
         m = nodes.get(ino)
         if m is not None:
@@ -348,7 +445,8 @@ def known_to_kernel(ov: Overlay, inv: Invalidation) -> Invalidation:
         return ino == ROOT_INO or (n is not None and n.nlookup > 0)
 
     return Invalidation([(p, nm) for p, nm in inv.entries if known(p)],
-                        [i for i in inv.inodes if known(i)])
+                        [i for i in inv.inodes if known(i)],
+                        [(p, nm, i) for p, nm, i in inv.deleted if known(p)])
 
 
 # -- the whole restore, for callers without an event loop ------------------------------------
@@ -387,14 +485,12 @@ def clean(ov: Overlay, *, discard: bool,
 
 def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Result:
     """Restore ``ov`` to ``target`` synchronously (no mount, no kernel caches): tests and
-    tools that drive the overlay directly. Raises RestoreError(permit_failed) while a
-    writable handle is open, RestoreError(swap_failed) if the target is incomplete; in both
-    cases nothing changed."""
+    tools that drive the overlay directly. Open handles never block it: what they hold is
+    detached (see the module docstring). Raises RestoreError(swap_failed) if the target is
+    incomplete, changing nothing."""
     from .checkpoint import drop_data, reset_upper
 
     assert ov.upper is not None
-    if any(h.writable for h in ov.handles.values()):
-        raise RestoreError(RestoreError.PERMIT_FAILED, str(target), "a file is open for writing")
     store = ov.lower.store
     try:
         store.root_tree(target)  # fail before any change if the root is missing
@@ -404,7 +500,7 @@ def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Resul
         raise RestoreError(RestoreError.SWAP_FAILED, str(target), str(e)) from None
     pre, rb, uppers = clean(ov, discard=discard)
     changes = verify(store, ov.lower.ref, target)
-    sp = plan_swap(ov, changes, target, rb, uppers)
+    sp = plan_swap(ov, changes, target, rb, uppers, writers(ov))
     reset_upper(ov.upper, sp.rebase)
     apply_swap(ov, sp)
     drop_data(rb.drop_data)

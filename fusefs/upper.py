@@ -103,7 +103,10 @@ LOCK_NAME = "lock"
 TABLES: dict[str, dict[str, str]] = {
     "meta": {
         "key": "format, base (Ref text of the lower), store (store root), chunk_size, "
-               "next_ino (next allocated inode number), next_cookie (next readdir cookie).",
+               "next_ino (next allocated inode number), next_cookie (next readdir cookie), "
+               "held_lowers (space-separated Refs of older lowers that detached inodes, "
+               "unlinked or removed by a restore while open, still read: GC keeps them; "
+               "cleared at open, since no handle outlives the daemon).",
         "value": "text value.",
     },
     "inodes": {
@@ -341,6 +344,7 @@ class Upper:
         remove data files without a row and cut data files to their file's size."""
         c = self.conn
         c.execute("BEGIN IMMEDIATE")
+        c.execute("DELETE FROM meta WHERE key='held_lowers'")
         gone = [r[0] for r in c.execute("SELECT ino FROM inodes WHERE nlink = 0")]
         c.executemany("DELETE FROM inodes WHERE ino=?", [(i,) for i in gone])
         c.executemany("DELETE FROM xattrs WHERE ino=?", [(i,) for i in gone])

@@ -2,9 +2,10 @@
 the mount and unified forms of ``diff``.
 
 ``rewindfs checkpoint MNT [--label TEXT]`` prints the Ref; ``rewindfs restore MNT REF
-[--discard] [--timeout S]`` repoints the mount (the current state is checkpointed first
-unless ``--discard``); ``rewindfs status MNT`` shows the lower Ref, dirty inodes and bytes
-and open handles. Each talks to the mount daemon through its control socket
+[--discard] [--timeout S] [--wait-writers SECONDS]`` repoints the mount (the current state
+is checkpointed first unless ``--discard``; files open for writing are detached unless
+``--wait-writers`` waits for them); ``rewindfs status MNT`` shows the lower Ref, dirty and
+detached inodes and open handles. Each talks to the mount daemon through its control socket
 (``fusefs.control``); ``elapsed_ms`` in ``--json`` output is measured inside the daemon.
 ``rewindfs diff MNT`` lists the changes since the last checkpoint and ``--unified`` (also for
 ``diff REF_A REF_B``) prints a unified text diff. Exit codes: 9 when no live mount answers,
@@ -20,6 +21,17 @@ from typing import Any
 from rewindfs.cli import add_json, emit, open_store
 
 _STATUS_CHAR = {"added": "A", "removed": "D", "modified": "M", "type_changed": "T"}
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, >= 0 (else a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be >= 0, not {text}")
+    return value
 
 
 def register(sub: Any) -> None:
@@ -38,12 +50,17 @@ def register(sub: Any) -> None:
                    help="drop the changes since the last checkpoint instead of "
                         "checkpointing them first")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="seconds to wait for files open for writing to close (default 60)")
+                   help="seconds to wait for write permits (tool calls in flight) to end "
+                        "(default 60)")
+    p.add_argument("--wait-writers", type=seconds, default=None, metavar="SECONDS",
+                   help="wait up to SECONDS for files open for writing to close, else refuse "
+                        "(exit 10, permit_failed); default: never wait, open files keep "
+                        "their old, detached inodes")
     add_json(p)
     p.set_defaults(handler=cmd_restore)
 
-    p = sub.add_parser("status", help="lower Ref, dirty inodes and bytes, open handles of a "
-                                      "mounted session")
+    p = sub.add_parser("status", help="lower Ref, dirty and detached inodes, open handles "
+                                      "of a mounted session")
     p.add_argument("mountpoint", metavar="MNT")
     add_json(p)
     p.set_defaults(handler=cmd_status)
@@ -88,10 +105,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from rewindfs.cmd_store import parse_ref
 
     ref = parse_ref(args, args.ref)  # InvalidRefError (exit 3) before the daemon is asked
-    r = _client(args.mountpoint).restore(ref, discard=args.discard, timeout=args.timeout)
+    r = _client(args.mountpoint).restore(ref, discard=args.discard, timeout=args.timeout,
+                                         wait_writers=args.wait_writers)
     text = r["ref"] + (f" (was {r['pre_restore']})" if r.get("pre_restore") else "")
     emit(args, {"ref": r["ref"], "pre_restore": r.get("pre_restore"),
-                "changes": r["changes"], "elapsed_ms": r["elapsed_ms"]}, text)
+                "changes": r["changes"], "detached": r.get("detached", 0),
+                "elapsed_ms": r["elapsed_ms"]}, text)
     return 0
 
 
@@ -101,6 +120,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     text = "\n".join([
         f"ref:       {r['ref']}",
         f"dirty:     {r['dirty_inodes']} inodes, {r['dirty_bytes']} bytes",
+        f"detached:  {r.get('detached_inodes', 0)} inodes (unlinked or removed by a restore, "
+        f"still open; in no checkpoint), holding {len(r.get('held_lowers') or [])} "
+        f"older lower(s) against gc",
         f"open:      {r['open_handles']} handles ({r['writable_handles']} writable), "
         f"{r['open_dirs']} directories",
         f"state:     {r['state']}",

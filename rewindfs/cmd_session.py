@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from rewindfs.cli import add_json, emit
+from rewindfs.cmd_live import seconds
 
 POLICIES = {"manual": "manual", "on-idle": "on_idle", "on-turn-done": "on_turn_done",
             "on-step-done": "on_step_done"}
@@ -96,7 +97,11 @@ def register(sub: Any) -> None:
     rs.add_argument("--discard", action="store_true",
                     help="do not checkpoint the current state first")
     rs.add_argument("--timeout", type=float, default=None, metavar="S",
-                    help="how long to wait for writers (default: the policy timeout)")
+                    help="how long to wait for tool calls in flight (write permits) to end "
+                         "(default: the policy timeout)")
+    rs.add_argument("--wait-writers", type=seconds, default=None, metavar="SECONDS",
+                    help="wait up to SECONDS for files open for writing to close, else "
+                         "refuse (default: never wait; open files keep their old inodes)")
     add_json(rs)
     rs.set_defaults(handler=cmd_restore)
 
@@ -326,7 +331,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     ref = str(parse_ref(args, args.ref, session=args.id))
     t0 = time.monotonic()
     reply = _ask(args, args.id, {"op": "restore", "ref": ref, "discard": args.discard,
-                                 "timeout_s": args.timeout})
+                                 "timeout_s": args.timeout,
+                                 "wait_writers_s": args.wait_writers})
     emit(args, {"id": args.id, "ref": ref, "pre_restore": reply.get("pre_restore"),
                 "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}, ref)
     return 0

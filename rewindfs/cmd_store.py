@@ -411,12 +411,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from fusefs.mounts import served_refs
     from fusefs.session.fusetree import state_dirs_reader
     from store.gc import gc
+    from store.ref import Ref
 
     st = open_store(args)
     t0 = time.perf_counter()
-    report = gc(st, state_dirs_reader=state_dirs_reader)
+    # What live mounts serve (a plain rw mount's state directory is not registered).
+    report = gc(st, extra_live=[Ref.parse(r) for r in served_refs(st.root)],
+                state_dirs_reader=state_dirs_reader)
     data = jsonable(report)
     if not isinstance(data, dict):
         data = {"report": data}

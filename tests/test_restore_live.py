@@ -1,18 +1,23 @@
 """Restore of a live session mount (CONTRACT 3.2), through real mounts: right after the call
 returns the mount is exactly the target (no polling); unchanged paths keep their inode
 numbers and changed content gets new ones; a read-only handle opened earlier keeps reading
-the old content; a process whose cwd exists in the target keeps a valid cwd; a writer holding
-a file open makes the restore fail with kind permit_failed after the timeout, changing
-nothing; every checkpoint is restorable in any order; git sees a consistent work tree.
+the old content; a process whose cwd exists in the target keeps a valid cwd; a restore never
+waits for open files: a writer keeps its old, detached file (old bytes, writes that reach no
+tree and no checkpoint), a cwd the restore removed shows nothing, and GC keeps the old lower
+while a detached handle reads it; ``--wait-writers`` waits for writers and refuses with kind
+permit_failed, changing nothing; every checkpoint is restorable in any order; git sees a
+consistent work tree.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,8 +106,119 @@ def test_readers_and_cwd_keep_working(mounter: fh.Mounter, lower_ref: str) -> No
         shell.wait(30)
 
 
-def test_writer_open_fails_with_permit_failed_and_changes_nothing(
+# A process holding files open: one command per line on stdin, one answer per line.
+HOLDER = r"""
+import errno, hashlib, os, sys
+fds = {}
+modes = {"r": os.O_RDONLY, "rw": os.O_RDWR}
+for line in sys.stdin:
+    cmd, path, *arg = line.split()
+    try:
+        if cmd == "open":
+            fds[path] = os.open(path, modes[arg[0]])
+            out = "ok"
+        elif cmd == "append":
+            os.lseek(fds[path], 0, os.SEEK_END)
+            os.write(fds[path], bytes.fromhex(arg[0]))
+            out = "ok"
+        elif cmd == "read":
+            out = os.pread(fds[path], 1 << 16, 0).hex()
+        elif cmd == "sum":
+            data = b"".join(iter(lambda: os.read(fds[path], 1 << 20), b""))
+            out = hashlib.sha256(data).hexdigest()
+        elif cmd == "stat":
+            os.stat(path)
+            out = "ok"
+        elif cmd == "create":
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+            out = "ok"
+        elif cmd == "list":
+            out = ",".join(sorted(os.listdir(path)))
+    except OSError as e:
+        out = errno.errorcode[e.errno]
+    print(out, flush=True)
+"""
+
+
+class Holder:
+    """A separate process (files it opens stay open) whose cwd is ``cwd``."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=cwd,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, *words: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(" ".join(words) + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def wait_for(what: str, cond) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``cond`` for what the kernel does on its own time (RELEASE, FORGET) and the
+    daemon's next batch commit."""
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, f"still not {what}"
+        time.sleep(0.05)
+
+
+def test_restore_at_once_with_a_writer_and_a_removed_cwd(
         mounter: fh.Mounter, fuse_store: Path, lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    (m / "plain.txt").write_bytes(b"version two\n")
+    (m / "work").mkdir()
+    (m / "work" / "notes.txt").write_bytes(b"notes\n")
+    writer = Holder(m)
+    cwd = Holder(m / "work")
+    try:
+        assert writer.ask("open", "plain.txt", "rw") == "ok"  # content the restore changes
+        assert writer.ask("open", "dir/a.txt", "rw") == "ok"  # a path it leaves unchanged
+        a_ino = os.stat(m / "dir" / "a.txt").st_ino
+        assert cwd.ask("stat", "notes.txt") == "ok"
+        r = client(m).restore(lower_ref)  # no wait, no permit_failed
+        assert str(compute_ref(m)) == lower_ref and r["detached"] >= 3
+        assert cli(fuse_store, "cat", r["pre_restore"], "plain.txt").stdout == "version two\n"
+        assert cli(fuse_store, "cat", r["pre_restore"], "work/notes.txt").stdout == "notes\n"
+
+        assert writer.ask("read", "plain.txt") == b"version two\n".hex()  # the old bytes
+        assert writer.ask("append", "plain.txt", b"more\n".hex()) == "ok"
+        assert writer.ask("read", "plain.txt") == b"version two\nmore\n".hex()
+        assert writer.ask("append", "dir/a.txt", b"a2\n".hex()) == "ok"
+        assert writer.ask("read", "dir/a.txt") == b"a\na2\n".hex()
+        assert (m / "plain.txt").read_bytes() == b"hello world\n"  # not in the tree
+        assert (m / "dir" / "a.txt").read_bytes() == b"a\n"
+        assert os.stat(m / "dir" / "a.txt").st_ino != a_ino
+
+        assert cwd.ask("stat", "notes.txt") == "ENOENT"  # the cwd was removed
+        assert cwd.ask("create", "new.txt") == "ENOENT"
+        assert cwd.ask("list", ".") == ""
+        assert not (m / "work").exists()
+
+        st = client(m).status()
+        assert st["dirty_inodes"] == 0 and st["detached_inodes"] >= 3
+        assert st["held_lowers"] == [r["pre_restore"]]
+        assert client(m).checkpoint()["ref"] == lower_ref  # in no later checkpoint
+        text = cli(fuse_store, "status", str(m)).stdout
+        assert "dirty:     0 inodes" in text and "detached:" in text
+    finally:
+        writer.close()
+        cwd.close()
+    wait_for("released", lambda: client(m).status()["detached_inodes"] == 0)
+    assert client(m).status()["held_lowers"] == []
+    mounter.remount(d)
+    assert str(compute_ref(m)) == lower_ref
+    assert (m / "plain.txt").read_bytes() == b"hello world\n"
+
+
+def test_wait_writers_waits_then_refuses(mounter: fh.Mounter, fuse_store: Path,
+                                         lower_ref: str) -> None:
     d = mounter.rw(lower_ref)
     m = d.mnt
     (m / "new.txt").write_bytes(b"pending\n")
@@ -112,20 +228,82 @@ def test_writer_open_fails_with_permit_failed_and_changes_nothing(
     try:
         t0 = time.monotonic()
         with pytest.raises(RestoreError) as ei:
-            client(m).restore(lower_ref, timeout=0.3)
+            client(m).restore(lower_ref, wait_writers=0.3)
         assert ei.value.kind == "permit_failed" and time.monotonic() - t0 >= 0.3
-        r = cli(fuse_store, "restore", str(m), lower_ref, "--timeout", "0.2", check=False)
+        r = cli(fuse_store, "restore", str(m), lower_ref, "--wait-writers", "0.2",
+                check=False)
         assert r.returncode == 10 and "permit_failed" in r.stderr
+        r = cli(fuse_store, "session", "restore", "x", lower_ref, "--wait-writers", "-1",
+                check=False)
+        assert r.returncode == 2 and "--wait-writers" in r.stderr
         f.write(b"still works\n")  # writes go on once the restore gave up
         f.flush()
     finally:
         f.close()
     assert (m / "new.txt").read_bytes() == b"pending\nstill works\n"
     assert recorded_base(d.state) == lower_ref  # type: ignore[arg-type]
-    assert str(compute_ref(m)) != before  # only the writer's own change
     (m / "new.txt").write_bytes(b"pending\n")
     os.utime(m / "new.txt", ns=(mtime, mtime))
     assert str(compute_ref(m)) == before
+
+    # A writer that closes within the wait lets the restore through, its last write kept.
+    f = open(m / "new.txt", "ab")
+    f.write(b"last\n")
+    f.flush()
+    closer = threading.Timer(0.3, f.close)
+    closer.start()
+    try:
+        r2 = client(m).restore(lower_ref, wait_writers=60)
+    finally:
+        closer.join()
+    assert f.closed and str(compute_ref(m)) == lower_ref
+    assert cli(fuse_store, "cat", r2["pre_restore"], "new.txt").stdout == "pending\nlast\n"
+
+    # --timeout bounds only the wait for write permits: an open writer does not stop it.
+    with open(m / "plain.txt", "ab"):
+        out = json.loads(cli(fuse_store, "restore", str(m), r2["pre_restore"], "--timeout",
+                              "0.2", "--json").stdout)
+    assert out["detached"] == 1 and str(compute_ref(m)) == r2["pre_restore"]
+
+
+def test_gc_keeps_the_lower_a_detached_handle_reads(mounter: fh.Mounter, fuse_store: Path,
+                                                    lower_ref: str, tmp_path: Path) -> None:
+    from fusefs.session.fusetree import pinned_refs
+    from store.objects import Store
+    from store.ref import Ref
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x").write_bytes(b"x\n")
+    target = fh.snapshot(fuse_store, other)
+    st = Store(fuse_store)
+    try:
+        big = st.get_tree(Ref.parse(lower_ref).tree_id).get(b"big.bin")
+    finally:
+        st.close()
+    assert big is not None
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    reader = Holder(m)
+    try:
+        assert reader.ask("open", "big.bin", "r") == "ok"
+        client(m).restore(target, discard=True)  # lists nothing: the old lower is lower_ref
+        assert not (m / "big.bin").exists()
+        cli(fuse_store, "forget", lower_ref)
+        cli(fuse_store, "gc")
+        want = hashlib.sha256(fh.pattern(fh.BIG_SIZE)).hexdigest()
+        assert reader.ask("sum", "big.bin") == want  # every chunk still there
+        assert Ref.parse(lower_ref) in pinned_refs(str(d.state))
+    finally:
+        reader.close()
+    wait_for("unpinned", lambda: Ref.parse(lower_ref) not in pinned_refs(str(d.state)))
+    rep = json.loads(cli(fuse_store, "gc", "--json").stdout)
+    assert rep["objects_deleted"] > 0
+    st = Store(fuse_store)
+    try:
+        assert not any(st.has(c) for c in big.chunks)  # freed after the last handle
+    finally:
+        st.close()
 
 
 def test_every_checkpoint_restorable_in_any_order(mounter: fh.Mounter, fuse_store: Path,

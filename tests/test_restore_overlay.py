@@ -1,7 +1,8 @@
 """Restore of an overlay driven directly (no mount): afterwards it shows exactly the target;
 unchanged paths keep their inode numbers, changed content gets new ones, directories keep
 theirs; read-only handles keep the old content; every checkpoint stays restorable in any
-order; refusals (a writer open, an incomplete target) change nothing.
+order; files open for writing are detached, never waited for; an incomplete target changes
+nothing.
 """
 
 from __future__ import annotations
@@ -128,16 +129,54 @@ def test_discard_lists_nothing_and_cwd_directory_survives(env: Env) -> None:
     ov.forget(d.ino, 1)
 
 
-def test_writer_open_refuses_and_changes_nothing(env: Env) -> None:
+def test_open_writers_are_detached_not_waited_for(env: Env) -> None:
+    ov = env.mount()
+    orig = overlay_listing(ov)
+    write(ov, "new.txt", b"pending\n")
+    fresh = ov.open(hold(ov, "new.txt"), os.O_RDWR)  # a file the restore removes
+    a_old = hold(ov, "dir/a.txt")
+    same = ov.open(a_old, os.O_RDWR)  # a file whose path the restore leaves unchanged
+    hard_old = hold(ov, "hello.txt")
+    linked = ov.open(hard_old, os.O_WRONLY)  # a hard-linked file (two names)
+    ov.mkdir(ROOT_INO, b"made", 0o755, UID, GID)
+    made = hold(ov, "made")  # a process's cwd, in a directory the restore removes
+    write(ov, "made/f", b"f\n")
+    res = restore_overlay(ov, env.ref)  # at once, no permit_failed
+    assert overlay_listing(ov) == orig == tree_listing(env.store, env.ref)
+    assert res.pre is not None
+
+    ov.write(fresh, 8, b"later\n")  # detached handles keep working ...
+    assert ov.read(fresh, 0, 100) == b"pending\nlater\n"
+    ov.write(same, 0, b"ZZ")
+    assert ov.read(same, 0, 4) == b"ZZAA"  # ... on their own copy
+    ov.write(linked, 0, b"J")
+    assert ino(ov, "dir/a.txt") != a_old and read(ov, "dir/a.txt") == b"A" * 100
+    assert ino(ov, "hello.txt") == ino(ov, "dir/hard.txt") != hard_old
+    assert read(ov, "hello.txt") == b"hello world\n"
+    assert ov.lookup(made, b"f") is None  # nothing shows in the removed directory
+    with pytest.raises(FileNotFoundError):
+        ov.create(made, b"g", 0o644, os.O_CREAT | os.O_WRONLY, UID, GID)
+    assert not ov.nodes[made].upper
+    assert ov.held_lowers() == [str(res.pre)]  # the old lower, read by the detached files
+
+    assert checkpoint_overlay(ov).ref == env.ref  # the detached writes are in no checkpoint
+    assert overlay_listing(ov) == orig
+    numbers = {p: ino(ov, p) for p in ("dir/a.txt", "hello.txt")}
+    for fh_ in (fresh, same, linked):
+        ov.release(fh_)
+    assert ov.held_lowers() == [str(res.pre)]  # the kernel still holds lookups
+    for n in sorted(ov.unlinked):  # the kernel forgets them
+        ov.forget(n, ov.nodes[n].nlookup)
+    assert ov.unlinked == set() and ov.held_lowers() == []
+    assert {p: ino(ov, p) for p in numbers} == numbers  # new numbers stay (pinned)
+    ov = env.remount()
+    assert overlay_listing(ov) == orig and {p: ino(ov, p) for p in numbers} == numbers
+
+
+def test_incomplete_target_changes_nothing(env: Env) -> None:
     ov = env.mount()
     write(ov, "new.txt", b"pending\n")
-    fh = ov.open(ino(ov, "new.txt"), os.O_WRONLY)
     before = overlay_listing(ov)
-    with pytest.raises(RestoreError) as ei:
-        restore_overlay(ov, env.ref)
-    assert ei.value.kind == "permit_failed"
-    assert overlay_listing(ov) == before
-    ov.release(fh)
     missing = Ref(ObjectId(bytes(32)))
     with pytest.raises(RestoreError) as ei:
         restore_overlay(ov, missing)

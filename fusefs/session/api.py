@@ -62,7 +62,8 @@ class SessionHandle(Protocol):
     def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None) -> Ref: ...
 
     def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
-                cancel: threading.Event | None = None) -> Ref | None: ...
+                cancel: threading.Event | None = None,
+                wait_writers_s: float | None = None) -> Ref | None: ...
 
     def turn_done(self) -> None: ...
 
@@ -181,12 +182,19 @@ class Session:
 
     def restore(self, ref: Ref | str, discard: bool = False,
                 timeout_s: float | None = None,
-                cancel: threading.Event | None = None) -> Ref | None:
+                cancel: threading.Event | None = None,
+                wait_writers_s: float | None = None) -> Ref | None:
         """Make the live tree ``ref`` (CONTRACT 3.2, 4.7); return the pre_restore checkpoint
-        (None with ``discard``). Raises WorkspaceNotConfiguredError, InvalidRefError,
-        RestoreError, and store errors for a target missing from the store."""
+        (None with ``discard``). Never waits for open files: on a FUSE root, what they hold
+        is detached (their later writes reach neither the restored tree nor any
+        checkpoint). ``timeout_s`` (s, default the policy timeout) bounds the wait for write
+        permits (tool calls in flight); ``wait_writers_s`` (s) instead waits that long for
+        files open for writing to close and refuses (permit_failed) if any stays open (FUSE
+        roots only: a plain directory cannot tell). Raises WorkspaceNotConfiguredError,
+        InvalidRefError, RestoreError, and store errors for a target missing from the
+        store."""
         h = self._h("restore")
-        return h.restore(Ref.parse(ref), discard, timeout_s, cancel)
+        return h.restore(Ref.parse(ref), discard, timeout_s, cancel, wait_writers_s)
 
     def turn_done(self) -> None:
         """The agent finished a turn (checkpoints under on_turn_done)."""

@@ -289,7 +289,8 @@ class RemoteSession:
         return Ref.parse(out["ref"])
 
     def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
-                cancel: threading.Event | None = None) -> Ref | None:
+                cancel: threading.Event | None = None,
+                wait_writers_s: float | None = None) -> Ref | None:
         from .errors import RestoreError
 
         if cancel is not None and cancel.is_set():
@@ -297,7 +298,7 @@ class RemoteSession:
         if self._closed:
             raise RestoreError(RestoreError.CLOSING, str(ref))
         out = self._call({"op": "restore", "ref": str(ref), "discard": discard,
-                          "timeout_s": timeout_s})
+                          "timeout_s": timeout_s, "wait_writers_s": wait_writers_s})
         pre = out.get("pre_restore")
         return Ref.parse(pre) if pre else None
 

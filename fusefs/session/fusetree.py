@@ -137,9 +137,11 @@ def upper_base(d: str) -> Ref | None:
 
 
 def pinned_refs(d: str) -> list[Ref]:
-    """What the upper in state directory ``d`` pins for GC: its base and every lower tree a
-    row shows through (as Refs of those trees). An existing directory without an upper pins
-    nothing; a missing directory or an unreadable upper raises (GC fails closed)."""
+    """What the upper in state directory ``d`` pins for GC: its base, every lower tree a
+    row shows through (as Refs of those trees), and the older lowers its daemon still serves
+    to detached inodes (``held_lowers``: files unlinked or removed by a restore while open).
+    An existing directory without an upper pins nothing; a missing directory or an
+    unreadable upper raises (GC fails closed)."""
     if not os.path.isdir(d):
         raise FileNotFoundError(f"state directory {d} is missing")
     if not has_upper(d):
@@ -149,11 +151,16 @@ def pinned_refs(d: str) -> list[Ref]:
         row = c.execute("SELECT value FROM meta WHERE key='base'").fetchone()
         trees = c.execute("SELECT DISTINCT lower_tree FROM inodes "
                           "WHERE lower_tree IS NOT NULL").fetchall()
+        held = c.execute("SELECT value FROM meta WHERE key='held_lowers'").fetchone()
     finally:
         c.close()
     if row is None:
         raise ValueError(f"the upper in {d} records no base")
     out = [Ref.parse(row[0])]
+    for text in (held[0].split() if held else []):
+        r = Ref.parse(text)
+        if r not in out:
+            out.append(r)
     for (t,) in trees:
         r = Ref(ObjectId(bytes(t)))
         if r not in out:
@@ -512,7 +519,8 @@ class FuseMount:
         return Ref.parse(out["ref"])
 
     def restore(self, ref: Ref, discard: bool, timeout_s: float,
-                on_pre: Callable[[Ref], None] | None, on_commit: OnCommit) -> Ref | None:
+                on_pre: Callable[[Ref], None] | None, on_commit: OnCommit,
+                wait_writers_s: float | None = None) -> Ref | None:
         """A live restore (CONTRACT 3.2): the pre-restore checkpoint (unless ``discard``)
         goes to ``on_pre`` before the swap, ``on_commit`` right after it. Returns the
         pre-restore Ref. Raises RestoreError."""
@@ -524,8 +532,9 @@ class FuseMount:
                 live.on_pre_restore = on_pre
                 live.on_restored = lambda _target: on_commit()
                 try:
-                    out: dict[str, Any] = await live.restore(ref, discard=discard,
-                                                             timeout_s=timeout_s)
+                    out: dict[str, Any] = await live.restore(
+                        ref, discard=discard, timeout_s=timeout_s,
+                        wait_writers_s=wait_writers_s)
                     return out
                 finally:
                     live.on_pre_restore = None
@@ -747,12 +756,14 @@ class FuseTree:
         return ref
 
     def restore_live(self, ref: Ref, discard: bool, timeout_s: float,
-                     on_pre: Callable[[Ref], None] | None, on_commit: OnCommit) -> Ref | None:
-        """Pause, wait for writers, checkpoint (``on_pre``), swap, ``on_commit``, resume, all
-        inside the daemon (CONTRACT 3.2). Raises RestoreError."""
+                     on_pre: Callable[[Ref], None] | None, on_commit: OnCommit,
+                     wait_writers_s: float | None = None) -> Ref | None:
+        """Pause (waiting for writers only with ``wait_writers_s``), checkpoint
+        (``on_pre``), swap, ``on_commit``, resume, all inside the daemon (CONTRACT 3.2).
+        Raises RestoreError."""
         if not self._attached:
             raise RestoreError(RestoreError.SWAP_FAILED, str(ref), "the root is not mounted")
-        return self.mount.restore(ref, discard, timeout_s, on_pre, on_commit)
+        return self.mount.restore(ref, discard, timeout_s, on_pre, on_commit, wait_writers_s)
 
     def swap(self, ref: Ref, seq_before: int, on_commit: OnCommit) -> None:
         del seq_before  # the upper's recorded base is what recovery compares

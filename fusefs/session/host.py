@@ -119,7 +119,7 @@ class Host:
             return {"ok": True, "ref": str(ref)}
         if op == "restore":
             pre = s.restore(Ref.parse(req.get("ref")), bool(req.get("discard")),
-                            req.get("timeout_s"))
+                            req.get("timeout_s"), wait_writers_s=req.get("wait_writers_s"))
             return {"ok": True, "ref": req.get("ref"), "pre_restore": str(pre) if pre else None}
         if op == "turn_done":
             s.turn_done()

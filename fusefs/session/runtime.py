@@ -328,13 +328,16 @@ class SessionCore:
     # -- restore (CONTRACT 3.2, 4.7, 4.8) ------------------------------------------------
 
     def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
-                cancel: threading.Event | None = None) -> Ref | None:
+                cancel: threading.Event | None = None,
+                wait_writers_s: float | None = None) -> Ref | None:
         """Make the live tree ``ref``, journaling ``WorkspaceRestored{ref}``. Unless
         ``discard``, the current state is checkpointed first (trigger pre_restore) and that
         Ref returned, so the restore can be undone.
 
         Raises RestoreError (kinds of CONTRACT 4.8) and the store's errors for a target
-        that is not complete in the store (ObjectNotFoundError, IntegrityError)."""
+        that is not complete in the store (ObjectNotFoundError, IntegrityError).
+        ``timeout_s`` bounds the wait for write permits; ``wait_writers_s`` (a live tree
+        only) the wait for files open for writing (``Session.restore``)."""
         sref = str(ref)
         if cancel is not None and cancel.is_set():
             raise RestoreError(RestoreError.CONTEXT_DONE, sref, "cancelled before start")
@@ -348,12 +351,12 @@ class SessionCore:
                 raise RestoreError(RestoreError.PERMIT_FAILED, sref,
                                    f"writers did not finish within {timeout} s")
             try:
-                return self._restore_locked(ref, discard, cancel, timeout)
+                return self._restore_locked(ref, discard, cancel, timeout, wait_writers_s)
             finally:
                 self.gate.release_exclusive()
 
     def _restore_locked(self, ref: Ref, discard: bool, cancel: threading.Event | None,
-                        timeout_s: float) -> Ref | None:
+                        timeout_s: float, wait_writers_s: float | None = None) -> Ref | None:
         sref = str(ref)
         if cancel is not None and cancel.is_set():
             raise RestoreError(RestoreError.CONTEXT_DONE, sref, "cancelled")
@@ -361,7 +364,7 @@ class SessionCore:
             raise RestoreError(RestoreError.LEASE_UNHEALTHY, sref)
         restore_live = getattr(self.tree, "restore_live", None)
         if restore_live is not None:
-            return self._restore_live(ref, discard, restore_live, timeout_s)
+            return self._restore_live(ref, discard, restore_live, timeout_s, wait_writers_s)
         pre = None
         if not discard:
             try:
@@ -386,7 +389,7 @@ class SessionCore:
         return pre
 
     def _restore_live(self, ref: Ref, discard: bool, restore_live: Any,
-                      timeout_s: float) -> Ref | None:
+                      timeout_s: float, wait_writers_s: float | None) -> Ref | None:
         """A tree that restores inside its daemon (FUSE): the daemon pauses, checkpoints,
         verifies and swaps in the order of CONTRACT 3.2; the journal appends happen from
         its hooks, the pre-restore checkpoint before the swap and ``WorkspaceRestored``
@@ -403,7 +406,8 @@ class SessionCore:
             self.journal.restored(ref, self.epoch)
 
         try:
-            restore_live(ref, discard, timeout_s, None if discard else on_pre, on_commit)
+            restore_live(ref, discard, timeout_s, None if discard else on_pre, on_commit,
+                         wait_writers_s)
         except RestoreError as e:
             if e.kind == RestoreError.ROLLBACK_FAILED:
                 self._fault_terminal(f"restore rollback failed: {e.cause}")
