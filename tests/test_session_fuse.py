@@ -28,6 +28,7 @@ import pytest
 from session_support import REPO, populate, ref_of, retry, workspace
 
 from fusefs.session import (
+    RestoreError,
     Session,
     SessionBusyError,
     SessionClosedError,
@@ -344,6 +345,33 @@ def test_fork_starts_an_empty_upper_over_the_source_checkpoint(tmp_path: Path) -
                     (Path(src.root) / "big").read_bytes()
             assert ws.store.conn.execute("SELECT COUNT(*) FROM packs").fetchone()[0] == after
             assert after >= packs
+
+
+def test_restore_with_a_file_open_for_writing(tmp_path: Path) -> None:
+    """CONTRACT 3.2 amended: a session's restore proceeds at once while a file is open for
+    writing (it is detached); ``wait_writers_s`` waits and then refuses, changing nothing."""
+    ws = workspace(tmp_path, "per-session", "fuse")
+    with ws.new_session() as s:
+        assert s.root is not None
+        root = Path(s.root)
+        (root / "log.txt").write_text("one\n")
+        good = s.checkpoint()
+        (root / "log.txt").write_text("two\n")
+        with open(root / "log.txt", "a") as f:  # a log writer that never closes
+            n = len(s.log())
+            with pytest.raises(RestoreError) as ei:
+                s.restore(good, wait_writers_s=0.2)
+            assert ei.value.kind == "permit_failed" and len(s.log()) == n
+            pre = s.restore(good)  # at once
+            assert (root / "log.txt").read_text() == "one\n"
+            f.write("three\n")
+            f.flush()
+            assert (root / "log.txt").read_text() == "one\n"  # the writer is detached
+            assert s.checkpoint() == good
+        assert pre is not None and [e.event for e in s.log()[-3:]] == [
+            "WorkspaceCheckpointed", "WorkspaceRestored", "WorkspaceCheckpointed"]
+        assert [e.trigger for e in s.log()[-3:]][::2] == ["pre_restore", "manual"]
+        assert ref_of(s.root) == good
 
 
 # -- policy through the mount (CONTRACT 4.3) -------------------------------------------------
