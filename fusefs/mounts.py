@@ -107,7 +107,9 @@ def served_refs(store_root: str) -> list[str]:
     ``store_root``, for GC (CONTRACT 1.6): a read-only mount's Ref, and for a read-write
     mount what its state directory pins (base, and older lowers its detached inodes still
     read: ``fusefs.session.fusetree.pinned_refs``). Records of dead daemons are skipped.
-    Raises OSError or ValueError if a live mount's state cannot be read (GC fails closed)."""
+    Raises store.errors.GCError if a live mount's state cannot be read (GC fails closed)."""
+    from store.errors import GCError
+
     from .session.fusetree import pinned_refs
 
     want = os.path.realpath(store_root)
@@ -127,7 +129,11 @@ def served_refs(store_root: str) -> list[str]:
         if not alive(rec["pid"], rec.get("started")):
             continue
         if rec.get("state"):
-            out.extend(str(r) for r in pinned_refs(str(rec["state"])))
+            try:
+                out.extend(str(r) for r in pinned_refs(str(rec["state"])))
+            except Exception as err:
+                raise GCError("live", str(rec["state"]), f"cannot read the state of the live "
+                              f"mount at {rec.get('mountpoint')}: {err}") from err
         elif rec.get("ref"):
             out.append(str(rec["ref"]))
     return out
