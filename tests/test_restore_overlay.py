@@ -19,6 +19,7 @@ from test_checkpoint_overlay import CS, GID, UID, Env, hold, ino, read, write
 from fusefs.checkpoint import checkpoint_overlay
 from fusefs.inodes import ROOT_INO
 from fusefs.restore import restore_overlay
+from fusefs.session.fusetree import pinned_refs
 from fusefs.upper import check
 from store.errors import RefNotFoundError
 from store.ref import ObjectId, Ref
@@ -158,6 +159,7 @@ def test_open_writers_are_detached_not_waited_for(env: Env) -> None:
         ov.create(made, b"g", 0o644, os.O_CREAT | os.O_WRONLY, UID, GID)
     assert not ov.nodes[made].upper
     assert ov.held_lowers() == [str(res.pre)]  # the old lower, read by the detached files
+    assert res.pre in pinned_refs(env.state)  # recorded with the swap, for GC
 
     assert checkpoint_overlay(ov).ref == env.ref  # the detached writes are in no checkpoint
     assert overlay_listing(ov) == orig
@@ -168,6 +170,8 @@ def test_open_writers_are_detached_not_waited_for(env: Env) -> None:
     for n in sorted(ov.unlinked):  # the kernel forgets them
         ov.forget(n, ov.nodes[n].nlookup)
     assert ov.unlinked == set() and ov.held_lowers() == []
+    ov.commit()
+    assert pinned_refs(env.state) == [env.ref]
     assert {p: ino(ov, p) for p in numbers} == numbers  # new numbers stay (pinned)
     ov = env.remount()
     assert overlay_listing(ov) == orig and {p: ino(ov, p) for p in numbers} == numbers
