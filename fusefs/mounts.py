@@ -221,3 +221,41 @@ def still_mounted(mountpoint: str, mid: int) -> bool:
 
 def is_mounted(mountpoint: str) -> bool:
     return bool(_mounts_at(mountpoint))
+
+
+def processes_using(path: str, *, exclude: tuple[int, ...] = ()) -> list[tuple[int, str]]:
+    """(pid, command line) of every process, other than this one and ``exclude``, whose
+    cwd, root, an open file or a mapped file is ``path`` or below it, read from
+    /proc/<pid>/{cwd,root,fd,map_files} as fuser(1) ``-m`` does (processes of other users
+    are seen as far as /proc lets us). Sorted by pid."""
+    want = os.path.abspath(path).rstrip("/") or "/"
+    prefix = want if want == "/" else want + "/"
+
+    def inside(link: str) -> bool:
+        try:
+            target = os.readlink(link)
+        except OSError:
+            return False
+        return target == want or target.startswith(prefix)
+
+    skip = {os.getpid(), *exclude}
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        base = f"/proc/{name}"
+        links = [f"{base}/cwd", f"{base}/root"]
+        for sub in ("fd", "map_files"):
+            try:
+                links += [f"{base}/{sub}/{e}" for e in os.listdir(f"{base}/{sub}")]
+            except OSError:
+                pass
+        if not any(inside(link) for link in links):
+            continue
+        try:
+            with open(f"{base}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue  # gone meanwhile
+        out.append((int(name), cmd or f"[{name}]"))
+    return sorted(out)

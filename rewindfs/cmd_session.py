@@ -1,5 +1,5 @@
-"""Session subcommands: ``session new|list|resume|fork|shutdown|checkpoint|restore`` and
-``log ID``.
+"""Session subcommands: ``session new|list|resume|fork|shutdown|rm|gc|checkpoint|restore``
+and ``log ID``.
 
 ``session new``, ``resume`` and ``fork`` start a session host in the background (the mount
 daemon for FUSE sessions; ``fusefs.session.host`` for no-FUSE ones) and return once the
@@ -83,8 +83,21 @@ def register(sub: Any) -> None:
 
     sd = ss.add_parser("shutdown", help="stop a session (no checkpoint is made)")
     sd.add_argument("id")
+    sd.add_argument("--force", action="store_true",
+                    help="unmount even while processes use the root (they lose the tree)")
     add_json(sd)
     sd.set_defaults(handler=cmd_shutdown)
+
+    rm = ss.add_parser("rm", help="delete a stopped session's state and registry entry")
+    rm.add_argument("id")
+    add_json(rm)
+    rm.set_defaults(handler=cmd_rm)
+
+    gc = ss.add_parser("gc", help="delete stopped sessions")
+    gc.add_argument("--stopped", action="store_true", required=True,
+                    help="delete every session that is not running (as `session rm`)")
+    add_json(gc)
+    gc.set_defaults(handler=cmd_gc)
 
     c = ss.add_parser("checkpoint", help="checkpoint a running session; print the Ref")
     c.add_argument("id")
@@ -299,7 +312,18 @@ def cmd_shutdown(args: argparse.Namespace) -> int:
     if path is None:
         emit(args, {"id": args.id, "state": "stopped"}, f"{args.id} is not running")
         return 0
-    pid = int(raise_reply(request(path, {"op": "status"}))["pid"])
+    status = raise_reply(request(path, {"op": "status"}))
+    pid = int(status["pid"])
+    root = status.get("root")
+    # Like umount(8) on EBUSY: a root still in use is not pulled away from its users,
+    # unless asked. (A shared root stays mounted while other sessions use it.)
+    if root and not args.force and int(status.get("users") or 1) <= 1:
+        from fusefs.mounts import processes_using
+        from fusefs.session.errors import RootInUseError
+
+        users = processes_using(str(root), exclude=(pid,))
+        if users:
+            raise RootInUseError(args.id, str(root), [f"{p} {cmd}" for p, cmd in users])
     # A FUSE session replies once it is shut down; its process lives on while other
     # sessions of the same shared root use it ("exits": false).
     exits = raise_reply(request(path, {"op": "shutdown"})).get("exits", True)
@@ -314,6 +338,45 @@ def cmd_shutdown(args: argparse.Namespace) -> int:
         if exits:
             raise RuntimeError(f"the host of {args.id} (pid {pid}) did not exit")
     emit(args, {"id": args.id, "state": "stopped"}, f"{args.id} stopped")
+    return 0
+
+
+def _remove(args: argparse.Namespace, session_id: str) -> Any:
+    from fusefs.session.api import remove_session
+    from store.lease import Leaser
+    from store.objects import Store
+
+    store = Store(args.store)
+    try:
+        return remove_session(store, _registry(args), session_id, Leaser(store))
+    finally:
+        store.close()
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    _remove(args, args.id)
+    emit(args, {"id": args.id, "removed": True}, f"{args.id} removed")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from fusefs.session.control import live_host
+    from fusefs.session.errors import SessionBusyError
+
+    removed, running = [], []
+    for rec in _registry(args).list():
+        if live_host(rec.state_dir) is not None:
+            running.append(rec.id)
+            continue
+        try:
+            _remove(args, rec.id)
+        except SessionBusyError:  # started meanwhile, or held by a process elsewhere
+            running.append(rec.id)
+            continue
+        removed.append(rec.id)
+    emit(args, {"removed": removed, "running": running},
+         "\n".join([f"{i} removed" for i in removed]
+                   + [f"{len(running)} running session(s) kept"]))
     return 0
 
 

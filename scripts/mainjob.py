@@ -372,7 +372,7 @@ class SessionLive(Live):
 
     def cleanup(self) -> None:
         if self.id is not None:
-            subprocess.run([str(RW), "session", "shutdown", self.id], cwd=REPO,
+            subprocess.run([str(RW), "session", "shutdown", self.id, "--force"], cwd=REPO,
                            capture_output=True, timeout=180)
             self.id = None
         lazy_unmount(self.root)

@@ -202,10 +202,12 @@ class LeaseBusyError(StoreError):
 
     exit_code = 10
 
-    def __init__(self, name: str, holder: str, epoch: int) -> None:
+    def __init__(self, name: str, holder: str, epoch: int,
+                 expires_ns: int | None = None) -> None:
         self.name = name
         self.holder = holder
         self.epoch = epoch
+        self.expires_ns = expires_ns  # wall-clock ns the holder must renew by, if known
         super().__init__(f"lease {name!r} is held by {holder} (epoch {epoch})")
 
 

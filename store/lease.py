@@ -78,7 +78,8 @@ class Leaser:
 
         A free name starts at epoch 1; an expired or released one is taken over with epoch
         + 1; the current holder re-acquiring extends its lease at the same epoch. Raises
-        LeaseBusyError(name, holder, epoch) naming the current holder otherwise.
+        LeaseBusyError(name, holder, epoch, expires_ns) naming the current holder
+        otherwise.
         """
         if not name or not holder:
             raise ValueError("lease name and holder must be non-empty")
@@ -95,7 +96,7 @@ class Leaser:
             elif row[2] <= now or holder_is_dead(row[0]):
                 epoch = row[1] + 1
             else:
-                raise LeaseBusyError(name, row[0], row[1])
+                raise LeaseBusyError(name, row[0], row[1], row[2])
             lease = Lease(name, holder, epoch, now + ttl)
             c.execute("INSERT OR REPLACE INTO leases(name, holder, epoch, expires_ns) "
                       "VALUES (?, ?, ?, ?)", (name, holder, epoch, lease.expires_ns))

@@ -232,6 +232,73 @@ class Session:
         self.workspace._closed(self)
 
 
+def remove_session(store: Any, registry: Registry, session_id: str, leaser: Any,
+                   ttl_s: float = 30.0) -> SessionRecord | None:
+    """Delete stopped session ``session_id``: its registry record, its state directory
+    (upper layer, logs, control files) and, for per-session placement, its root. Returns
+    the record (None when only the leftovers of an interrupted removal were there).
+
+    Refused while a live process holds the session lease (SessionBusyError: shut it down
+    first); the lease is held during the removal, so no resume can start meanwhile. A
+    dead mount a killed session process left at a per-session root is lazily unmounted; a
+    live one is refused. GC: the upper is unlisted from the store's ``state_dirs`` before
+    it is deleted, so what it alone pinned becomes collectable and GC never meets a listed
+    directory that is gone. The journal stays in the store (it is append-only history, and
+    its Refs stay live like every listed snapshot). Fixed roots (exclusive, shared) and a
+    shared root's upper are never touched.
+
+    Order, each step safe if the process dies after it: the record goes first (durably:
+    the session no longer exists), then the ``state_dirs`` row, then the files. A removal
+    that died part-way is finished by calling this again.
+
+    Raises SessionNotFoundError (neither a record nor a state directory), SessionBusyError,
+    SessionError (a live mount at the root)."""
+    from fusefs.mounts import is_mounted
+    from store.errors import LeaseBusyError
+
+    from .fusetree import UPPER, clear_dead_mounts, unregister_state_dir
+    from .registry import RECORD
+    from .runtime import holder_id
+
+    state_dir = registry.state_dir(session_id)
+    try:
+        rec: SessionRecord | None = registry.load(session_id)
+    except SessionNotFoundError:
+        if not os.path.isdir(state_dir):
+            raise
+        rec = None
+    try:
+        lease = leaser.acquire(f"session/{session_id}", holder_id(), ttl_s)
+    except LeaseBusyError as e:
+        from .errors import SessionBusyError
+
+        wait = None if e.expires_ns is None else max(0.0, (e.expires_ns - time.time_ns()) / 1e9)
+        raise SessionBusyError(session_id, e.epoch, e.holder, wait) from None
+    try:
+        root = rec.root if rec is not None and rec.mode == Mode.PER_SESSION.value else None
+        if root is not None and is_mounted(root):
+            clear_dead_mounts(root)
+        if rec is not None:
+            os.unlink(os.path.join(state_dir, RECORD))
+            _fsync_dir(state_dir)
+        if rec is None or rec.mode != Mode.SHARED.value:
+            unregister_state_dir(store, os.path.join(state_dir, UPPER))
+        force_rmtree(state_dir)
+        if root is not None:
+            force_rmtree(root)
+    finally:
+        leaser.release(lease)
+    return rec
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Workspace:
     """Sessions under one validated ``WorkspaceConfig``."""
 
@@ -262,6 +329,19 @@ class Workspace:
     def sessions(self) -> list[SessionRecord]:
         """Every registered session of this store, oldest first."""
         return self.registry.list() if self.registry is not None else []
+
+    def remove_session(self, session_id: str) -> SessionRecord | None:
+        """Delete a stopped session (``remove_session``; its journal stays). Raises
+        SessionNotFoundError, SessionBusyError (it runs: shut it down first)."""
+        if self.registry is None or self.config.placement is None:
+            raise SessionNotFoundError(session_id)
+        with self._lock:
+            if session_id in self._open:
+                from .errors import SessionBusyError
+
+                raise SessionBusyError(session_id, self._open[session_id].epoch)
+        return remove_session(self.store, self.registry, session_id, self.config.leaser,
+                              self.config.lease_ttl_s)
 
     def log(self, session_id: str) -> list[JournalEvent]:
         """The journal of ``session_id``, oldest first. Raises SessionNotFoundError."""

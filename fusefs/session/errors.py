@@ -100,13 +100,48 @@ class WorkspaceRootBusyError(SessionError):
 
 
 class SessionBusyError(SessionError):
-    """Another live process holds the session's lease."""
+    """Another live process holds the session's lease. ``holder`` is its id
+    (``host:pid:nonce``, "" if unknown); ``wait_s`` how long until its lease expires
+    unless renewed (None if unknown). A holder on this host is alive (a dead one is taken
+    over at once), so the message says to shut it down; one elsewhere may have died, so
+    the message says how long until the lease can be taken over."""
 
-    def __init__(self, session: str, holder_epoch: int) -> None:
+    def __init__(self, session: str, holder_epoch: int, holder: str = "",
+                 wait_s: float | None = None) -> None:
+        import socket
+
         self.session = session
         self.holder_epoch = holder_epoch
-        super().__init__(f"session {session} is held by another process "
-                         f"(lease epoch {holder_epoch})")
+        self.holder = holder
+        self.wait_s = wait_s
+        host, _, rest = holder.partition(":")
+        pid = rest.partition(":")[0]
+        msg = f"session {session} is held by another process (lease epoch {holder_epoch}"
+        if host == socket.gethostname() and pid:
+            msg += f", pid {pid} on this host); shut it down first"
+        elif holder:
+            msg += f", {holder})"
+            if wait_s is not None:
+                msg += (f"; if that process is gone, its lease expires in {wait_s:.0f} s "
+                        "and the session can be resumed then")
+        else:
+            msg += ")"
+        super().__init__(msg)
+
+
+class RootInUseError(SessionError):
+    """A session's root is still used by processes (their cwd, root, open files or
+    mappings are inside it), so it is not shut down: like umount(8) on EBUSY. ``users``
+    lists ``"pid command"`` of each."""
+
+    def __init__(self, session: str, root: str, users: list[str]) -> None:
+        self.session = session
+        self.root = root
+        self.users = users
+        shown = "; ".join(users[:10]) + ("; ..." if len(users) > 10 else "")
+        super().__init__(f"session {session}: its root {root} is in use by {len(users)} "
+                         f"process(es): {shown}; stop them, or shut down with --force (they "
+                         "then lose the tree)")
 
 
 # -- session lifetime --------------------------------------------------------------------------
@@ -208,7 +243,7 @@ class RestoreError(SessionError):
 
 __all__ = [
     "CheckpointError", "PersistenceOverlapError", "PlacementDriftError", "RestoreError",
-    "SeedError", "SessionBusyError", "SessionClosedError", "SessionError",
+    "RootInUseError", "SeedError", "SessionBusyError", "SessionClosedError", "SessionError",
     "SessionFaultedError", "SessionNotFoundError", "SnapshotPolicyError",
     "WorkspaceNotConfiguredError", "WorkspacePlacementError", "WorkspaceRootBusyError",
 ]

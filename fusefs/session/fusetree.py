@@ -334,22 +334,9 @@ class FuseMount:
                                    | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     def check_root(self) -> None:
-        """Before mounting (the caller holds the session's leases): lazily unmount what a
-        killed daemon of ours left at the root (a rewindfs mount whose daemon is gone);
-        refuse any other mount there."""
-        from fusefs.mounts import fstype
-
-        for _ in range(8):
-            t = fstype(self.mountpoint)
-            if t is None:
-                return
-            if t != "fuse.rewindfs" or _served(self.mountpoint):
-                raise SessionError(f"{self.mountpoint} is already a mount point ({t}) that "
-                                   "another daemon serves")
-            log.warning("lazily unmounting the dead mount a killed daemon left at %s",
-                        self.mountpoint)
-            _lazy_unmount(self.mountpoint)
-        raise SessionError(f"cannot unmount the dead mounts at {self.mountpoint}")
+        """Before mounting (the caller holds the session's leases): see
+        ``clear_dead_mounts``."""
+        clear_dead_mounts(self.mountpoint)
 
     # -- serving (main thread) -----------------------------------------------------------
 
@@ -602,6 +589,24 @@ class FuseMount:
         clear_upper(self.upper_dir)
         log.info("wrote %s back into %s in %.1f ms", ref, self.mountpoint,
                  (time.perf_counter() - t0) * 1000)
+
+
+def clear_dead_mounts(path: str) -> None:
+    """Lazily unmount what a killed daemon of ours left at ``path`` (a rewindfs mount whose
+    daemon is gone); raise SessionError for any other mount there. Call it holding the
+    session's leases."""
+    from fusefs.mounts import fstype
+
+    for _ in range(8):
+        t = fstype(path)
+        if t is None:
+            return
+        if t != "fuse.rewindfs" or _served(path):
+            raise SessionError(f"{path} is already a mount point ({t}) that another daemon "
+                               "serves")
+        log.warning("lazily unmounting the dead mount a killed daemon left at %s", path)
+        _lazy_unmount(path)
+    raise SessionError(f"cannot unmount the dead mounts at {path}")
 
 
 def _served(path: str) -> bool:

@@ -246,11 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         host = Host(s)
         host.serve()
     except BaseException as e:
-        if s is not None:  # opened, but it cannot be served: leave nothing running
+        if s is not None:  # opened, but it cannot be served: leave nothing behind
             try:
                 s.shutdown()
+                if not args.resume:
+                    ws.remove_session(s.id)
             except Exception as e2:
-                log.error("shutting %s down after the failed start: %s", s.id, e2)
+                log.error("cleaning %s up after the failed start: %s", s.id, e2)
         report(error_reply(e))
         return int(getattr(e, "exit_code", 1) or 1)
     signal.signal(signal.SIGTERM, lambda *_: host.done.set())

@@ -147,7 +147,9 @@ class SessionCore:
         try:
             self._leases.append(leaser.acquire(f"session/{self.id}", self._holder, ttl))
         except LeaseBusyError as e:
-            raise SessionBusyError(self.id, e.epoch) from None
+            wait = (None if e.expires_ns is None
+                    else max(0.0, (e.expires_ns - time.time_ns()) / 1e9))
+            raise SessionBusyError(self.id, e.epoch, e.holder, wait) from None
         if self.placement.mode is Mode.EXCLUSIVE:
             assert self.placement.lease_name is not None
             try:
