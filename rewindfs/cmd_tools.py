@@ -4,6 +4,10 @@
 new``): its root, its write permit (held by Bash, WriteFile and EditFile so that a
 checkpoint waits for them), and its checkpoint, log and diff; restore only with
 ``--allow-restore``. ``--root DIR`` serves a plain directory (the six tools only).
+Bash runs every command in the sandbox of ``tools.sandbox``: ``--network`` gives it
+outbound access in user mode (``--network-host-loopback`` also the host's loopback),
+``--env NAME`` passes one of the server's variables on, ``--unsafe-no-sandbox`` runs
+commands unconfined where no sandbox can be built (else Bash refuses).
 """
 
 from __future__ import annotations
@@ -22,6 +26,18 @@ def register(sub: Any) -> None:
                    help="path Bash must not see (repeatable; the store is always hidden)")
     p.add_argument("--allow-restore", action="store_true",
                    help="also offer the restore tool (when the workspace supports it)")
+    p.add_argument("--network", action="store_true",
+                   help="let Bash commands reach the network (outbound, through slirp4netns; "
+                        "the host's loopback stays out of reach)")
+    p.add_argument("--network-host-loopback", action="store_true",
+                   help="with --network, also let commands reach the host's loopback "
+                        "services at 10.0.2.2")
+    p.add_argument("--env", action="append", default=[], metavar="NAME",
+                   help="pass the server's environment variable NAME to Bash commands "
+                        "(repeatable; by default only PATH, LANG, LC_* and TERM pass)")
+    p.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="where no sandbox can be built (no bubblewrap, no user namespaces), "
+                        "run Bash commands unconfined instead of refusing them")
     p.set_defaults(handler=run_mcp)
 
 
@@ -38,7 +54,12 @@ def run_mcp(args: argparse.Namespace) -> int:
         hidden.append(os.path.abspath(args.store))
         binding = DirBinding(args.root, hidden=hidden)
     from tools.mcp_server import serve_stdio  # the mcp library loads slowly: after the checks
+    from tools.sandbox import SandboxPolicy
 
-    serve_stdio(binding, allow_restore=args.allow_restore)
+    if args.network_host_loopback and not args.network:
+        raise SystemExit("rewindfs mcp: --network-host-loopback needs --network")
+    policy = SandboxPolicy(network=args.network, host_loopback=args.network_host_loopback,
+                           env=tuple(args.env), unsafe_no_sandbox=args.unsafe_no_sandbox)
+    serve_stdio(binding, allow_restore=args.allow_restore, sandbox=policy)
     return 0
 

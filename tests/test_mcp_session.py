@@ -43,7 +43,7 @@ def server(s: Sessions, sid: str, *extra: str) -> StdioServerParameters:
 def test_agent_session_read_edit_test_checkpoint_break_restore(sessions: Sessions) -> None:
     sid, root = sessions.new(sessions.project())
     # -B: no __pycache__, so the diff shows only what the agent changed.
-    run_tests = f"{sys.executable} -B -m unittest -q test_calc 2>&1; echo rc=$?"
+    run_tests = "python3 -B -m unittest -q test_calc 2>&1; echo rc=$?"
     seen: dict[str, str] = {}
 
     async def agent() -> None:

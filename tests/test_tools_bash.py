@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -16,8 +18,9 @@ from tools import sandbox
 from tools.bash import run_bash
 from tools.binding import DirBinding
 from tools.context import ToolContext
+from tools.sandbox import SandboxPolicy
 
-HAS_BWRAP = sandbox.bwrap() is not None
+HAS_BWRAP = sandbox.unavailable_reason() is None
 MODES = ["confined", "unconfined"] if HAS_BWRAP else ["unconfined"]
 
 
@@ -29,10 +32,14 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> ToolContext:
+def ws(tmp_path: Path, request: pytest.FixtureRequest) -> ToolContext:
+    """A workspace; in the unconfined mode the operator allowed running without sandbox."""
     root = tmp_path / "root"
     root.mkdir()
-    return ToolContext(DirBinding(root, hidden=[str(tmp_path / "state")]))
+    unconfined = "mode" in request.fixturenames and \
+        request.getfixturevalue("mode") == "unconfined"
+    return ToolContext(DirBinding(root, hidden=[str(tmp_path / "state")]),
+                       SandboxPolicy(unsafe_no_sandbox=unconfined))
 
 
 def procs_with(marker: str) -> list[int]:
@@ -114,16 +121,20 @@ def test_bad_arguments(ws: ToolContext) -> None:
 def test_confined_root_writable_rest_read_only_hidden_invisible(tmp_path: Path) -> None:
     root = tmp_path / "root"
     state = tmp_path / "state"
-    root.mkdir()
-    state.mkdir()
+    inner = root / "inner-state"          # a hidden path inside the root is masked too
+    for d in (root, state, inner):
+        d.mkdir()
     (state / "index.db").write_text("private")
-    ws = ToolContext(DirBinding(root, hidden=[str(state)]))
+    (inner / "key").write_text("private")
+    ws = ToolContext(DirBinding(root, hidden=[str(state), str(inner)]))
     r = run_bash(ws, f"echo hi > in_root.txt && cat in_root.txt; "
                      f"touch {tmp_path}/outside.txt; "      # lands in the private /tmp
                      f"touch /usr/rewindfs-test 2>/dev/null || echo ro-usr; "
-                     f"ls -A {state} | wc -l; cat {state}/index.db 2>/dev/null || echo hidden; "
+                     f"ls -A {state} 2>/dev/null | wc -l; "
+                     f"cat {state}/index.db 2>/dev/null || echo hidden; "
+                     f"ls -A {inner} | wc -l; "
                      f"touch /tmp/scratch && echo tmp-ok")
-    assert r.text.split("\n") == ["hi", "ro-usr", "0", "hidden", "tmp-ok",
+    assert r.text.split("\n") == ["hi", "ro-usr", "0", "hidden", "0", "tmp-ok",
                                   "[exit code: 0]"]
     assert (root / "in_root.txt").read_text() == "hi\n"
     assert not (tmp_path / "outside.txt").exists()
@@ -164,3 +175,59 @@ def test_checkpoint_requested_while_bash_runs_waits_for_it(tmp_path: Path) -> No
     t.join(30)
     assert r.data["exit_code"] == 0
     assert got == ["done-exists"]
+
+
+def test_without_a_sandbox_bash_refuses_naming_the_cause(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setenv("REWINDFS_NO_SANDBOX", "1")
+    ws = ToolContext(DirBinding(tmp_path))
+    r = run_bash(ws, "touch ran")
+    assert not r.ok and r.data["kind"] == "sandbox"
+    assert r.render() == (
+        "error: refused: no sandbox can be built here (the sandbox is disabled by "
+        "REWINDFS_NO_SANDBOX=1); the operator may run `rewindfs mcp` with "
+        "--unsafe-no-sandbox to allow unconfined commands")
+    assert not (tmp_path / "ran").exists()
+    monkeypatch.setenv("PATH", str(tmp_path))             # no bwrap on PATH
+    monkeypatch.delenv("REWINDFS_NO_SANDBOX")
+    assert sandbox.unavailable_reason() == "bubblewrap (bwrap) is not installed"
+
+
+def test_unconfined_runs_get_the_allowlisted_environment_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REWINDFS_NO_SANDBOX", "1")
+    monkeypatch.setenv("REWINDFS_TEST_SECRET", "leaked")
+    ws = ToolContext(DirBinding(tmp_path), SandboxPolicy(unsafe_no_sandbox=True))
+    r = run_bash(ws, "echo \"[$REWINDFS_TEST_SECRET]\"")
+    assert r.text.split("\n")[0] == "[]"
+    assert r.data["confined"] is False
+
+
+STALE = "import mod\nprint(mod.VALUE)\n"
+
+
+def test_same_size_edit_within_a_second_never_runs_stale_bytecode(ws: ToolContext,
+                                                                  mode: str) -> None:
+    """Python takes a ``__pycache__`` entry as current when the source's mtime (whole
+    seconds) and size match: an edit of the same size within one second would run the old
+    code. The sandbox's environment keeps Python from writing bytecode."""
+    root = Path(ws.root.path)
+    src = root / "mod.py"
+    (root / "main.py").write_text(STALE)
+    src.write_text("VALUE = 1\n")
+    stamp = os.stat(src).st_mtime_ns
+    assert run_bash(ws, "python3 main.py").text.split("\n")[0] == "1"
+    src.write_text("VALUE = 2\n")                     # same size, same second:
+    os.utime(src, ns=(stamp, stamp))
+    assert run_bash(ws, "python3 main.py").text.split("\n")[0] == "2"
+    # What the sandbox prevents: the same two runs where bytecode is written.
+    src.write_text("VALUE = 1\n")
+    os.utime(src, ns=(stamp, stamp))
+    env = {"PATH": os.environ["PATH"]}
+    run = [sys.executable, "-c", "import runpy; runpy.run_path('main.py')"]
+    first = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True)
+    src.write_text("VALUE = 2\n")
+    os.utime(src, ns=(stamp, stamp))
+    second = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True)
+    assert (first.stdout, second.stdout) == ("1\n", "1\n")

@@ -17,6 +17,7 @@ GOLDEN = {
     'BASH_MAX_TIMEOUT_S': 600,
     'BASH_NO_OUTPUT': '(no output)',
     'BASH_OMITTED': '\n[... {omitted} bytes of output omitted ...]\n',
+    'BASH_NO_SANDBOX': 'refused: no sandbox can be built here ({reason}); the operator may run `rewindfs mcp` with --unsafe-no-sandbox to allow unconfined commands',
     'BASH_OUTPUT_CAP': 32768,
     'BASH_START_FAILED': 'could not start the command: {reason}',
     'BASH_TIMEOUT': '[timed out after {seconds:g} s: the command and every process it started were killed]',

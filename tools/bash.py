@@ -2,9 +2,10 @@
 
 ``bash -c`` with the root as working directory, stdin from /dev/null, stdout and stderr
 merged into one stream, of which the first and last halves of BASH_OUTPUT_CAP bytes are
-kept. Confined by bubblewrap when it works here (see tools.sandbox), else run unconfined and
-the answer says so. On timeout, or when the command exits, every process it started dies,
-including those that left its session or process group. The binding's write permit is held
+kept. Confined by the sandbox of tools.sandbox (the context's SandboxPolicy); where no
+sandbox can be built the call is refused naming the cause, unless the operator allowed
+running unconfined (then the answer says so). On timeout, or when the command exits, every
+process it started dies, including those that left its session or process group. The binding's write permit is held
 for the whole run, so a checkpoint requested meanwhile waits for the command.
 """
 
@@ -92,12 +93,7 @@ def run_bash(ctx: ToolContext, command: str,
         return error(NAME, M.BASH_BAD_TIMEOUT.format(maximum=M.BASH_MAX_TIMEOUT_S,
                                                      value=timeout), kind="timeout_arg")
     root = ctx.root.real
-    bw = sandbox.bwrap()
-    if bw is not None:
-        hidden = [os.path.realpath(h) for h in ctx.binding.hidden_paths()]
-        argv = sandbox.confined_shell(bw, root, root, hidden, command)
-    else:
-        argv = sandbox.reaped_shell(command)
+    hidden = [os.path.realpath(h) for h in ctx.binding.hidden_paths()]
     cap = _Capture(M.BASH_OUTPUT_CAP)
     timed_out = False
     started = time.monotonic()
@@ -107,12 +103,17 @@ def run_bash(ctx: ToolContext, command: str,
         except PermitError as e:
             return error(NAME, M.PERMIT_FAILED.format(reason=e), kind="permit")
         try:
-            proc = subprocess.Popen(argv, cwd=root, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, close_fds=True)
+            run = sandbox.start_shell(ctx.sandbox, root, root, hidden, command,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      close_fds=True)
+        except sandbox.SandboxUnavailable as e:
+            return error(NAME, M.BASH_NO_SANDBOX.format(reason=e.reason), kind="sandbox")
         except OSError as e:
             return error(NAME, M.BASH_START_FAILED.format(reason=e.strerror or e),
                          kind="start")
+        held.callback(run.close)
+        proc, confined = run.proc, run.confined
         assert proc.stdout is not None
         fd = proc.stdout.fileno()
         os.set_blocking(fd, False)
@@ -124,7 +125,7 @@ def run_bash(ctx: ToolContext, command: str,
                 left = deadline - time.monotonic()
                 if left <= 0:
                     timed_out = True
-                    _stop(proc, bw is not None)
+                    _stop(proc, confined)
                     deadline = time.monotonic() + _DRAIN_S   # drain what is left
                     while sel.select(max(0.0, deadline - time.monotonic())):
                         chunk = os.read(fd, 65536)
@@ -148,7 +149,7 @@ def run_bash(ctx: ToolContext, command: str,
             sel.close()
             proc.stdout.close()
             if proc.returncode is None:
-                _stop(proc, bw is not None)
+                _stop(proc, confined)
                 proc.wait()
     elapsed = time.monotonic() - started
     out = cap.text()
@@ -159,8 +160,8 @@ def run_bash(ctx: ToolContext, command: str,
         parts.append(M.BASH_KILLED.format(signal=-code))
     else:
         parts.append(M.BASH_EXIT.format(code=code))
-    if bw is None:
+    if not confined:
         parts.append(M.BASH_UNCONFINED)
     return ok(NAME, "\n".join(parts), exit_code=None if timed_out else code,
-              timed_out=timed_out, confined=bw is not None, output_bytes=cap.total,
+              timed_out=timed_out, confined=confined, output_bytes=cap.total,
               elapsed_s=round(elapsed, 3))

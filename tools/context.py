@@ -13,6 +13,7 @@ import blake3
 
 from tools.binding import SessionBinding
 from tools.paths import Root
+from tools.sandbox import SandboxPolicy
 
 
 def digest(data: bytes) -> str:
@@ -21,11 +22,14 @@ def digest(data: bytes) -> str:
 
 
 class ToolContext:
-    """What every tool call gets: ``binding`` (the session), ``root`` (its containment root)
-    and the read ledger. One per binding; thread-safe."""
+    """What every tool call gets: ``binding`` (the session), ``root`` (its containment root),
+    ``sandbox`` (how Bash commands are confined) and the read ledger. One per binding;
+    thread-safe."""
 
-    def __init__(self, binding: SessionBinding) -> None:
+    def __init__(self, binding: SessionBinding,
+                 sandbox: SandboxPolicy | None = None) -> None:
         self.binding = binding
+        self.sandbox = sandbox if sandbox is not None else SandboxPolicy()
         self.root = Root(binding.root)
         self._reads: dict[str, str] = {}
         self._lock = threading.Lock()

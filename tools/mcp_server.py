@@ -23,6 +23,7 @@ from tools.glob import glob
 from tools.grep import grep
 from tools.readfile import read_file
 from tools.result import ToolResult
+from tools.sandbox import SandboxPolicy
 from tools.writefile import write_file
 
 TOOL_NAMES = ("ReadFile", "WriteFile", "EditFile", "Glob", "Grep", "Bash")
@@ -45,9 +46,10 @@ def _session_call(call: str, fn: Callable[[], str]) -> CallToolResult:
 
 
 def build_server(binding: SessionBinding, allow_restore: bool = False,
-                 name: str = "rewindfs") -> MCPServer[Any]:
-    """An MCPServer serving the tools for ``binding``."""
-    ctx = ToolContext(binding)
+                 name: str = "rewindfs", sandbox: SandboxPolicy | None = None) \
+        -> MCPServer[Any]:
+    """An MCPServer serving the tools for ``binding``; Bash confined by ``sandbox``."""
+    ctx = ToolContext(binding, sandbox)
     server: MCPServer[Any] = MCPServer(name=name, instructions=M.SERVER_INSTRUCTIONS)
 
     def ReadFile(path: str, offset: int = 1, limit: int = M.READ_DEFAULT_LIMIT) \
@@ -99,6 +101,7 @@ def build_server(binding: SessionBinding, allow_restore: bool = False,
     return server
 
 
-def serve_stdio(binding: SessionBinding, allow_restore: bool = False) -> None:
+def serve_stdio(binding: SessionBinding, allow_restore: bool = False,
+                sandbox: SandboxPolicy | None = None) -> None:
     """Serve the tools for ``binding`` on stdin/stdout until the client closes."""
-    build_server(binding, allow_restore).run("stdio")
+    build_server(binding, allow_restore, sandbox=sandbox).run("stdio")

@@ -87,6 +87,8 @@ BASH_OMITTED = "\n[... {omitted} bytes of output omitted ...]\n"
 BASH_NO_OUTPUT = "(no output)"
 BASH_UNCONFINED = ("[note: ran unconfined (no sandbox available here): the command could "
                    "read and write outside the workspace]")
+BASH_NO_SANDBOX = ("refused: no sandbox can be built here ({reason}); the operator may run "
+                   "`rewindfs mcp` with --unsafe-no-sandbox to allow unconfined commands")
 BASH_BAD_TIMEOUT = "timeout must be between 1 and {maximum} seconds (got {value})"
 BASH_EMPTY = "command must not be empty"
 BASH_START_FAILED = "could not start the command: {reason}"

@@ -1,29 +1,227 @@
 """Confinement and process-tree control for commands the tools start (Bash, ripgrep).
 
-Owns the bubblewrap command lines and the fallback that kills a whole process tree without
-it. With bubblewrap working, a command runs in new PID and mount namespaces: killing
-bubblewrap ends the namespace's init, and the kernel kills every process in it, including
-those that called ``setsid``. Without it, commands run under a small subreaper helper that
-adopts every orphaned descendant and kills them all when the command ends or it is told to
-stop. ``REWINDFS_NO_SANDBOX=1`` forces the unconfined path (for tests and for machines where
+Bash commands are hostile code run as the server's user, often root (CONTRACT 7). Each runs
+under bubblewrap in a new user namespace whose only mapped ids are the server's own (the
+owner of the session mount, so the FUSE mount, which admits only its owner, still serves
+it), with every capability dropped, ``no_new_privs``, new pid, ipc, uts, network and mount
+namespaces, and a seccomp filter built with libseccomp (:func:`seccomp_program`) that
+refuses mount, umount2, pivot_root, ptrace, bpf, keyctl, kexec_load, init_module,
+finit_module, perf_event_open and nested user namespaces among others. A user namespace
+made by root with uid 0 mapped to 0 still holds no capability over the host's
+namespaces, so the command is root only towards files that it sees and that root owns.
+
+What the command sees (:func:`confined_shell`): the session root read-write at its own
+path; /usr, /bin, /lib* and /etc read-only (without shadow, gshadow, sudoers or ssh host
+keys); a private /tmp; its own /proc with /proc/sys and the kernel's trigger files
+read-only or masked; a minimal /dev. Nothing else. Its environment is an allowlist
+(:func:`sandbox_env`). Resource limits: processes (a pids cgroup where this process may
+make one, since the sandbox's uid is the server's; else RLIMIT_NPROC, counted in the
+sandbox's own user namespace), address space and file size (RLIMIT_AS, RLIMIT_FSIZE).
+Networking is off (an empty network namespace with only its own loopback); with
+``SandboxPolicy.network`` slirp4netns gives the namespace outbound access in user mode,
+with the host's loopback unreachable unless ``SandboxPolicy.host_loopback``.
+
+Where such a sandbox cannot be built, :func:`unavailable_reason` names the cause and the
+Bash tool refuses unless the operator chose ``--unsafe-no-sandbox``; then commands run
+under a small subreaper helper that kills the whole process tree when they end.
+``REWINDFS_NO_SANDBOX=1`` makes the sandbox unavailable (for tests and for machines where
 bubblewrap misbehaves).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
 import functools
+import glob
+import json
 import os
+import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _PROBE_TIMEOUT_S = 10
+_SYNC_TIMEOUT_S = 10         # bwrap telling its child's pid; slirp4netns getting ready
+_CGROUP_RMDIR_S = 5.0        # how long a finished run's pids cgroup may take to empty
+_GIB = 1 << 30
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SANDBOX_HOME = "/tmp"
+SLIRP_DNS = "10.0.2.3"       # slirp4netns's built-in DNS forwarder
+SLIRP_HOST = "10.0.2.2"      # slirp4netns's address for the host (its loopback, if allowed)
+
+
+class SandboxUnavailable(Exception):
+    """No sandbox can be built here and the operator did not allow running unconfined;
+    ``reason`` names the cause (e.g. bubblewrap missing, user namespaces disabled)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxPolicy:
+    """How Bash commands are confined (set by the operator: ``rewindfs mcp`` options).
+
+    ``network``: outbound access through slirp4netns (default: no network at all).
+    ``host_loopback``: with ``network``, the host's loopback services are reachable at
+    10.0.2.2 (default: unreachable). ``env``: names of the server's environment variables
+    passed on to commands besides the allowlist. ``unsafe_no_sandbox``: where no sandbox
+    can be built, run commands unconfined instead of refusing. ``max_processes``: processes
+    and threads of one command at once; ``max_memory_bytes``: address space of each of its
+    processes (RLIMIT_AS); ``max_file_bytes``: largest file it may write (RLIMIT_FSIZE).
+    """
+
+    network: bool = False
+    host_loopback: bool = False
+    env: tuple[str, ...] = ()
+    unsafe_no_sandbox: bool = False
+    max_processes: int = 1024
+    max_memory_bytes: int = 16 * _GIB
+    max_file_bytes: int = 64 * _GIB
+
+
+# -- environment ---------------------------------------------------------------------------
+
+_ENV_ALLOWED = ("PATH", "LANG", "LANGUAGE", "TERM")
+
+
+def sandbox_env(policy: SandboxPolicy, source: Mapping[str, str] | None = None,
+                confined: bool = True) -> dict[str, str]:
+    """The environment of a command: PATH, LANG, LANGUAGE, LC_* and TERM from ``source``
+    (default: this process's environment), the variables the operator named in
+    ``policy.env``, HOME and TMPDIR pointing at the sandbox's private /tmp (the server's
+    HOME when unconfined), and ``PYTHONDONTWRITEBYTECODE=1``: a same-size edit within one
+    second would otherwise leave a ``__pycache__`` entry that Python takes as current
+    (pyc records the source's mtime in whole seconds and its size), and the next run
+    would execute the old code. Nothing else of the server's environment passes."""
+    src = os.environ if source is None else source
+    env = {k: v for k, v in src.items() if k in _ENV_ALLOWED or k.startswith("LC_")}
+    env.setdefault("PATH", DEFAULT_PATH)
+    for name in policy.env:
+        if name in src:
+            env[name] = src[name]
+    if confined:
+        env["HOME"] = SANDBOX_HOME
+        env["TMPDIR"] = "/tmp"
+    elif "HOME" in src:
+        env["HOME"] = src["HOME"]
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+# -- seccomp -------------------------------------------------------------------------------
+
+# Refused with EPERM: mounting and namespaces' roots, tracing and reading other processes'
+# memory, kernel modules and kexec, BPF, keyrings, perf, swap, reboot, accounting, quotas,
+# the kernel log, port I/O, userfaultfd and file handles.
+_REFUSED = (
+    "mount", "umount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "setns",
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
+    "bpf", "keyctl", "add_key", "request_key", "kexec_load", "kexec_file_load",
+    "init_module", "finit_module", "delete_module", "create_module", "perf_event_open",
+    "swapon", "swapoff", "reboot", "acct", "quotactl", "quotactl_fd", "syslog",
+    "iopl", "ioperm", "userfaultfd", "open_by_handle_at", "lookup_dcookie",
+    "fanotify_init", "nfsservctl", "uselib", "_sysctl", "vm86", "vm86old",
+)
+_CLONE_NEWUSER = 0x10000000
+_TIOCSTI = 0x5412            # push characters into a terminal's input
+_TIOCLINUX = 0x541C
+
+
+@functools.lru_cache(maxsize=1)
+def seccomp_program() -> bytes:
+    """The sandbox's seccomp filter as a BPF program (what ``bwrap --seccomp FD`` reads),
+    built with libseccomp (through pyseccomp): the calls in ``_REFUSED`` fail with EPERM,
+    as do clone and unshare asking for a new user namespace and the TIOCSTI/TIOCLINUX
+    ioctls; clone3, whose flags a filter cannot read, fails with ENOSYS so that the C
+    library falls back to clone. Calls of any other architecture (32-bit x86 on x86-64)
+    kill the process; x32 calls get the same rules. Raises ImportError or OSError when
+    libseccomp cannot build it."""
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(sc.ALLOW)
+    with contextlib.suppress(Exception):     # only on x86-64; the x32 ABI gets our rules
+        if sc.system_arch() == sc.Arch.X86_64:
+            f.add_arch(sc.Arch.X32)
+    eperm = sc.ERRNO(errno.EPERM)
+    for name in _REFUSED:
+        try:
+            f.add_rule(eperm, name)
+        except (OSError, ValueError, RuntimeError):
+            pass                             # not a call of this architecture
+    newuser = sc.Arg(0, sc.MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER)
+    f.add_rule(eperm, "unshare", newuser)
+    f.add_rule(eperm, "clone", newuser)
+    with contextlib.suppress(OSError, ValueError, RuntimeError):
+        f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for req in (_TIOCSTI, _TIOCLINUX):
+        f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, req))
+    fd = os.memfd_create("rewindfs-seccomp")
+    with os.fdopen(fd, "w+b") as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def _data_fd(data: bytes, name: str) -> int:
+    """A file descriptor positioned at the start of ``data`` (a memfd), to pass to bwrap."""
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+# -- availability --------------------------------------------------------------------------
+
+
+def unavailable_reason() -> str | None:
+    """None when Bash commands can be sandboxed here; else why not (one sentence)."""
+    if os.environ.get("REWINDFS_NO_SANDBOX") == "1":
+        return "the sandbox is disabled by REWINDFS_NO_SANDBOX=1"
+    bw = shutil.which("bwrap")
+    if bw is None:
+        return "bubblewrap (bwrap) is not installed"
+    if shutil.which("prlimit") is None:
+        return "prlimit (util-linux) is not installed"
+    return _probe_sandbox(bw)
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_sandbox(bw: str) -> str | None:
+    try:
+        program = seccomp_program()
+    except (ImportError, OSError, RuntimeError) as e:
+        return f"the seccomp filter cannot be built (libseccomp through pyseccomp): {e}"
+    fd = _data_fd(program, "rewindfs-seccomp")
+    argv = [bw, *_namespaces(), *_system_view(), "--dev", "/dev", "--proc", "/proc",
+            "--seccomp", str(fd), "--", "true"]
+    try:
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, timeout=_PROBE_TIMEOUT_S, pass_fds=(fd,))
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"bubblewrap cannot start here: {e}"
+    finally:
+        os.close(fd)
+    if r.returncode != 0:
+        why = r.stderr.decode("utf-8", "replace").strip() or f"exit status {r.returncode}"
+        return ("bubblewrap cannot create the sandbox's user, pid and network namespaces "
+                f"here (are user namespaces disabled?): {why}")
+    return None
 
 
 def bwrap() -> str | None:
-    """Path of a usable ``bwrap``, or None (missing, disabled, or failing here)."""
+    """Path of a usable ``bwrap`` for the read-only helper (ripgrep), or None (missing,
+    disabled, or failing here)."""
     if os.environ.get("REWINDFS_NO_SANDBOX") == "1":
         return None
     path = shutil.which("bwrap")
@@ -34,9 +232,8 @@ def bwrap() -> str | None:
 
 @functools.lru_cache(maxsize=4)
 def _probe(path: str) -> bool:
-    """Whether bubblewrap can create the namespaces we need on this machine."""
-    argv = [path, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/tmp", "--unshare-pid", "--die-with-parent", "--", "true"]
+    """Whether bubblewrap can bind-mount a read-only view here (what the reader needs)."""
+    argv = [path, *_system_view(), "--die-with-parent", "--", "true"]
     try:
         r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=_PROBE_TIMEOUT_S)
@@ -45,35 +242,89 @@ def _probe(path: str) -> bool:
     return r.returncode == 0
 
 
+# -- the view ------------------------------------------------------------------------------
+
+# Host secrets under /etc a command must not read (root owns them, and the sandbox's uid
+# is root's when the server runs as root).
+_ETC_SECRETS = ("shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d",
+                "security/opasswd", "ssh/ssh_host_*")
+# /proc entries that reach the whole kernel: kept read-only (a write to /proc/sys or
+# /proc/sysrq-trigger is checked only against root's uid, which the sandbox may hold) or
+# masked (they list the host's timers, keys and processes).
+_PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+_PROC_MASKED = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
+                "kallsyms", "kmsg", "acpi", "scsi", "asound", "sysvipc")
+
+
+def _namespaces() -> list[str]:
+    return ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--unshare-net", "--unshare-cgroup-try", "--cap-drop", "ALL",
+            "--hostname", "sandbox", "--die-with-parent", "--new-session"]
+
+
 def _mask(path: str) -> list[str]:
     """bwrap arguments hiding ``path`` (an empty tmpfs over a directory, /dev/null over
-    anything else); nothing when it does not exist."""
+    anything else); nothing when it does not exist or is a symbolic link."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
+        return []
+    if stat.S_ISLNK(st.st_mode):
         return []
     if stat.S_ISDIR(st.st_mode):
         return ["--tmpfs", path]
     return ["--ro-bind", "/dev/null", path]
 
 
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _etc_view() -> list[str]:
+    argv = ["--ro-bind", "/etc", "/etc"]
+    for pattern in _ETC_SECRETS:
+        for p in sorted(glob.glob(os.path.join("/etc", pattern))):
+            argv += _mask(p)
+    return argv
+
+
+def _proc_view() -> list[str]:
+    argv = ["--proc", "/proc"]
+    for name in _PROC_READ_ONLY:
+        if os.path.exists(f"/proc/{name}"):
+            argv += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+    for name in _PROC_MASKED:
+        argv += _mask(f"/proc/{name}")
+    return argv
+
+
 def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
-                   command: str) -> list[str]:
-    """argv running ``bash -c command`` with ``root`` writable, a private /tmp, every
-    ``hidden`` path masked, the rest of the file system read-only, in a PID namespace that
-    dies with its parent. ``root``, ``cwd`` and ``hidden`` are canonical absolute paths."""
-    argv = [bwrap_path, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/tmp"]
-    # The private /tmp would also hide this interpreter's environment (a virtualenv or a
-    # checkout under /tmp): keep it visible, read-only.
-    prefix = os.path.realpath(sys.prefix)
-    if prefix.startswith("/tmp/") and not any(
-            prefix == h or prefix.startswith(h.rstrip("/") + "/") for h in hidden):
-        argv += ["--ro-bind", prefix, prefix]
+                   command: str, policy: SandboxPolicy = SandboxPolicy(),
+                   seccomp_fd: int | None = None, sync_fds: tuple[int, int] | None = None,
+                   resolv_fd: int | None = None) -> list[str]:
+    """argv running ``bash -c command`` in the sandbox described in the module docstring.
+
+    ``root``, ``cwd`` and ``hidden`` are canonical absolute paths; ``hidden`` paths inside
+    the view (under the root) are masked. ``seccomp_fd``: a descriptor of
+    :func:`seccomp_program` (passed to the child). ``sync_fds``: (info write end, block
+    read end): bwrap writes its child's pid as JSON to the first and waits for a byte on the
+    second before it runs the command (to place it in a cgroup and give it a network).
+    ``resolv_fd``: contents for /etc/resolv.conf."""
+    argv = [bwrap_path, *_namespaces(), *_system_view(), *_etc_view()]
+    if resolv_fd is not None and os.path.isfile("/etc/resolv.conf") \
+            and not os.path.islink("/etc/resolv.conf"):
+        argv += ["--ro-bind-data", str(resolv_fd), "/etc/resolv.conf"]
+    argv += ["--dev", "/dev", *_proc_view(), "--tmpfs", "/tmp", "--bind", root, root]
     for h in hidden:
-        argv += _mask(h)
-    argv += ["--bind", root, root, "--unshare-pid", "--die-with-parent", "--new-session",
-             "--chdir", cwd, "--setenv", "TMPDIR", "/tmp", "--", "bash", "-c", command]
+        if _under(h, root) and h != root:
+            argv += _mask(h)
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    if sync_fds is not None:
+        argv += ["--info-fd", str(sync_fds[0]), "--block-fd", str(sync_fds[1])]
+    argv += ["--chdir", cwd, "--", "prlimit", f"--nproc={policy.max_processes}",
+             f"--as={policy.max_memory_bytes}", f"--fsize={policy.max_file_bytes}",
+             "--", "bash", "-c", command]
     return argv
 
 
@@ -98,6 +349,249 @@ def confined_reader(bwrap_path: str, root: str, cwd: str, argv: Sequence[str]) -
     # of those options costs milliseconds per search.
     return [bwrap_path, *_system_view(), "--ro-bind", root, root, "--die-with-parent",
             "--chdir", cwd, "--", *argv]
+
+
+# -- process limits: a pids cgroup -----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def pids_cgroup_parent() -> str | None:
+    """A cgroup directory of the pids controller (v1, or v2 with pids delegated to the
+    children of this process's cgroup) under which this process may make one child cgroup
+    per command, or None. RLIMIT_NPROC counts processes per uid, and the sandbox's uid is
+    the server's: as root the kernel does not enforce it at all, so the cgroup is what
+    bounds a fork bomb there."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = [line.rstrip("\n").split(":", 2) for line in f]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    candidates = []
+    for m in mounts:
+        sep = m.index("-")
+        fstype, opts, mroot, point = m[sep + 1], m[sep + 3], m[3], m[4]
+        if fstype == "cgroup" and "pids" in opts.split(","):
+            path = next((p for _, ctl, p in own if "pids" in ctl.split(",")), None)
+        elif fstype == "cgroup2":
+            path = next((p for hid, ctl, p in own if hid == "0" and ctl == ""), None)
+        else:
+            continue
+        if path is None or not _under(path, mroot):
+            continue
+        d = os.path.join(point, os.path.relpath(path, mroot))
+        if fstype == "cgroup2":
+            try:
+                with open(os.path.join(d, "cgroup.subtree_control")) as f:
+                    if "pids" not in f.read().split():
+                        continue
+            except OSError:
+                continue
+        candidates.append(os.path.normpath(d))
+    for d in candidates:
+        probe = os.path.join(d, f"rewindfs-probe-{uuid.uuid4().hex}")
+        try:
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError:
+            continue
+        return d
+    return None
+
+
+class _PidsCgroup:
+    """One command's pids cgroup: made with ``pids.max`` set, joined by the sandbox's first
+    process before it runs anything, emptied and removed by :meth:`remove`."""
+
+    def __init__(self, parent: str, max_pids: int) -> None:
+        self.path = os.path.join(parent, f"rewindfs-bash-{uuid.uuid4().hex}")
+        os.mkdir(self.path)
+        try:
+            with open(os.path.join(self.path, "pids.max"), "w") as f:
+                f.write(str(max_pids))
+        except OSError:
+            os.rmdir(self.path)
+            raise
+
+    def join(self, pid: int) -> None:
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+
+    def remove(self) -> None:
+        deadline = time.monotonic() + _CGROUP_RMDIR_S
+        while True:
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return
+            try:
+                with open(os.path.join(self.path, "cgroup.procs")) as f:
+                    pids = [int(x) for x in f.read().split()]
+            except OSError:
+                pids = []
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            time.sleep(0.005)
+
+
+# -- starting a command ------------------------------------------------------------------------
+
+
+class ShellRun:
+    """A started Bash command. ``proc``: the Popen of bwrap (or of the subreaper helper);
+    ``confined``: whether it runs in the sandbox. Call :meth:`close` once it has ended (or
+    was killed): it stops the user-mode network and removes the pids cgroup."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], confined: bool) -> None:
+        self.proc = proc
+        self.confined = confined
+        self._cleanups: list[Any] = []
+
+    def close(self) -> None:
+        while self._cleanups:
+            with contextlib.suppress(Exception):
+                self._cleanups.pop()()
+
+
+def _read_child_pid(fd: int) -> int:
+    """The sandbox's first process, from bwrap's ``--info-fd`` JSON."""
+    data = b""
+    deadline = time.monotonic() + _SYNC_TIMEOUT_S
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise OSError(errno.ETIMEDOUT, "bubblewrap did not report its child")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise OSError(errno.EIO, "bubblewrap ended before it started the command")
+        data += chunk
+        try:
+            return int(json.loads(data)["child-pid"])
+        except ValueError:
+            continue
+
+
+def _start_network(pid: int, policy: SandboxPolicy) -> subprocess.Popen[bytes]:
+    """slirp4netns giving the network namespace of ``pid`` a tap device with outbound
+    access in user mode; returns once it is configured."""
+    slirp = shutil.which("slirp4netns")
+    if slirp is None:
+        raise SandboxUnavailable("networking was allowed but slirp4netns is not installed")
+    ready_r, ready_w = os.pipe()
+    argv = [slirp, "--configure", "--mtu=65520", f"--ready-fd={ready_w}",
+            f"--userns-path=/proc/{pid}/ns/user"]
+    if not policy.host_loopback:
+        argv.append("--disable-host-loopback")
+    argv += [str(pid), "tap0"]
+    try:
+        net = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, pass_fds=(ready_w,),
+                               start_new_session=True)
+    finally:
+        os.close(ready_w)
+    try:
+        ok = select.select([ready_r], [], [], _SYNC_TIMEOUT_S)[0] and os.read(ready_r, 1)
+    finally:
+        os.close(ready_r)
+    if not ok:
+        net.kill()
+        _, err = net.communicate()
+        raise OSError(errno.EIO, "slirp4netns failed: "
+                      + (err.decode("utf-8", "replace").strip() or "no answer"))
+    assert net.stderr is not None
+    net.stderr.close()
+    return net
+
+
+def _stop_network(net: subprocess.Popen[bytes]) -> None:
+    net.terminate()
+    try:
+        net.wait(2)
+    except subprocess.TimeoutExpired:
+        net.kill()
+        net.wait()
+
+
+def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str],
+                command: str, **popen_kw: Any) -> ShellRun:
+    """Start ``bash -c command`` in the sandbox (module docstring) with working directory
+    ``cwd``; ``popen_kw`` go to subprocess.Popen (stdio, start_new_session). Where no sandbox
+    can be built, runs it unconfined under the subreaper helper if
+    ``policy.unsafe_no_sandbox``, else raises SandboxUnavailable naming the cause. Raises
+    OSError when the command cannot be started."""
+    reason = unavailable_reason()
+    if reason is not None:
+        if not policy.unsafe_no_sandbox:
+            raise SandboxUnavailable(reason)
+        proc = subprocess.Popen(reaped_shell(command), cwd=cwd,
+                                env=sandbox_env(policy, confined=False), **popen_kw)
+        return ShellRun(proc, confined=False)
+    bw = shutil.which("bwrap")
+    assert bw is not None
+    cg_parent = pids_cgroup_parent()
+    sync = cg_parent is not None or policy.network
+    child_fds: list[int] = []
+    own_fds: list[int] = []
+    cgroup: _PidsCgroup | None = None
+    try:
+        seccomp_fd = _data_fd(seccomp_program(), "rewindfs-seccomp")
+        child_fds.append(seccomp_fd)
+        sync_fds = None
+        if sync:
+            info_r, info_w = os.pipe()
+            block_r, block_w = os.pipe()
+            child_fds += [info_w, block_r]
+            own_fds += [info_r, block_w]
+            sync_fds = (info_w, block_r)
+        resolv_fd = None
+        if policy.network:
+            resolv_fd = _data_fd(f"nameserver {SLIRP_DNS}\n".encode(), "rewindfs-resolv")
+            child_fds.append(resolv_fd)
+        if cg_parent is not None:
+            cgroup = _PidsCgroup(cg_parent, policy.max_processes)
+        argv = confined_shell(bw, root, cwd, hidden, command, policy, seccomp_fd, sync_fds,
+                              resolv_fd)
+        proc = subprocess.Popen(argv, cwd=root, env=sandbox_env(policy),
+                                pass_fds=tuple(child_fds), **popen_kw)
+    except BaseException:
+        if cgroup is not None:
+            cgroup.remove()
+        for fd in own_fds:
+            os.close(fd)
+        raise
+    finally:
+        for fd in child_fds:
+            os.close(fd)
+    run = ShellRun(proc, confined=True)
+    if cgroup is not None:
+        run._cleanups.append(cgroup.remove)
+    if not sync:
+        return run
+    info_r, block_w = own_fds
+    try:
+        pid = _read_child_pid(info_r)
+        if cgroup is not None:
+            cgroup.join(pid)
+        if policy.network:
+            net = _start_network(pid, policy)
+            run._cleanups.append(lambda: _stop_network(net))
+        os.write(block_w, b"1")
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        run.close()
+        raise
+    finally:
+        os.close(info_r)
+        os.close(block_w)
+    return run
 
 
 # The subreaper helper, run as ``python -S -I -c REAPER argv...``. It becomes a child

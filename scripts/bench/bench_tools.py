@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Benchmark: the Grep and Glob tools against ripgrep and find run directly.
+"""Benchmark: the Grep and Glob tools against ripgrep and find run directly; Bash latency.
 
 Builds (or reuses) a tree of 20,000 source-like files, then times each workload in-process
 through the tools (as the MCP server calls them) and the equivalent ``rg``/``find`` command
 as a subprocess on the same tree, alternating runs, and prints medians and ratios
 (tool / direct; the goal is at most 1.5). ``--root`` times the tools on another spelling of
 the tree (e.g. a mount of it) while the direct commands keep running on ``--tree``.
+The Bash rows time ``true`` through a real MCP client talking to ``rewindfs mcp`` over stdio
+(sandboxed as the server would run it) against ``bash -c true`` run directly; their ratio
+has no goal of its own (the sandbox's cost), the latency is what to compare between runs.
 
     .venv/bin/python scripts/bench/bench_tools.py [--tree DIR] [--root DIR] [--runs N]
                                                    [--engine rg|python] [--json]
@@ -84,6 +87,38 @@ def workloads(ws: ToolContext) -> list[tuple[str, Callable[[], object], list[str
     ]
 
 
+def bash_latency(root: str, runs: int) -> tuple[list[float], list[float]]:
+    """Seconds per Bash ``true`` through MCP (a ``rewindfs mcp --root`` server over stdio,
+    after two warm-up calls), and per ``bash -c true`` run directly, alternating."""
+    import anyio
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    store = tempfile.mkdtemp(prefix="rewindfs-bench-store-")
+    params = StdioServerParameters(command=sys.executable,
+                                   args=["-m", "rewindfs.cli", "--store", store, "mcp",
+                                         "--root", root], cwd=os.path.abspath(repo))
+    t_mcp: list[float] = []
+    t_direct: list[float] = []
+
+    async def session() -> None:
+        async with Client(params, read_timeout_seconds=120) as client:
+            for _ in range(2):
+                await client.call_tool("Bash", {"command": "true"})
+            for _ in range(runs):
+                t = time.perf_counter()
+                r = await client.call_tool("Bash", {"command": "true"})
+                t_mcp.append(time.perf_counter() - t)
+                if r.is_error:
+                    raise SystemExit(f"Bash failed: {r.content}")
+                t_direct.append(timed(lambda: subprocess.run(["bash", "-c", "true"],
+                                                             check=True)))
+
+    anyio.run(session)
+    return t_mcp, t_direct
+
+
 def timed(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
@@ -125,13 +160,19 @@ def main() -> int:
         rows.append({"workload": name, "tool_ms": round(mt * 1000, 1),
                      "direct_ms": round(md * 1000, 1), "ratio": round(mt / md, 2),
                      "direct": " ".join(cmd)})
+    t_mcp, t_bash = bash_latency(args.root or tree, max(args.runs, 20))
+    mt, md = statistics.median(t_mcp), statistics.median(t_bash)
+    rows.append({"workload": "Bash true (MCP stdio)", "tool_ms": round(mt * 1000, 1),
+                 "direct_ms": round(md * 1000, 1), "ratio": round(mt / md, 2),
+                 "direct": "bash -c true"})
     if args.json:
         print(json.dumps({"tree": tree, "root": args.root or tree, "runs": args.runs,
                           "rows": rows}, indent=2))
     else:
         print(f"{'workload':36} {'tool ms':>9} {'direct ms':>10} {'ratio':>6}")
         for r in rows:
-            flag = "" if r["ratio"] <= 1.5 else "  (over 1.5x)"
+            flag = "" if r["ratio"] <= 1.5 or r["workload"].startswith("Bash") \
+                else "  (over 1.5x)"
             print(f"{r['workload']:36} {r['tool_ms']:9.1f} {r['direct_ms']:10.1f} "
                   f"{r['ratio']:6.2f}{flag}")
     if tmp is not None:
