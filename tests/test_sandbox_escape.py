@@ -176,6 +176,16 @@ def test_proc_sys_is_read_only(arena: Arena) -> None:
     assert "WROTE" in arena.outside(cmd, as_root=True)
 
 
+def test_kernel_listings_of_host_tasks_are_masked(arena: Arena) -> None:
+    needs_root_outside()
+    if not os.path.exists("/proc/timer_list"):
+        pytest.skip("no /proc/timer_list here")
+    cmd = "wc -c < /proc/timer_list"
+    first = arena.inside(cmd)["text"].split("\n")[0]
+    assert first == "0" or first.endswith("/proc/timer_list: Permission denied"), first
+    assert int(arena.outside(cmd, as_root=True)) > 0
+
+
 def test_sys_is_not_writable(arena: Arena) -> None:
     needs_root_outside()
     files = sorted(glob.glob("/sys/block/*/queue/read_ahead_kb"))

@@ -231,3 +231,38 @@ def test_same_size_edit_within_a_second_never_runs_stale_bytecode(ws: ToolContex
     os.utime(src, ns=(stamp, stamp))
     second = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True)
     assert (first.stdout, second.stdout) == ("1\n", "1\n")
+
+
+CG_PARENT = sandbox.pids_cgroup_parent() if HAS_BWRAP else None
+COUNT_FORKS = ("python3 -c 'import os\nr, w = os.pipe()\nn = 0\n"
+               "try:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+               "            os.close(w); os.read(r, 1); os._exit(0)\n        n += 1\n"
+               "except OSError:\n    pass\nprint(n)'")
+
+
+@pytest.mark.skipif(CG_PARENT is None, reason="no pids cgroup this process may create here")
+@pytest.mark.parametrize("per_command", [False, True], ids=["spawner", "per-command"])
+def test_pids_cgroup_bounds_a_command_and_is_removed_afterwards(
+        ws: ToolContext, per_command: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of placing a command in a pids cgroup: born there from a spawner thread
+    (cgroup v1), or moved there before it runs (cgroup v2, where one process's threads
+    share a cgroup)."""
+    assert CG_PARENT is not None
+    if per_command:
+        monkeypatch.setattr(sandbox, "_threads_may_differ", lambda parent: False)
+    ws = ToolContext(ws.binding, SandboxPolicy(max_processes=40))
+    before = set(os.listdir(CG_PARENT))
+    r = run_bash(ws, COUNT_FORKS)        # as root RLIMIT_NPROC would not bound it
+    assert 0 < int(r.text.split("\n")[0]) < 40, r.text
+    mine = f"rewindfs-bash-{os.getpid()}-"
+    if per_command:
+        assert set(os.listdir(CG_PARENT)) == before
+    # Nothing is left behind when the server exits.
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tools.bash import run_bash; "
+            "from tools.binding import DirBinding; from tools.context import ToolContext; "
+            "print(run_bash(ToolContext(DirBinding(sys.argv[2])), 'true').data['confined'])")
+    p = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent.parent),
+                        ws.root.real], capture_output=True, text=True)
+    assert p.stdout == "True\n", p.stderr
+    assert [n for n in os.listdir(CG_PARENT) if n.startswith("rewindfs-bash-")
+            and n not in before and not n.startswith(mine)] == []

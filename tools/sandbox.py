@@ -30,6 +30,7 @@ bubblewrap misbehaves).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -37,12 +38,14 @@ import functools
 import glob
 import json
 import os
+import queue
 import select
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -247,13 +250,13 @@ def _probe(path: str) -> bool:
 # Host secrets under /etc a command must not read (root owns them, and the sandbox's uid
 # is root's when the server runs as root).
 _ETC_SECRETS = ("shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d",
-                "security/opasswd", "ssh/ssh_host_*")
-# /proc entries that reach the whole kernel: kept read-only (a write to /proc/sys or
-# /proc/sysrq-trigger is checked only against root's uid, which the sandbox may hold) or
-# masked (they list the host's timers, keys and processes).
-_PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
-_PROC_MASKED = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
-                "kallsyms", "kmsg", "acpi", "scsi", "asound", "sysvipc")
+                "security/opasswd", "ssh/ssh_host_*_key")
+# /proc entries that reach the whole kernel and that the kernel guards by root's uid only
+# (which the sandbox may hold), not by a capability: kept read-only (sysctls, the SysRq
+# trigger, ACPI wakeup) or masked (they list the host's timers with their processes, every
+# task's scheduling, and key quotas). bwrap itself keeps /proc/irq and /proc/bus read-only.
+_PROC_READ_ONLY = ("sys", "sysrq-trigger", "acpi")
+_PROC_MASKED = ("timer_list", "sched_debug", "keys", "key-users")
 
 
 def _namespaces() -> list[str]:
@@ -300,16 +303,19 @@ def _proc_view() -> list[str]:
 
 def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
                    command: str, policy: SandboxPolicy = SandboxPolicy(),
-                   seccomp_fd: int | None = None, sync_fds: tuple[int, int] | None = None,
+                   seccomp_fd: int | None = None, info_fd: int | None = None,
+                   block_fd: int | None = None, net_fds: tuple[int, int] | None = None,
                    resolv_fd: int | None = None) -> list[str]:
     """argv running ``bash -c command`` in the sandbox described in the module docstring.
 
     ``root``, ``cwd`` and ``hidden`` are canonical absolute paths; ``hidden`` paths inside
     the view (under the root) are masked. ``seccomp_fd``: a descriptor of
-    :func:`seccomp_program` (passed to the child). ``sync_fds``: (info write end, block
-    read end): bwrap writes its child's pid as JSON to the first and waits for a byte on the
-    second before it runs the command (to place it in a cgroup and give it a network).
-    ``resolv_fd``: contents for /etc/resolv.conf."""
+    :func:`seccomp_program` (passed to the child). ``info_fd``: bwrap writes its child's pid
+    there as JSON; ``block_fd``: bwrap waits for a byte there before it sets up the view
+    and runs anything (to move the child into a cgroup first). ``net_fds``: (ready write
+    end, go read end): once the sandbox is set up, a byte is written to the first, and the
+    command runs after a byte arrived on the second (meanwhile its network is configured:
+    bwrap's own loopback setup and slirp4netns's must not overlap). ``resolv_fd``: contents for /etc/resolv.conf."""
     argv = [bwrap_path, *_namespaces(), *_system_view(), *_etc_view()]
     if resolv_fd is not None and os.path.isfile("/etc/resolv.conf") \
             and not os.path.islink("/etc/resolv.conf"):
@@ -320,12 +326,22 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
             argv += _mask(h)
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
-    if sync_fds is not None:
-        argv += ["--info-fd", str(sync_fds[0]), "--block-fd", str(sync_fds[1])]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
+    if block_fd is not None:
+        argv += ["--block-fd", str(block_fd)]
     argv += ["--chdir", cwd, "--", "prlimit", f"--nproc={policy.max_processes}",
              f"--as={policy.max_memory_bytes}", f"--fsize={policy.max_file_bytes}",
-             "--", "bash", "-c", command]
-    return argv
+             "--", "bash", "-c"]
+    if net_fds is None:
+        return argv + [command]
+    return argv + [_NET_WAIT, "bash", str(net_fds[0]), str(net_fds[1]), command]
+
+
+# Runs in the sandbox before a command with a network: says it is set up, waits until its
+# network is configured, closes both descriptors and runs the command.
+_NET_WAIT = ('printf 1 >&"$1" && eval "exec $1>&-" && read -r -n 1 _ <&"$2" '
+             '&& eval "exec $2<&-" && exec bash -c "$3"')
 
 
 def _system_view() -> list[str]:
@@ -357,8 +373,8 @@ def confined_reader(bwrap_path: str, root: str, cwd: str, argv: Sequence[str]) -
 @functools.lru_cache(maxsize=1)
 def pids_cgroup_parent() -> str | None:
     """A cgroup directory of the pids controller (v1, or v2 with pids delegated to the
-    children of this process's cgroup) under which this process may make one child cgroup
-    per command, or None. RLIMIT_NPROC counts processes per uid, and the sandbox's uid is
+    children of this process's cgroup) under which this process may make child cgroups
+    (one per concurrent command), or None. RLIMIT_NPROC counts processes per uid, and the sandbox's uid is
     the server's: as root the kernel does not enforce it at all, so the cgroup is what
     bounds a fork bomb there."""
     try:
@@ -400,12 +416,61 @@ def pids_cgroup_parent() -> str | None:
     return None
 
 
+def _cgroup_name() -> str:
+    return f"rewindfs-bash-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _sweep(parent: str) -> None:
+    """Remove the empty cgroups of servers that are gone (killed before they could)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if not name.startswith("rewindfs-bash-") or len(parts) != 4 or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue                          # its server is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(parent, name))
+
+
+def _kill_members(path: str, keep: int | None = None, bound_s: float = _CGROUP_RMDIR_S
+                  ) -> bool:
+    """SIGKILL every task of cgroup ``path`` but ``keep`` until none is left; False if
+    some were still there after ``bound_s`` seconds."""
+    listing = os.path.join(path, "tasks" if keep is not None else "cgroup.procs")
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            with open(listing) as f:
+                left = [int(x) for x in f.read().split() if int(x) != keep]
+        except OSError:
+            return True
+        if not left:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for p in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+        time.sleep(0.005)
+
+
 class _PidsCgroup:
-    """One command's pids cgroup: made with ``pids.max`` set, joined by the sandbox's first
-    process before it runs anything, emptied and removed by :meth:`remove`."""
+    """One command's pids cgroup (where a process's threads cannot be in different cgroups,
+    as in cgroup v2): made with ``pids.max`` set, joined by the sandbox's first process
+    before it runs anything (a migration costs about one RCU grace period), emptied and
+    removed by :meth:`remove`."""
 
     def __init__(self, parent: str, max_pids: int) -> None:
-        self.path = os.path.join(parent, f"rewindfs-bash-{uuid.uuid4().hex}")
+        self.path = os.path.join(parent, _cgroup_name())
         os.mkdir(self.path)
         try:
             with open(os.path.join(self.path, "pids.max"), "w") as f:
@@ -419,25 +484,132 @@ class _PidsCgroup:
             f.write(str(pid))
 
     def remove(self) -> None:
-        deadline = time.monotonic() + _CGROUP_RMDIR_S
-        while True:
-            try:
+        _kill_members(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.path)
+
+
+class _Spawner:
+    """A thread of this process that sits alone in a pids cgroup (v1 hierarchies, where
+    threads may be in different cgroups) and starts commands: what it starts is born in
+    that cgroup, so a command costs no cgroup migration. One command at a time uses it
+    (see :func:`_acquire`); ``pids.max`` counts the thread itself too."""
+
+    def __init__(self, parent: str) -> None:
+        self.parent = parent
+        self.path = os.path.join(parent, _cgroup_name())
+        os.mkdir(self.path)
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._error: OSError | None = None
+        self.tid = 0
+        self._thread = threading.Thread(target=self._loop, name="rewindfs-sandbox-spawner",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            with contextlib.suppress(OSError):
                 os.rmdir(self.path)
+            raise self._error
+
+    def _loop(self) -> None:
+        self.tid = threading.get_native_id()
+        try:
+            with open(os.path.join(self.path, "tasks"), "w") as f:
+                f.write(str(self.tid))
+        except OSError as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:                   # leave the cgroup, so that it can go
+                with contextlib.suppress(OSError):
+                    with open(os.path.join(self.parent, "tasks"), "w") as f:
+                        f.write(str(self.tid))
                 return
-            except FileNotFoundError:
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    return
+            fn, box, done = job
             try:
-                with open(os.path.join(self.path, "cgroup.procs")) as f:
-                    pids = [int(x) for x in f.read().split()]
-            except OSError:
-                pids = []
-            for p in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
-            time.sleep(0.005)
+                box.append((True, fn()))
+            except BaseException as e:  # handed to the caller
+                box.append((False, e))
+            done.set()
+
+    def call(self, fn: Any) -> Any:
+        """``fn()`` run on the spawner's thread; its result, or its exception raised."""
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        done.wait()
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+    def limit(self, max_pids: int) -> None:
+        with open(os.path.join(self.path, "pids.max"), "w") as f:
+            f.write(str(max_pids + 1))
+
+    def empty(self) -> bool:
+        """Kill what is left of the last command; whether the cgroup holds only the thread."""
+        return _kill_members(self.path, keep=self.tid)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.path)
+
+
+_spawn_lock = threading.Lock()
+_idle: list[_Spawner] = []
+_spawners: list[_Spawner] = []
+
+
+def _acquire(parent: str) -> _Spawner:
+    with _spawn_lock:
+        if _idle:
+            return _idle.pop()
+        if not _spawners:
+            _sweep(parent)
+    s = _Spawner(parent)
+    with _spawn_lock:
+        _spawners.append(s)
+    return s
+
+
+def _release(s: _Spawner) -> None:
+    if s.empty():
+        with _spawn_lock:
+            _idle.append(s)
+    else:                                     # unkillable leftovers: never reuse it
+        with _spawn_lock:
+            _spawners.remove(s)
+
+
+@atexit.register
+def _stop_spawners() -> None:
+    with _spawn_lock:
+        todo = list(_spawners)
+        _spawners.clear()
+        _idle.clear()
+    for s in todo:
+        s.stop()
+
+
+def _forget_spawners() -> None:
+    # A forked child has none of the parent's threads.
+    _spawners.clear()
+    _idle.clear()
+
+
+os.register_at_fork(after_in_child=_forget_spawners)
+
+
+def _threads_may_differ(parent: str) -> bool:
+    """cgroup v1 (a ``tasks`` file): threads of one process may be in different cgroups."""
+    return os.path.exists(os.path.join(parent, "tasks"))
 
 
 # -- starting a command ------------------------------------------------------------------------
@@ -475,6 +647,12 @@ def _read_child_pid(fd: int) -> int:
             return int(json.loads(data)["child-pid"])
         except ValueError:
             continue
+
+
+def _wait_byte(fd: int, what: str) -> None:
+    """Wait (bounded) for one byte on ``fd``; OSError saying ``what`` otherwise."""
+    if not select.select([fd], [], [], _SYNC_TIMEOUT_S)[0] or not os.read(fd, 1):
+        raise OSError(errno.EIO, what)
 
 
 def _start_network(pid: int, policy: SandboxPolicy) -> subprocess.Popen[bytes]:
@@ -535,34 +713,53 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
     bw = shutil.which("bwrap")
     assert bw is not None
     cg_parent = pids_cgroup_parent()
-    sync = cg_parent is not None or policy.network
-    child_fds: list[int] = []
-    own_fds: list[int] = []
+    spawner: _Spawner | None = None
     cgroup: _PidsCgroup | None = None
+    if cg_parent is not None and _threads_may_differ(cg_parent):
+        spawner = _acquire(cg_parent)
+        cg_parent = None
+    child_fds: list[int] = []
+    own: dict[str, int] = {}
+
+    def pipe(name: str) -> int:
+        """A pipe whose read end we keep as ``name``; returns the write end for the child
+        (names ending in _w: the other way round)."""
+        r, w = os.pipe()
+        mine, theirs = (w, r) if name.endswith("_w") else (r, w)
+        own[name] = mine
+        child_fds.append(theirs)
+        return theirs
+
     try:
+        if spawner is not None:
+            # bwrap and the sandbox's init besides the command's own processes
+            spawner.limit(policy.max_processes + 2)
         seccomp_fd = _data_fd(seccomp_program(), "rewindfs-seccomp")
         child_fds.append(seccomp_fd)
-        sync_fds = None
-        if sync:
-            info_r, info_w = os.pipe()
-            block_r, block_w = os.pipe()
-            child_fds += [info_w, block_r]
-            own_fds += [info_r, block_w]
-            sync_fds = (info_w, block_r)
+        info_fd = pipe("info") if cg_parent is not None or policy.network else None
+        block_fd = pipe("block_w") if cg_parent is not None else None
+        net_fds = (pipe("ready"), pipe("go_w")) if policy.network else None
         resolv_fd = None
         if policy.network:
             resolv_fd = _data_fd(f"nameserver {SLIRP_DNS}\n".encode(), "rewindfs-resolv")
             child_fds.append(resolv_fd)
         if cg_parent is not None:
             cgroup = _PidsCgroup(cg_parent, policy.max_processes)
-        argv = confined_shell(bw, root, cwd, hidden, command, policy, seccomp_fd, sync_fds,
-                              resolv_fd)
-        proc = subprocess.Popen(argv, cwd=root, env=sandbox_env(policy),
-                                pass_fds=tuple(child_fds), **popen_kw)
+        argv = confined_shell(bw, root, cwd, hidden, command, policy, seccomp_fd, info_fd,
+                              block_fd, net_fds, resolv_fd)
+        env = sandbox_env(policy)
+
+        def popen() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(argv, cwd=root, env=env, pass_fds=tuple(child_fds),
+                                    **popen_kw)
+
+        proc = spawner.call(popen) if spawner is not None else popen()
     except BaseException:
         if cgroup is not None:
             cgroup.remove()
-        for fd in own_fds:
+        if spawner is not None:
+            _release(spawner)
+        for fd in own.values():
             os.close(fd)
         raise
     finally:
@@ -571,26 +768,39 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
     run = ShellRun(proc, confined=True)
     if cgroup is not None:
         run._cleanups.append(cgroup.remove)
-    if not sync:
+    if spawner is not None:
+        sp = spawner
+        run._cleanups.append(lambda: _release(sp))
+    if not own:
         return run
-    info_r, block_w = own_fds
     try:
-        pid = _read_child_pid(info_r)
+        pid = _read_child_pid(own["info"])
         if cgroup is not None:
             cgroup.join(pid)
+            os.write(own["block_w"], b"1")
         if policy.network:
+            _wait_byte(own["ready"], "the sandbox did not start")
             net = _start_network(pid, policy)
             run._cleanups.append(lambda: _stop_network(net))
-        os.write(block_w, b"1")
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
+            os.write(own["go_w"], b"1")
+    except BaseException as e:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait()
+        said = b""
+        if proc.stdout is not None:
+            with contextlib.suppress(OSError):
+                os.set_blocking(proc.stdout.fileno(), False)
+                said = proc.stdout.read(4096) or b""
         run.close()
+        if isinstance(e, OSError) and said:
+            raise OSError(e.errno, f"{e.strerror or e}: "
+                          + said.decode("utf-8", "replace").strip()) from e
         raise
     finally:
-        os.close(info_r)
-        os.close(block_w)
+        for fd in own.values():
+            os.close(fd)
     return run
 
 
