@@ -44,6 +44,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -699,40 +700,35 @@ def prepare(ov: Overlay, p: Plan, ref: Ref) -> Rebase:
 
 def reset_upper(upper: Upper, rb: Rebase) -> None:
     """In one durable transaction: record ``rb.ref`` as the base, drop every row but the
-    kept ones, apply the pin changes. Then remove the dropped data files. Worker thread; the
-    caller holds the upper's write lock."""
-    c = upper.conn
-    c.execute("PRAGMA synchronous=FULL")
-    try:
-        c.execute("BEGIN IMMEDIATE")
-        try:
-            keep = [r[0] for r in rb.rows]
-            c.execute("DELETE FROM dentries")
-            c.execute("DELETE FROM inodes")
-            c.execute("DELETE FROM xattrs")
-            if rb.rows:
-                cols = ", ".join(INODE_COLUMNS)
-                marks = ", ".join("?" * len(INODE_COLUMNS))
-                c.executemany(f"INSERT INTO inodes({cols}) VALUES ({marks})", rb.rows)
-            for ino, pairs in rb.xattrs.items():
-                if ino in keep:
-                    c.executemany("INSERT INTO xattrs(ino, name, value) VALUES (?, ?, ?)",
-                                  [(ino, k, v) for k, v in pairs])
-            if rb.pins_gone:
-                c.executemany("DELETE FROM pins WHERE origin=?", [(o,) for o in rb.pins_gone])
-            if rb.pins:
-                c.executemany("INSERT OR REPLACE INTO pins(origin, ino, ctime_ns) "
-                              "VALUES (?, ?, ?)",
-                              [(o, i, t) for o, (i, t) in rb.pins.items()])
-            c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [
-                ("base", str(rb.ref)), ("next_ino", str(rb.next_ino)),
-                ("next_cookie", str(rb.next_cookie)), ("held_lowers", " ".join(rb.held))])
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
-    finally:
-        c.execute("PRAGMA synchronous=NORMAL")
+    kept ones, apply the pin changes (batches waiting in the upper's spill are superseded).
+    Worker thread; the caller holds the upper's write lock. Raises OSError(ENOSPC) when the
+    upper's disk has no space even after releasing its reserve; nothing is changed then."""
+
+    def body(c: sqlite3.Connection) -> None:
+        keep = [r[0] for r in rb.rows]
+        c.execute("DELETE FROM dentries")
+        c.execute("DELETE FROM inodes")
+        c.execute("DELETE FROM xattrs")
+        if rb.rows:
+            cols = ", ".join(INODE_COLUMNS)
+            marks = ", ".join("?" * len(INODE_COLUMNS))
+            c.executemany(f"INSERT INTO inodes({cols}) VALUES ({marks})", rb.rows)
+        for ino, pairs in rb.xattrs.items():
+            if ino in keep:
+                c.executemany("INSERT INTO xattrs(ino, name, value) VALUES (?, ?, ?)",
+                              [(ino, k, v) for k, v in pairs])
+        if rb.pins_gone:
+            c.executemany("DELETE FROM pins WHERE origin=?", [(o,) for o in rb.pins_gone])
+        if rb.pins:
+            c.executemany("INSERT OR REPLACE INTO pins(origin, ino, ctime_ns) "
+                          "VALUES (?, ?, ?)",
+                          [(o, i, t) for o, (i, t) in rb.pins.items()])
+        c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [
+            ("base", str(rb.ref)), ("next_ino", str(rb.next_ino)),
+            ("next_cookie", str(rb.next_cookie)), ("held_lowers", " ".join(rb.held))])
+
+    upper.transact(body, durable=True)
+    upper.failing = False
     upper.base = rb.ref
 
 

@@ -407,7 +407,18 @@ class Live:
                 "open_dirs": len(ov.dirs), "parked": self.gate.parked,
                 "paused": self.gate.paused, "permits": self.gate.permits,
                 "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid(),
-                "requests": dict(self.ops.counts)}
+                "requests": dict(self.ops.counts), **self._disk()}
+
+    def _disk(self) -> dict[str, Any]:
+        """The state directory's disk as the upper sees it (see "A full disk" in upper.py):
+        ``disk_full`` while only removals are accepted; batches of changes waiting in the
+        spill and in memory (written at the next commit that has room)."""
+        up = self.ov.upper
+        if up is None:
+            return {}
+        return {"disk_full": not (up.reserve_full and not up.spilled and not up.failing),
+                "spilled_batches": len(up.spilled),
+                "unwritten_batches": len(getattr(self.ops, "_failed", []))}
 
     def diff(self, unified: bool = False) -> dict[str, Any]:
         """The changes since the last checkpoint (the lower), computed without writing;

@@ -19,12 +19,22 @@ import os
 import resource
 import signal
 import sys
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import FuseFSError, MountError, describe, leaf_errors
-from .mounts import mount_device, mount_id, remove_record, start_time, still_mounted, write_record
+from .mounts import (
+    EXIT_SUFFIX,
+    mount_device,
+    mount_id,
+    remove_record,
+    start_time,
+    still_mounted,
+    take_exit_record,
+    write_record,
+)
 
 if TYPE_CHECKING:
     from store.objects import Store
@@ -55,10 +65,75 @@ class MountConfig:
     # do not hold up the others
 
 
+LOG_KEEP = 10000
+"""Log lines kept in memory at most while the log's disk is full."""
+
+
+class LogFile(logging.Handler):
+    """The daemon's log file, made to survive a full disk: a line that cannot be written
+    (ENOSPC, or any other OSError) is kept in memory, at most ``LOG_KEEP`` of them (the
+    oldest are then counted and dropped), and written before the next line once the disk
+    has room again. Never raises, so logging never fails a request."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.pending: deque[bytes] = deque()
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = (self.format(record) + "\n").encode(errors="replace")
+        except Exception:
+            self.handleError(record)
+            return
+        if len(self.pending) >= LOG_KEEP:
+            self.pending.popleft()
+            self.dropped += 1
+        self.pending.append(line)
+        self._drain()
+
+    def _drain(self) -> bool:
+        """Write what is pending; True once nothing is."""
+        if self.dropped and self.pending:
+            note = (f"({self.dropped} earlier log line(s) were lost: the log's disk was "
+                    "full)\n").encode()
+            self.pending.appendleft(note)
+            self.dropped = 0
+        while self.pending:
+            buf = self.pending[0]
+            try:
+                n = os.write(self.fd, buf)
+            except OSError:
+                return False
+            if n < len(buf):
+                self.pending[0] = buf[n:]
+                return False
+            self.pending.popleft()
+        return True
+
+    def close(self) -> None:
+        self.acquire()
+        try:
+            if self.fd >= 0:
+                if not self._drain():  # the last resort: stderr (it may be elsewhere)
+                    for buf in self.pending:
+                        try:
+                            os.write(2, buf)
+                        except OSError:
+                            break
+                os.close(self.fd)
+                self.fd = -1
+        finally:
+            self.release()
+        super().close()
+
+
 def _setup_logging(path: str | None, debug: bool) -> None:
     handler: logging.Handler
     if path:
-        handler = logging.FileHandler(path)
+        handler = LogFile(path)
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
@@ -233,6 +308,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                 live = Live(ops, store, gate, mountpoint=cfg.mountpoint,
                             state_dir=os.path.abspath(cfg.state_dir))
                 await nursery.start(serve_control, live)
+            take_exit_record(cfg.mountpoint)  # a failed earlier daemon's, nobody read it
             write_record(cfg.mountpoint, {
                 "pid": os.getpid(), "started": start_time(os.getpid()),
                 "mountpoint": cfg.mountpoint, "ref": str(ov.lower.ref),
@@ -280,11 +356,13 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         ready(str(err))
         raise err
     ready("the kernel ended the session before it was initialized")  # no-op once ready
+    failure: str | None = None
     try:
         ops.close()
     except Exception as e:
         log.error("persisting the upper at unmount failed: %s: %s", type(e).__name__, e)
         code = 9
+        failure = f"persisting the upper at unmount failed: {e}"
     try:
         # Unmount unless someone else already did: after a signal, a failed loop, or a
         # kernel that ended the session without an unmount, the mount must not stay.
@@ -293,6 +371,15 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     except Exception as e:
         log.error("unmount failed: %s", e)
         code = 9
+        failure = failure or f"unmount failed: {e}"
+    if code != 0:  # for `rewindfs umount`, which waits for this process but is not its parent
+        try:
+            write_record(cfg.mountpoint, {
+                "pid": os.getpid(), "started": start_time(os.getpid()), "code": code,
+                "error": failure or f"the daemon exited with {code} (see its log)"},
+                EXIT_SUFFIX)
+        except OSError as e:
+            log.error("cannot write the exit record: %s", e)
     remove_record(cfg.mountpoint, os.getpid())
     try:
         write_stats()

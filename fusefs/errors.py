@@ -24,6 +24,31 @@ class StateLockedError(FuseFSError):
         super().__init__(f"state directory {state_dir} is in use by another mount daemon")
 
 
+class StateFullError(FuseFSError):
+    """The state directory's file system has no space (ENOSPC) for what opening it must
+    write (``what``); nothing in it was lost or changed."""
+
+    def __init__(self, state_dir: str, what: str) -> None:
+        self.state_dir = state_dir
+        self.what = what
+        super().__init__(f"state directory {state_dir}: no space left on device (ENOSPC): "
+                         f"{what}; free space on its file system and mount again")
+
+
+class UpperSpilledError(FuseFSError):
+    """At unmount the upper's database had no space (ENOSPC): ``batches`` batches of
+    changes were kept in the state directory's spill instead; the next mount applies them
+    once there is space. Nothing is lost."""
+
+    def __init__(self, state_dir: str, batches: int) -> None:
+        self.state_dir = state_dir
+        self.batches = batches
+        super().__init__(f"state directory {state_dir}: no space left on device (ENOSPC) "
+                         f"for the upper's database; {batches} batch(es) of changes are "
+                         "kept in its spill and applied at the next mount once space is "
+                         "free")
+
+
 class BaseMismatchError(FuseFSError):
     """The state directory's upper layer sits on another Ref than the one asked for."""
 

@@ -4,7 +4,8 @@ A daemon writes one small JSON record per mount point into the runtime directory
 (``runtime_dir("mounts")``: ``$XDG_RUNTIME_DIR/rewindfs/mounts``, else
 ``/tmp/rewindfs-<uid>/mounts``; every level 0700) once
 it serves, and removes it when it exits; ``rewindfs umount`` reads it to wait for the daemon
-to finish persisting. Light on imports: the CLI uses it without loading FUSE.
+to finish persisting, then reads the exit record a failed daemon leaves (``EXIT_SUFFIX``).
+Light on imports: the CLI uses it without loading FUSE.
 """
 
 from __future__ import annotations
@@ -82,8 +83,14 @@ def record_path(mountpoint: str, suffix: str = ".json") -> str:
     return os.path.join(runtime_dir("mounts"), key + suffix)
 
 
-def write_record(mountpoint: str, data: dict[str, Any]) -> str:
-    path = record_path(mountpoint)
+EXIT_SUFFIX = ".exit"
+"""A daemon that ends with a failure (for example a persist that failed at unmount) leaves
+``{"pid", "started", "code", "error"}`` under this suffix, for ``rewindfs umount`` to
+report after the daemon is gone."""
+
+
+def write_record(mountpoint: str, data: dict[str, Any], suffix: str = ".json") -> str:
+    path = record_path(mountpoint, suffix)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, sort_keys=True)
@@ -91,11 +98,11 @@ def write_record(mountpoint: str, data: dict[str, Any]) -> str:
     return path
 
 
-def read_record(mountpoint: str) -> dict[str, Any] | None:
-    """The record of ``mountpoint``, or None (none, unreadable, or no private runtime
-    directory to read it from)."""
+def read_record(mountpoint: str, suffix: str = ".json") -> dict[str, Any] | None:
+    """The record of ``mountpoint`` (``suffix``: the kind of record), or None (none,
+    unreadable, or no private runtime directory to read it from)."""
     try:
-        with open(record_path(mountpoint)) as f:
+        with open(record_path(mountpoint, suffix)) as f:
             data = json.load(f)
     except (OSError, ValueError, RuntimeDirError):
         return None
@@ -137,6 +144,16 @@ def served_refs(store_root: str) -> list[str]:
         elif rec.get("ref"):
             out.append(str(rec["ref"]))
     return out
+
+
+def take_exit_record(mountpoint: str) -> dict[str, Any] | None:
+    """Read and remove the exit record of ``mountpoint`` (None if there is none)."""
+    rec = read_record(mountpoint, EXIT_SUFFIX)
+    try:
+        os.unlink(record_path(mountpoint, EXIT_SUFFIX))
+    except (FileNotFoundError, RuntimeDirError):
+        pass
+    return rec
 
 
 def remove_record(mountpoint: str, pid: int) -> None:

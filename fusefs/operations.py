@@ -42,6 +42,7 @@ from pyfuse3 import (
     XAttrNameT,
 )
 
+from .errors import UpperSpilledError
 from .inodes import Node
 from .overlay import Overlay, sync_paths
 from .upper import Batch
@@ -134,6 +135,7 @@ class Operations(pyfuse3.Operations):
         self.seconds: defaultdict[str, float] = defaultdict(float)  # wall time in handlers
         self.errors = 0
         self._failed: list[Batch] = []
+        self._unsynced: list[str] = []  # data files whose sync failed: synced at the next fsync
         self._inflight: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self.on_init: Callable[[], None] | None = None
@@ -223,19 +225,30 @@ class Operations(pyfuse3.Operations):
 
     async def commit(self, durable: bool = False) -> None:
         """Write the overlay's changes to the upper in a worker thread; ``durable`` first
-        syncs data files written since their last sync and commits synchronously."""
+        syncs data files written since their last sync and commits synchronously. Raises
+        OSError (ENOSPC on a full disk: see ``upper.py``); what failed is kept and written
+        first by the next call, so an acknowledged change is never dropped."""
         upper = self.ov.upper
         if upper is None:
             return
         async with self.upper_lock:
-            if not durable and not self.ov.dirty and not self._failed:
+            if not durable and not self.ov.dirty and not self._failed and not upper.spilled:
+                if not upper.reserve_full:
+                    upper.regrow_reserve()  # space may be back (a checkpoint, another rm)
                 return
-            paths = self.ov.take_unsynced() if durable else []
+            paths = self._unsynced + self.ov.take_unsynced() if durable else []
             batches = self._failed + [self.ov.collect()]
             self._failed = []
+            if durable:
+                self._unsynced = []
 
             def work() -> None:
-                sync_paths(paths, upper.data_dir)
+                try:
+                    sync_paths(paths, upper.data_dir)
+                except BaseException:
+                    self._unsynced = paths + self._unsynced
+                    self._failed = batches
+                    raise
                 for i, b in enumerate(batches):
                     try:
                         upper.write(b, durable and i == len(batches) - 1)
@@ -249,22 +262,41 @@ class Operations(pyfuse3.Operations):
 
     def close(self) -> None:
         """At unmount, after the event loop ended: write any batch that failed earlier, then
-        persist everything durably and close the upper (``Overlay.close``)."""
+        persist everything durably and close the upper (``Overlay.close``). Raises OSError
+        if changes could not be written anywhere (they are lost), UpperSpilledError if they
+        were kept in the spill for the next mount."""
         upper = self.ov.upper
         if upper is not None:
             failed, self._failed = self._failed, []
-            for b in failed:
-                upper.write(b)
+            try:
+                sync_paths(self._unsynced, upper.data_dir)
+                for b in failed:
+                    upper.write(b)
+            except BaseException:
+                upper.close()
+                raise
         self.ov.close()
+        if upper is not None and upper.spilled:
+            raise UpperSpilledError(upper.state_dir, len(upper.spilled))
 
     async def commit_loop(self, interval: float = COMMIT_INTERVAL_S) -> None:
         """Batch commits between fsyncs (CONTRACT 2.5): every ``interval`` seconds."""
+        last: str | None = None  # the failure logged last: a full disk logs once, not per try
         while True:
             await trio.sleep(interval)
             try:
                 await self.commit()
             except Exception as e:
-                self.log_unexpected("commit", e)
+                why = f"{type(e).__name__}: {e}"
+                if why != last:
+                    self.errors += 1
+                    log.error("write-behind commit failed: %s; kept and tried again every "
+                              "%g s", why, interval)
+                    last = why
+                continue
+            if last is not None:
+                log.info("write-behind commits work again")
+                last = None
 
     def stats(self) -> dict[str, Any]:
         """Requests served per operation, seconds spent inside each operation's handler

@@ -391,6 +391,16 @@ class Overlay:
         if self.upper is None:
             raise _err(errno.EROFS)
 
+    def _grow(self) -> None:
+        """``_mut`` for a change that adds to the upper: refused with ENOSPC while the
+        state directory's disk is short (``Upper.has_room``), so that on a full disk only
+        removals (unlink, rmdir, truncate down) are acknowledged and what waits in memory
+        for the disk stays small."""
+        if self.upper is None:
+            raise _err(errno.EROFS)
+        if not self.upper.has_room():
+            raise _err(errno.ENOSPC, "the state directory's disk is full")
+
     def _copy_up(self, n: Node) -> None:
         """Give ``n`` an upper row (metadata only; data is copied per chunk on write), and
         its ancestor directories too, up to the first that has one (``[closure]``): a
@@ -499,7 +509,7 @@ class Overlay:
 
     def _make(self, parent: int, name: bytes, kind: Kind, mode: int, uid: int, gid: int,
               target: bytes = b"") -> Node:
-        self._mut()
+        self._grow()
         d = self._dir(parent)
         self._check_name(name)
         if d.nlink == 0:
@@ -632,7 +642,7 @@ class Overlay:
                flags: int = 0) -> None:
         """rename(2)/renameat2(2) with RENAME_NOREPLACE and RENAME_EXCHANGE. O(1) rows, also
         for a lower directory with any number of descendants."""
-        self._mut()
+        self._grow()
         d1 = self._dir(parent_old)
         d2 = self._dir(parent_new)
         self._check_length(name_old)
@@ -714,7 +724,7 @@ class Overlay:
 
     def link(self, ino: int, parent: int, name: bytes) -> Node:
         """A new name ``name`` in ``parent`` for ``ino`` (also a lower file)."""
-        self._mut()
+        self._grow()
         n = self._node(ino)
         d = self._dir(parent)
         self._check_name(name)
@@ -746,6 +756,9 @@ class Overlay:
         ``handle_killpriv``."""
         self._mut()
         n = self._node(ino)
+        if not (size is not None and size <= n.size and mode is None and uid is None
+                and gid is None):
+            self._grow()  # a truncate down is a removal: it goes through on a full disk
         now = self.clock()
         if size is not None:
             if n.kind is Kind.DIR:
@@ -827,7 +840,7 @@ class Overlay:
 
     def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
         """Only ``user.`` attributes are kept (others: ENOTSUP)."""
-        self._mut()
+        self._grow()
         n = self._node(ino)
         if not name.startswith(b"user.") or len(name) <= 5:
             raise _err(errno.ENOTSUP, name)
@@ -992,11 +1005,12 @@ class Overlay:
         """Write ``data`` at ``off`` (at the end with O_APPEND); returns the bytes written:
         all of them, except that a write straddling ``MAX_FILE_SIZE`` is cut short there,
         and one starting at or beyond it fails with EFBIG (as write(2) does at a file size
-        limit). The first write into a lower chunk copies that chunk up."""
+        limit), or fewer when the state directory's disk filled up (ENOSPC if none). The
+        first write into a lower chunk copies that chunk up."""
         h = self.handle(fh)
         if not h.writable:
             raise _err(errno.EBADF)
-        self._mut()
+        self._grow()
         n = h.node
         if h.flags & os.O_APPEND:
             off = n.size
@@ -1014,6 +1028,7 @@ class Overlay:
         fd = self._fd(n, create=True)
         assert fd is not None
         cs = self.cs
+        whole: list[int] = []  # lower chunks the write covers entirely: no copy needed
         if data and off < n.lower_len:
             for i in range(off // cs, (min(end, n.lower_len) - 1) // cs + 1):
                 if i in n.present:
@@ -1022,16 +1037,45 @@ class Overlay:
                 hi = min((i + 1) * cs, n.lower_len)
                 if off > lo or end < hi:
                     chunk = self.lower.chunk(n.lower_chunks[i])
-                    os.pwrite(fd, chunk[:hi - lo], lo)
+                    _pwrite_all(fd, chunk[:hi - lo], lo)
+                    n.present.add(i)
+                else:
+                    whole.append(i)
+        done = 0
+        error: OSError | None = None
+        try:
+            while done < len(data):  # a short pwrite means the disk is full: try the rest
+                done += os.pwrite(fd, data[done:] if done else data, off + done)
+        except OSError as e:
+            error = e
+        # A short write (POSIX allows one) acknowledges what reached the data file; the
+        # writer gets the error when it retries the rest. A lower chunk is marked copied
+        # up only once it is whole in the data file.
+        for i in whole:
+            lo = i * cs
+            hi = min((i + 1) * cs, n.lower_len)
+            if off + done >= hi:
                 n.present.add(i)
-        if data:
-            os.pwrite(fd, data, off)
+            elif off + done > lo:
+                try:
+                    chunk = self.lower.chunk(n.lower_chunks[i])
+                    _pwrite_all(fd, chunk[off + done - lo:hi - lo], off + done)
+                    n.present.add(i)
+                except OSError as e:
+                    error = error or e
+                    done = lo - off  # acknowledge up to the chunk only
+                break
+        if done == 0 and data:
+            self._close_idle_fd(n)
+            assert error is not None
+            raise error
+        end = off + done
         if end > n.size:
             n.size = end
         n.mtime_ns = n.ctime_ns = self.clock()
         self._close_idle_fd(n)
         self._dirty_data.add(n.ino)
-        return len(data)
+        return done
 
     def _write_inline(self, n: Node, off: int, data: bytes) -> None:
         buf = n.inline
@@ -1050,11 +1094,22 @@ class Overlay:
         """Move inline content to a data file (the file grew beyond ``INLINE_MAX``)."""
         buf = n.inline
         assert buf is not None
+        had_data = n.has_data
         fd = self._fd(n, create=True)
         assert fd is not None
-        os.ftruncate(fd, 0)
-        if buf:
-            os.pwrite(fd, buf, 0)
+        try:
+            os.ftruncate(fd, 0)
+            if buf:
+                _pwrite_all(fd, buf, 0)
+        except OSError:
+            if not had_data and self.upper is not None:  # keep it inline, as before
+                self._close_fd(n)
+                n.has_data = False
+                try:
+                    os.unlink(self.upper.data_path(n.ino))
+                except FileNotFoundError:
+                    pass
+            raise
         self.inline_bytes -= len(buf)
         n.inline = None
         self._dirty_data.add(n.ino)
@@ -1226,8 +1281,18 @@ class Overlay:
             n.nlookup = 0
             self._maybe_forget(n)
         if self.upper is not None:
-            self.commit(durable=True)
-            self.upper.close()
+            try:
+                self.commit(durable=True)
+            finally:
+                self.upper.close()
+
+
+def _pwrite_all(fd: int, data: bytes | bytearray, off: int) -> None:
+    """pwrite(2) all of ``data`` at ``off`` (a short write continues; OSError when the
+    rest cannot be written, e.g. ENOSPC)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:] if done else data, off + done)
 
 
 def lower_held(chunks: ChunkList, lower_len: int, present: set[int], cs: int) -> int:

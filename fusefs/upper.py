@@ -6,6 +6,9 @@ Layout of a state directory ``<state>`` (mode 0700)::
     <state>/upper.sqlite       the tables below (WAL)
     <state>/data/<xx>/<ino>    content of changed files, at the file's own offsets (sparse)
     <state>/daemon.log         the mount daemon's log
+    <state>/reserve            preallocated space, released to let a commit through on a
+                               full disk (see "A full disk" below)
+    <state>/spill              preallocated, two slots: batches the database could not take
 
 The overlay keeps the whole upper in memory while mounted; this file is its write-behind
 copy, written in batches (``write``): at a timer, at ``fsync``/``fsyncdir`` (durably, with
@@ -20,9 +23,24 @@ resolving lazily through it: moving it writes three rows however large it is. Co
 per chunk: bit ``i`` of ``present`` says chunk ``i`` lives in the data file; chunks below
 ``lower_len`` without their bit still read from lower.
 
+A full disk (ENOSPC under the state directory): ``write`` first commits as usual; when SQLite
+answers SQLITE_FULL it releases the reserve (``RESERVE_BYTES``, at most 1/32 of the file
+system) and tries once more. If that fails too, the batch and every earlier one not yet in
+the database are written, checksummed and synced, in place into the spill's other slot (no
+allocation: the spill is preallocated when the state directory is first opened), and then
+count as written: the data files they free are unlinked, which is how ``rm`` frees space on
+a full disk without the database. Every later successful commit applies the spilled
+batches first and records their sequence number (``spill_applied``) in the same
+transaction; ``open`` replays a spill newer than that before anything else. While the
+reserve is short or batches wait in the spill, ``has_room`` is false and the overlay
+answers every change but a removal with ENOSPC, so what waits in memory stays small. Only
+when even the spill cannot take the batches does ``write`` raise ``OSError(ENOSPC)``; the
+caller keeps them and retries.
+
 Invariants, each checked by ``check`` under the stable name in brackets:
 
-- [meta] meta holds format, base (a Ref), chunk_size, next_ino and next_cookie.
+- [meta] meta holds format, base (a Ref), chunk_size, next_ino and next_cookie
+  (and ``spill_applied``, the sequence number of the last spill applied, once one was).
 - [root] a row for inode 1 is a directory, its own parent, showing the base's root tree.
 - [ino-range] an allocated inode number (below 2^62) is below next_ino.
 - [kind-fields] a row carries the fields of its kind only: directories no chunks or data,
@@ -72,6 +90,11 @@ Crash windows (``kill -9`` of the daemon or power loss; ``fsync`` means fsync/fs
 | data files without a row (created, no commit) | deleted at open                        |
 | after fsync returned                          | everything up to it: data file synced  |
 |                                               | first, then one synchronous commit     |
+| batches in the spill, not in the database     | replayed at open (before recovery);    |
+|                                               | data files freed by them are unlinked  |
+|                                               | only after the spill was synced        |
+| spill applied, ``spill_applied`` committed    | the spill is older than the database:  |
+|                                               | ignored                                |
 | power loss after a batch commit of copy-up    | a committed ``present`` bit may meet   |
 | bits whose data was never fsynced             | a chunk that reads zeros (kill -9 of   |
 |                                               | the daemon alone cannot cause this)    |
@@ -79,25 +102,48 @@ Crash windows (``kill -9`` of the daemon or power loss; ``fsync`` means fsync/fs
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
+import marshal
 import os
 import re
 import sqlite3
-from collections.abc import Iterator
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import blake3
 
 from store.errors import InvalidRefError
 from store.ref import DIGEST_SIZE, Ref
 from store.tree import ChunkList, decode_runs, encode_runs
 
-from .errors import BaseMismatchError, NoBaseError, StateLockedError, UpperFormatError
+from .errors import (
+    BaseMismatchError,
+    NoBaseError,
+    StateFullError,
+    StateLockedError,
+    UpperFormatError,
+)
 from .inodes import DERIVED_BIT, ROOT_INO
+
+log = logging.getLogger("rewindfs.upper")
 
 FORMAT = "2"  # 2: lower_chunks holds runs (1: every id, concatenated; migrated at open)
 DB_NAME = "upper.sqlite"
 DATA_DIR = "data"
 LOG_NAME = "daemon.log"
 LOCK_NAME = "lock"
+RESERVE_NAME = "reserve"
+SPILL_NAME = "spill"
+RESERVE_BYTES = 8 << 20  # at most; and at most 1/32 of the state directory's file system
+SPILL_SLOT_BYTES = 2 << 20  # per slot (two slots); at most 1/64 of the file system each
+REGROW_EVERY_S = 0.5  # a failed regrowth of the reserve is tried again after this
+_SPILL_MAGIC = b"RWSPILL1"
+_SPILL_HEAD = struct.Struct("<8sQQ32s")  # magic, sequence number, payload length, blake3
 
 # table -> (column -> comment): the documentation of the schema.
 TABLES: dict[str, dict[str, str]] = {
@@ -106,7 +152,8 @@ TABLES: dict[str, dict[str, str]] = {
                "next_ino (next allocated inode number), next_cookie (next readdir cookie), "
                "held_lowers (space-separated Refs of older lowers that detached inodes, "
                "unlinked or removed by a restore while open, still read: GC keeps them; "
-               "cleared at open, since no handle outlives the daemon).",
+               "cleared at open, since no handle outlives the daemon), spill_applied "
+               "(sequence number of the last spill applied).",
         "value": "text value.",
     },
     "inodes": {
@@ -228,6 +275,73 @@ class Batch:
                     or self.xattrs or self.pins or self.pins_gone or self.unlink_after)
 
 
+def _encode_batches(batches: list[Batch], state_dir: str) -> bytes:
+    """The spill's payload: ``batches`` as plain values (marshal format 4); the data files
+    to unlink relative to ``state_dir``, so a copied state directory stays self-contained."""
+    return marshal.dumps([
+        (b.inodes, b.deleted, b.dentries, b.dentries_gone, list(b.xattrs.items()), b.pins,
+         b.pins_gone, list(b.meta.items()),
+         [os.path.relpath(p, state_dir) for p in b.unlink_after]) for b in batches], 4)
+
+
+def _decode_batches(payload: bytes, state_dir: str) -> list[Batch]:
+    out = []
+    for (inodes, deleted, dentries, gone, xattrs, pins, pins_gone, meta,
+         unlink_after) in marshal.loads(payload):
+        paths = [os.path.join(state_dir, p) for p in unlink_after
+                 if p.startswith(DATA_DIR + "/") and ".." not in p.split("/")]
+        out.append(Batch(inodes=inodes, deleted=deleted, dentries=dentries,
+                         dentries_gone=gone, xattrs=dict(xattrs), pins=pins,
+                         pins_gone=pins_gone, meta=dict(meta), unlink_after=paths))
+    return out
+
+
+def _is_full(e: sqlite3.Error) -> bool:
+    """True if SQLite failed for want of space (SQLITE_FULL, extended codes included)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF == sqlite3.SQLITE_FULL
+
+
+def _no_space(path: str, what: str) -> OSError:
+    return OSError(errno.ENOSPC, f"No space left on device (ENOSPC): {what}", path)
+
+
+def _apply(c: sqlite3.Connection, b: Batch) -> None:
+    """The statements of one batch, inside the caller's transaction."""
+    if b.deleted:
+        dl = [(i,) for i in b.deleted]
+        c.executemany("DELETE FROM inodes WHERE ino=?", dl)
+        c.executemany("DELETE FROM xattrs WHERE ino=?", dl)
+        c.executemany("DELETE FROM dentries WHERE parent=?", dl)
+    if b.inodes:
+        c.executemany(_INSERT_INODE, b.inodes)
+    if b.dentries_gone:
+        c.executemany("DELETE FROM dentries WHERE parent=? AND name=?", b.dentries_gone)
+    if b.dentries:
+        c.executemany("INSERT OR REPLACE INTO dentries(parent, name, ino, cookie) "
+                      "VALUES (?, ?, ?, ?)", b.dentries)
+    for ino, pairs in b.xattrs.items():
+        c.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+        c.executemany("INSERT INTO xattrs(ino, name, value) VALUES (?, ?, ?)",
+                      [(ino, k, v) for k, v in pairs])
+    if b.pins_gone:
+        c.executemany("DELETE FROM pins WHERE origin=?", [(o,) for o in b.pins_gone])
+    if b.pins:
+        c.executemany("INSERT OR REPLACE INTO pins(origin, ino, ctime_ns) VALUES (?, ?, ?)",
+                      b.pins)
+    if b.meta:
+        c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                      list(b.meta.items()))
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 @dataclass
 class Loaded:
     """The whole upper, as read at open."""
@@ -253,7 +367,7 @@ class Upper:
     """An open, locked state directory. Use ``Upper.open``.
 
     ``write`` may run in a worker thread, one call at a time; nothing else touches the
-    connection while the overlay runs.
+    connection while the overlay runs. ``has_room`` may be called from another thread.
     """
 
     def __init__(self, state_dir: str, conn: sqlite3.Connection, lock_fd: int,
@@ -265,6 +379,17 @@ class Upper:
         self.chunk_size = chunk_size
         self.data_dir = os.path.join(state_dir, DATA_DIR)
         self._subdirs: set[str] = set()
+        # A full disk (see the module docstring): the reserve, the spill and its batches.
+        self._space = threading.Lock()
+        self._reserve_fd: int | None = None
+        self._spill_fd: int | None = None
+        self.reserve_bytes = 0
+        self.spill_slot = 0  # bytes per spill slot (0: no spill)
+        self.reserve_full = False
+        self._regrow_at = 0.0  # monotonic time of the next regrowth attempt
+        self.spilled: list[Batch] = []  # in the spill, not yet in the database
+        self.spill_seq = 0  # sequence number of the newest spill record
+        self.failing = False  # the last write could not be stored anywhere
 
     @classmethod
     def open(cls, state_dir: str, *, store_root: str, chunk_size: int,
@@ -318,12 +443,196 @@ class Upper:
                     ("chunk_size", str(chunk_size)), ("next_ino", "2"),
                     ("next_cookie", "1")])
             os.makedirs(os.path.join(state_dir, DATA_DIR), mode=0o700, exist_ok=True)
+        except sqlite3.Error as e:
+            os.close(lock_fd)
+            if _is_full(e):
+                raise StateFullError(state_dir, "cannot write its database") from e
+            raise
         except BaseException:
             os.close(lock_fd)
             raise
         up = cls(state_dir, conn, lock_fd, base, chunk_size)
-        up.recover()
+        try:
+            up._open_space(int(meta.get("spill_applied", "0")))
+            up.recover()
+        except OSError as e:
+            up.close()
+            if e.errno == errno.ENOSPC:
+                raise StateFullError(state_dir, str(e)) from e
+            raise
+        except BaseException:
+            up.close()
+            raise
         return up
+
+    # -- space: the reserve and the spill ---------------------------------------------------
+
+    def _open_space(self, applied: int) -> None:
+        """Open (creating or growing them while space allows) the reserve and the spill;
+        replay a spill newer than ``applied``. Raises OSError(ENOSPC) if the spill's
+        batches cannot be applied (nothing is lost: they stay in the spill)."""
+        st = os.statvfs(self.state_dir)
+        fs_bytes = st.f_blocks * st.f_frsize
+        self.reserve_bytes = min(RESERVE_BYTES, fs_bytes // 32)
+        slot = min(SPILL_SLOT_BYTES, fs_bytes // 64)
+        self._reserve_fd = os.open(os.path.join(self.state_dir, RESERVE_NAME),
+                                   os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._spill_fd = fd = os.open(os.path.join(self.state_dir, SPILL_NAME),
+                                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        have = os.fstat(fd).st_size
+        if have < 2 * slot:
+            # Written, not fallocated: later writes in place then never allocate.
+            try:
+                os.pwrite(fd, bytes(2 * slot - have), have)
+                os.fsync(fd)
+                have = 2 * slot
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                have = os.fstat(fd).st_size
+                log.warning("%s: no space for the whole spill (%d of %d bytes)",
+                            self.state_dir, have, 2 * slot)
+        self.spill_slot = have // 2
+        self.spill_seq = applied
+        pending = self._read_spill()
+        if pending is not None and pending[0] > applied:
+            seq, batches = pending
+            self.spill_seq = seq
+            self.spilled = batches
+            log.info("%s: applying %d batch(es) from the spill (sequence %d)",
+                     self.state_dir, len(batches), seq)
+            for b in batches:  # the spill is durable: what it frees may go first
+                _unlink_all(b.unlink_after)
+            self.write(Batch(), durable=True)
+            if self.spilled:
+                raise _no_space(self.state_dir, f"{len(batches)} batch(es) of changes wait "
+                                "in the spill; free space on its file system")
+        elif pending is not None:
+            self.spill_seq = max(applied, pending[0])
+        self.regrow_reserve(force=True)
+
+    def _read_spill(self) -> tuple[int, list[Batch]] | None:
+        """The newest valid spill record: (sequence number, batches), or None."""
+        assert self._spill_fd is not None
+        best: tuple[int, list[Batch]] | None = None
+        for i in range(2):
+            head = os.pread(self._spill_fd, _SPILL_HEAD.size, i * self.spill_slot)
+            if len(head) < _SPILL_HEAD.size:
+                continue
+            magic, seq, n, digest = _SPILL_HEAD.unpack(head)
+            if magic != _SPILL_MAGIC or n > self.spill_slot - _SPILL_HEAD.size:
+                continue
+            payload = os.pread(self._spill_fd, n, i * self.spill_slot + _SPILL_HEAD.size)
+            if len(payload) != n or blake3.blake3(payload).digest() != digest:
+                continue  # torn by a crash while written: the other slot is the valid one
+            if best is None or seq > best[0]:
+                best = (seq, _decode_batches(payload, self.state_dir))
+        return best
+
+    def _spill(self, batches: list[Batch]) -> None:
+        """Write ``batches`` durably into the spill slot not holding the newest record.
+        Raises OSError(ENOSPC) if they do not fit."""
+        payload = _encode_batches(batches, self.state_dir)
+        seq = self.spill_seq + 1
+        if self._spill_fd is None or _SPILL_HEAD.size + len(payload) > self.spill_slot:
+            raise _no_space(self.state_dir, f"{len(batches)} batch(es) of changes "
+                            f"({len(payload)} bytes) fit neither in the database nor in "
+                            f"the spill ({self.spill_slot} bytes)")
+        rec = _SPILL_HEAD.pack(_SPILL_MAGIC, seq, len(payload),
+                               blake3.blake3(payload).digest()) + payload
+        off = (seq % 2) * self.spill_slot
+        done = 0
+        while done < len(rec):
+            done += os.pwrite(self._spill_fd, rec[done:], off + done)
+        os.fdatasync(self._spill_fd)
+        self.spill_seq = seq
+
+    def _release_reserve(self) -> bool:
+        """Free the reserve's space (True if it held any)."""
+        with self._space:
+            if self._reserve_fd is None or os.fstat(self._reserve_fd).st_blocks == 0:
+                return False
+            os.ftruncate(self._reserve_fd, 0)
+            self.reserve_full = False
+            self._regrow_at = 0.0
+        log.warning("%s: disk full (ENOSPC): reserve of %d bytes released to commit",
+                    self.state_dir, self.reserve_bytes)
+        return True
+
+    def regrow_reserve(self, force: bool = False) -> bool:
+        """Allocate the reserve again if it is short; True once it is whole. A failed
+        attempt is repeated at most every ``REGROW_EVERY_S`` unless ``force``."""
+        with self._space:
+            if self.reserve_full or self._reserve_fd is None:
+                return self.reserve_full
+            now = time.monotonic()
+            if not force and now < self._regrow_at:
+                return False
+            try:
+                os.posix_fallocate(self._reserve_fd, 0, self.reserve_bytes)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self._regrow_at = now + REGROW_EVERY_S
+                    return False
+                # A file system that cannot preallocate at all: serve without a reserve.
+                log.warning("%s: no reserve (cannot preallocate: %s)", self.state_dir, e)
+                self.reserve_bytes = 0
+            self.reserve_full = True
+        log.info("%s: reserve of %d bytes in place", self.state_dir, self.reserve_bytes)
+        return True
+
+    def has_room(self) -> bool:
+        """False while the disk is short: the reserve is not whole (and cannot be regrown
+        now), batches wait in the spill, or the last write failed. The overlay then refuses
+        changes that add anything (ENOSPC)."""
+        if self.spilled or self.failing:
+            return False
+        return self.reserve_full or self.regrow_reserve()
+
+    def transact(self, body: Callable[[sqlite3.Connection], None],
+                 durable: bool = False) -> None:
+        """Run ``body`` in one transaction (synchronous when ``durable``) that also records
+        the spilled batches as applied (``body`` must apply them or supersede them). On
+        SQLITE_FULL the reserve is released and the transaction tried once more. Raises
+        OSError(ENOSPC) if there is still no space; nothing is then changed."""
+        cause: sqlite3.Error | None = None
+        for attempt in range(2):
+            try:
+                self._transaction(body, durable)
+                self.spilled = []
+                return
+            except sqlite3.Error as e:
+                if not _is_full(e):
+                    raise
+                cause = e
+                if attempt or not self._release_reserve():
+                    break
+        raise _no_space(os.path.join(self.state_dir, DB_NAME),
+                        "the upper's database cannot grow") from cause
+
+    def _transaction(self, body: Callable[[sqlite3.Connection], None],
+                     durable: bool) -> None:
+        c = self.conn
+        if durable:
+            c.execute("PRAGMA synchronous=FULL")
+        try:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                body(c)
+                if self.spilled:
+                    c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                              ("spill_applied", str(self.spill_seq)))
+                c.execute("COMMIT")
+            except BaseException:
+                # SQLite rolls back by itself after some errors (SQLITE_FULL among them): a
+                # second ROLLBACK would only hide the real error.
+                if c.in_transaction:
+                    c.execute("ROLLBACK")
+                raise
+        finally:
+            if durable:
+                c.execute("PRAGMA synchronous=NORMAL")
+
 
     # -- paths ---------------------------------------------------------------------------
 
@@ -343,14 +652,19 @@ class Upper:
         """Finish what a crash interrupted: drop unlinked inodes and orphan dentries,
         remove data files without a row and cut data files to their file's size."""
         c = self.conn
-        c.execute("BEGIN IMMEDIATE")
-        c.execute("DELETE FROM meta WHERE key='held_lowers'")
-        gone = [r[0] for r in c.execute("SELECT ino FROM inodes WHERE nlink = 0")]
-        c.executemany("DELETE FROM inodes WHERE ino=?", [(i,) for i in gone])
-        c.executemany("DELETE FROM xattrs WHERE ino=?", [(i,) for i in gone])
-        orphans = c.execute("DELETE FROM dentries WHERE parent NOT IN "
-                            "(SELECT ino FROM inodes WHERE kind=1)").rowcount
-        c.execute("COMMIT")
+        gone: list[int] = []
+        orphans = 0
+
+        def body(c: sqlite3.Connection) -> None:
+            nonlocal gone, orphans
+            c.execute("DELETE FROM meta WHERE key='held_lowers'")
+            gone = [r[0] for r in c.execute("SELECT ino FROM inodes WHERE nlink = 0")]
+            c.executemany("DELETE FROM inodes WHERE ino=?", [(i,) for i in gone])
+            c.executemany("DELETE FROM xattrs WHERE ino=?", [(i,) for i in gone])
+            orphans = c.execute("DELETE FROM dentries WHERE parent NOT IN "
+                                "(SELECT ino FROM inodes WHERE kind=1)").rowcount
+
+        self.transact(body)
         sizes = dict(c.execute("SELECT ino, size FROM inodes WHERE kind=2 "
                                "AND inline IS NULL").fetchall())
         removed = cut = 0
@@ -382,58 +696,55 @@ class Upper:
     # -- write ---------------------------------------------------------------------------
 
     def write(self, b: Batch, durable: bool = False) -> None:
-        """Apply ``b`` in one transaction (synchronous when ``durable``), then unlink the
-        data files it freed. Data files must be synced by the caller before a durable
-        write that depends on them."""
-        c = self.conn
-        if durable:
-            c.execute("PRAGMA synchronous=FULL")
+        """Apply the spilled batches and ``b`` in one transaction (synchronous when
+        ``durable``), then unlink the data files they freed and regrow the reserve. Data
+        files must be synced by the caller before a durable write that depends on them.
+
+        On a full disk (see the module docstring) the batches go to the spill instead and
+        the call returns: they are durable. Raises OSError(ENOSPC) when even the spill
+        cannot take them; then nothing is written and the caller keeps ``b`` to retry."""
+        pending = self.spilled + [b]
+
+        def body(c: sqlite3.Connection) -> None:
+            for x in pending:
+                _apply(c, x)
+
         try:
-            c.execute("BEGIN IMMEDIATE")
-            try:
-                if b.deleted:
-                    dl = [(i,) for i in b.deleted]
-                    c.executemany("DELETE FROM inodes WHERE ino=?", dl)
-                    c.executemany("DELETE FROM xattrs WHERE ino=?", dl)
-                    c.executemany("DELETE FROM dentries WHERE parent=?", dl)
-                if b.inodes:
-                    c.executemany(_INSERT_INODE, b.inodes)
-                if b.dentries_gone:
-                    c.executemany("DELETE FROM dentries WHERE parent=? AND name=?",
-                                  b.dentries_gone)
-                if b.dentries:
-                    c.executemany("INSERT OR REPLACE INTO dentries(parent, name, ino, cookie) "
-                                  "VALUES (?, ?, ?, ?)", b.dentries)
-                for ino, pairs in b.xattrs.items():
-                    c.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
-                    c.executemany("INSERT INTO xattrs(ino, name, value) VALUES (?, ?, ?)",
-                                  [(ino, k, v) for k, v in pairs])
-                if b.pins_gone:
-                    c.executemany("DELETE FROM pins WHERE origin=?", [(o,) for o in b.pins_gone])
-                if b.pins:
-                    c.executemany("INSERT OR REPLACE INTO pins(origin, ino, ctime_ns) "
-                                  "VALUES (?, ?, ?)", b.pins)
-                if b.meta:
-                    c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
-                                  list(b.meta.items()))
-                c.execute("COMMIT")
-            except BaseException:
-                c.execute("ROLLBACK")
+            self.transact(body, durable)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
                 raise
-        finally:
-            if durable:
-                c.execute("PRAGMA synchronous=NORMAL")
-        for path in b.unlink_after:
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+                self._spill(pending)
+            except OSError as e2:
+                self.failing = True
+                log.error("%s: %s", self.state_dir, e2)
+                raise e2 from e
+            self.failing = False
+            if not self.spilled:
+                log.error("%s: %s; changes are kept in the spill until it has room",
+                          self.state_dir, e)
+            self.spilled = pending
+            _unlink_all(b.unlink_after)
+            return
+        if self.failing or len(pending) > 1:
+            log.info("%s: changes committed again (%d batch(es) from the spill)",
+                     self.state_dir, len(pending) - 1)
+        self.failing = False
+        for x in pending:
+            _unlink_all(x.unlink_after)
+        if not self.reserve_full:
+            self.regrow_reserve()
 
     def close(self) -> None:
         """Close the database and release the lock (idempotent)."""
         if self._lock_fd is None:
             return
         self.conn.close()
+        for fd in (self._reserve_fd, self._spill_fd):
+            if fd is not None:
+                os.close(fd)
+        self._reserve_fd = self._spill_fd = None
         os.close(self._lock_fd)
         self._lock_fd = None
 

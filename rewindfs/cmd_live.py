@@ -126,9 +126,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"open:      {r['open_handles']} handles ({r['writable_handles']} writable), "
         f"{r['open_dirs']} directories",
         f"state:     {r['state']}",
+        f"disk:      {_disk_text(r)}",
         f"daemon:    pid {r['pid']}"])
     emit(args, r, text)
     return 0
+
+
+def _disk_text(r: dict[str, Any]) -> str:
+    if not r.get("disk_full"):
+        return "ok"
+    return (f"full (ENOSPC): only removals are accepted; {r.get('spilled_batches', 0)} "
+            f"batch(es) of changes in the spill, {r.get('unwritten_batches', 0)} in memory")
 
 
 def is_mount_arg(arg: str) -> bool:

@@ -5,7 +5,8 @@
 --state DIR`` remounts DIR on the base it records. By default the command starts the
 daemon in the background and returns once the mount serves (exit 0) or with a one-line
 error (exit 9, or the error's own code); ``--foreground`` makes this process the daemon.
-``rewindfs umount MNT`` unmounts and waits until the daemon has persisted everything.
+``rewindfs umount MNT`` unmounts and waits until the daemon has persisted everything; it
+exits 9 with the daemon's error if the daemon failed (for example if persisting failed).
 FUSE modules are imported inside handlers.
 """
 
@@ -190,7 +191,7 @@ def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     from fusefs.errors import MountError
-    from fusefs.mounts import alive, is_mounted, read_record
+    from fusefs.mounts import alive, is_mounted, read_record, take_exit_record
 
     mnt = os.path.abspath(args.mountpoint)
     if not is_mounted(mnt):
@@ -211,6 +212,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
                                       "after unmount")
             time.sleep(0.02)
         waited = time.monotonic() - t0
+        ex = take_exit_record(mnt)
+        if ex is not None and ex.get("pid") == pid and ex.get("started") == started:
+            raise MountError(mnt, f"unmounted, but the daemon failed (exit {ex.get('code')}): "
+                                  f"{ex.get('error')}")
     emit(args, {"mountpoint": mnt, "elapsed_ms": round(waited * 1000, 1)},
          f"unmounted {mnt}")
     return 0

@@ -1,0 +1,359 @@
+"""A full disk under a session mount's state directory loses no acknowledged change.
+
+The state directory lives on a real 64 MiB tmpfs (mounted here, so the tests need root) and
+the mount is a real FUSE mount started and stopped with the CLI (``rewindfs mount`` in the
+background, ``rewindfs umount``), as a user runs it. The rule under test: a change the
+kernel acknowledged is either in the next successful commit or its failure reached the
+writer (ENOSPC at write, create or fsync); ``rm`` frees space while the disk is full; the
+mount recovers in place once there is space; a persist that fails at unmount makes
+``rewindfs umount`` exit non-zero and the next mount still has every acknowledged change.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fusehelpers as fh
+import pytest
+
+from fusefs.inodes import ROOT_INO
+from fusefs.lower import Lower
+from fusefs.overlay import Overlay
+from fusefs.upper import INLINE_MAX, RESERVE_NAME, Upper, check
+from store.objects import Store
+from store.snapshot import snapshot
+
+DISK_MIB = 64
+MIB = 1 << 20
+
+
+def cli(store: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(store), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=fh.REPO)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(path: Path, block: int = MIB) -> tuple[int, int]:
+    """Write ``path`` until the disk refuses; returns (bytes acknowledged, errno seen)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    total = 0
+    err = 0
+    try:
+        for size in (block, 4096, 1):  # then smaller pieces, to take the last bytes too
+            buf = b"f" * size
+            while True:
+                try:
+                    total += os.write(fd, buf)
+                except OSError as e:
+                    err = e.errno or 0
+                    break
+    finally:
+        os.close(fd)
+    return total, err
+
+
+def write_new(path: Path, data: bytes) -> int:
+    """Create ``path`` holding ``data``; 0 if open, write and close all succeeded (the
+    kernel acknowledged it), else the errno the writer saw."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as e:
+        return e.errno or -1
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    except OSError as e:
+        os.close(fd)
+        return e.errno or -1
+    os.close(fd)
+    return 0
+
+
+class Mount:
+    """A background ``rewindfs mount`` of ``ref`` at ``mnt`` with its state in ``state``."""
+
+    def __init__(self, store: Path, ref: str, mnt: Path, state: Path) -> None:
+        self.store, self.ref, self.mnt, self.state = store, ref, mnt, state
+        self.pids: list[int] = []
+
+    def mount(self, with_ref: bool = True) -> None:
+        self.mnt.mkdir(exist_ok=True)
+        args = ["mount", *([self.ref] if with_ref else []), str(self.mnt), "--state",
+                str(self.state), "--json"]
+        r = cli(self.store, *args)
+        assert r.returncode == 0, r.stderr + self.log()
+        self.pids.append(json.loads(r.stdout)["pid"])
+
+    def umount(self) -> subprocess.CompletedProcess[str]:
+        return cli(self.store, "umount", str(self.mnt))
+
+    def status(self) -> dict[str, object]:
+        r = cli(self.store, "status", str(self.mnt), "--json")
+        assert r.returncode == 0, r.stderr
+        return dict(json.loads(r.stdout))
+
+    def log(self) -> str:
+        try:
+            return "\n--- daemon.log ---\n" + (self.state / "daemon.log").read_text(
+                errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def teardown(self) -> None:
+        if fh.is_fuse_mounted(self.mnt):
+            fh.fusermount(self.mnt, lazy=True)
+        for pid in self.pids:
+            deadline = time.monotonic() + 30
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real tmpfs of DISK_MIB MiB at ``tmp_path/disk``, unmounted at teardown."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m,mode=0700",
+                        "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+@pytest.fixture
+def disk(tmpfs: Path) -> Path:
+    """``tmpfs``, for tests that also mount rewindfs."""
+    if not os.path.exists("/dev/fuse") or shutil.which(fh.FUSERMOUNT) is None:
+        pytest.skip("needs /dev/fuse and fusermount3")
+    return tmpfs
+
+
+@pytest.fixture
+def mount(disk: Path, fuse_store: Path, lower_ref: str, tmp_path: Path) -> Iterator[Mount]:
+    m = Mount(fuse_store, lower_ref, tmp_path / "mnt", disk / "state")
+    try:
+        yield m
+    finally:
+        m.teardown()
+
+
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_rm_frees_space_on_a_full_disk_and_the_mount_recovers_in_place(
+        mount: Mount, disk: Path) -> None:
+    m = mount
+    m.mount()
+    mnt = m.mnt
+    (mnt / "kept").mkdir()
+    (mnt / "kept" / "a.txt").write_bytes(b"acknowledged before the disk filled\n")
+    os.chmod(mnt / "kept" / "a.txt", 0o600)
+    big = fh.pattern(3 * MIB, seed=3)
+    (mnt / "kept" / "b.bin").write_bytes(big)
+    os.rename(mnt / "plain.txt", mnt / "kept" / "renamed.txt")
+
+    filled, err = fill(mnt / "fill")
+    assert err == errno.ENOSPC, os.strerror(err)
+    assert filled > 16 * MIB
+    assert free_bytes(disk) < 4 * MIB
+
+    # Every change made while full is either refused (ENOSPC) or acknowledged and kept.
+    small = write_new(mnt / "while-full.txt", b"small\n")
+    assert small in (0, errno.ENOSPC), os.strerror(small)
+
+    os.unlink(mnt / "fill")
+    wait_for(lambda: free_bytes(disk) > 32 * MIB, "rm to free the space of the filler")
+
+    # The mount works again in place: new data, fsync, a new directory, a checkpoint.
+    after = fh.pattern(4 * MIB, seed=5)
+    wait_for(lambda: write_new(mnt / "after.bin", after) == 0, "writes to work again")
+    fd = os.open(mnt / "after.bin", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    (mnt / "after-dir").mkdir()
+    r = cli(m.store, "checkpoint", str(mnt))
+    assert r.returncode == 0, r.stderr + m.log()
+    (mnt / "after-checkpoint.txt").write_bytes(b"on top of the checkpoint\n")
+
+    r = m.umount()
+    assert r.returncode == 0, r.stderr + m.log()
+    m.mount(with_ref=False)
+    try:
+        assert (mnt / "kept" / "a.txt").read_bytes() == b"acknowledged before the disk filled\n"
+        assert os.stat(mnt / "kept" / "a.txt").st_mode & 0o777 == 0o600
+        assert (mnt / "kept" / "b.bin").read_bytes() == big
+        assert (mnt / "kept" / "renamed.txt").read_bytes() == b"hello world\n"
+        assert not (mnt / "plain.txt").exists()
+        assert not (mnt / "fill").exists()
+        assert (mnt / "while-full.txt").exists() == (small == 0)
+        assert (mnt / "after.bin").read_bytes() == after
+        assert (mnt / "after-dir").is_dir()
+        assert (mnt / "after-checkpoint.txt").read_bytes() == b"on top of the checkpoint\n"
+    finally:
+        r = m.umount()
+    assert r.returncode == 0, r.stderr + m.log()
+    assert fh.upper_problems(m.state, m.store) == []
+
+
+def test_a_persist_failing_at_unmount_exits_non_zero_and_the_next_mount_loses_nothing(
+        mount: Mount, disk: Path) -> None:
+    m = mount
+    m.mount()
+    mnt = m.mnt
+    for i in range(20):
+        (mnt / f"doomed-{i}.txt").write_bytes(f"file {i}\n".encode())
+    (mnt / "keep.txt").write_bytes(b"keep me\n")
+    (mnt / "gone-dir").mkdir()
+    big = fh.pattern(2 * MIB, seed=7)
+    (mnt / "big.bin").write_bytes(big)
+    r = m.umount()
+    assert r.returncode == 0, r.stderr + m.log()
+    m.mount(with_ref=False)
+
+    # Another program on the disk takes every free byte, the space of the mount's reserve
+    # included (as it could once a full disk made the mount release it).
+    os.truncate(m.state / RESERVE_NAME, 0)
+    _, err = fill(disk / "filler")
+    assert err == errno.ENOSPC
+
+    # Removals are acknowledged on a full disk; the database cannot take them.
+    for i in range(10):
+        os.unlink(mnt / f"doomed-{i}.txt")
+    os.rmdir(mnt / "gone-dir")
+    # Whatever would add to the upper is refused with ENOSPC once the mount has seen the
+    # full disk (its next commit); what it acknowledged before must be kept all the same.
+    made: list[str] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        name = f"new-dir-{len(made)}"
+        if fh.errno_of(os.mkdir, mnt / name) == errno.ENOSPC:
+            break
+        made.append(name)
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"mkdir still acknowledged on a full disk: {made}")
+    assert m.status()["disk_full"] is True
+    assert write_new(mnt / "new.txt", b"new\n") == errno.ENOSPC
+    assert fh.errno_of(os.chmod, mnt / "keep.txt", 0o600) == errno.ENOSPC
+
+    r = cli(m.store, "checkpoint", str(mnt))
+    assert r.returncode != 0
+    assert "ENOSPC" in r.stderr, r.stderr
+
+    r = m.umount()
+    assert r.returncode != 0, "umount exited 0 although persisting failed" + m.log()
+    assert "ENOSPC" in r.stderr, r.stderr
+    assert not fh.is_fuse_mounted(mnt)
+    assert fh.upper_problems(m.state, m.store) == []  # the state dir is whole
+
+    os.unlink(disk / "filler")
+    m.mount(with_ref=False)
+    try:
+        for i in range(20):
+            assert (mnt / f"doomed-{i}.txt").exists() == (i >= 10), i
+        assert not (mnt / "gone-dir").exists()
+        assert (mnt / "keep.txt").read_bytes() == b"keep me\n"
+        assert os.stat(mnt / "keep.txt").st_mode & 0o777 == 0o644
+        assert (mnt / "big.bin").read_bytes() == big
+        for name in made:
+            assert (mnt / name).is_dir(), name
+        assert not (mnt / f"new-dir-{len(made)}").exists()
+        assert not (mnt / "new.txt").exists()
+        (mnt / "new.txt").write_bytes(b"room again\n")
+        assert m.status().get("disk_full") is False
+    finally:
+        r = m.umount()
+    assert r.returncode == 0, r.stderr + m.log()
+    assert fh.upper_problems(m.state, m.store) == []
+    log = (m.state / "daemon.log").read_text(errors="replace")
+    assert "ENOSPC" in log  # the log survived the full disk and names the cause
+
+
+def test_removals_spilled_on_a_full_disk_survive_a_crash_and_free_space_at_once(
+        tmpfs: Path, tmp_path: Path) -> None:
+    """The overlay without a mount: the database cannot grow, so the removals go to the
+    spill, their data files are freed at once, and after a crash (nothing more written)
+    the next open replays them."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "lower.txt").write_bytes(b"from the lower\n")
+    store = Store(tmp_path / "store")
+    ref = snapshot(store, src)
+    state = str(tmpfs / "state")
+
+    def open_overlay() -> Overlay:
+        up = Upper.open(state, store_root=store.root, chunk_size=store.chunk_size, ref=ref)
+        return Overlay(Lower(store, up.base), up, uid=0, gid=0)
+
+    ov = open_overlay()
+    body = {f"f{i}": fh.pattern(INLINE_MAX + 4 * MIB, seed=i) for i in range(5)}
+    for name, data in body.items():
+        fd, n = ov.create(ROOT_INO, name.encode(), 0o644, os.O_WRONLY, 0, 0)
+        assert ov.write(fd, 0, data) == len(data)
+        ov.release(fd)
+        ov.forget(n.ino, 1)
+    ov.commit(durable=True)
+
+    os.truncate(Path(state) / RESERVE_NAME, 0)
+    _, err = fill(tmpfs / "filler")
+    assert err == errno.ENOSPC
+    for name in ("f0", "f1", "f2"):
+        ov.unlink(ROOT_INO, name.encode())
+    ov.commit()  # no exception: the removals are durable in the spill
+    assert ov.upper is not None and ov.upper.spilled
+    assert free_bytes(tmpfs) >= 3 * 4 * MIB  # their data files are gone already
+    assert fh.errno_of(ov.mkdir, ROOT_INO, b"more", 0o755, 0, 0) == errno.ENOSPC
+
+    for n in ov.nodes.values():  # kill -9: nothing more is written
+        if n.fd is not None:
+            os.close(n.fd)
+    ov.upper.close()
+    os.unlink(tmpfs / "filler")
+
+    ov = open_overlay()
+    try:
+        for name, data in body.items():
+            n = ov.lookup(ROOT_INO, name.encode())
+            if name in ("f0", "f1", "f2"):
+                assert n is None, name
+                continue
+            assert n is not None, name
+            fd = ov.open(n.ino, os.O_RDONLY)
+            assert ov.read(fd, 0, len(data) + 1) == data
+            ov.release(fd)
+        assert ov.upper is not None and not ov.upper.spilled
+    finally:
+        ov.close()
+    assert check(state, store) == []
+    store.close()
