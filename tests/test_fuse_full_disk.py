@@ -277,6 +277,11 @@ def test_a_persist_failing_at_unmount_exits_non_zero_and_the_next_mount_loses_no
     assert not fh.is_fuse_mounted(mnt)
     assert fh.upper_problems(m.state, m.store) == []  # the state dir is whole
 
+    # Still full: the next mount refuses to start (naming the cause) and leaves nothing.
+    r = cli(m.store, "mount", str(mnt), "--state", str(m.state))
+    assert r.returncode != 0 and "ENOSPC" in r.stderr, r.stderr
+    assert not fh.is_fuse_mounted(mnt)
+
     os.unlink(disk / "filler")
     m.mount(with_ref=False)
     try:
