@@ -378,7 +378,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                 "pid": os.getpid(), "started": start_time(os.getpid()), "code": code,
                 "error": failure or f"the daemon exited with {code} (see its log)"},
                 EXIT_SUFFIX)
-        except OSError as e:
+        except Exception as e:  # a runtime directory refused: the log still says it
             log.error("cannot write the exit record: %s", e)
     remove_record(cfg.mountpoint, os.getpid())
     try:

@@ -332,7 +332,9 @@ def _setup_logging(path: str) -> None:
     os.close(fd)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    handler = logging.StreamHandler(sys.stderr)
+    from fusefs.daemon import LogFile
+
+    handler = LogFile(path)  # survives a full disk (lines kept until there is room)
     handler.setFormatter(logging.Formatter(
         "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
