@@ -8,7 +8,8 @@ Layout of a state directory ``<state>`` (mode 0700)::
     <state>/daemon.log         the mount daemon's log
     <state>/reserve            preallocated space, released to let a commit through on a
                                full disk (see "A full disk" below)
-    <state>/spill              preallocated, two slots: batches the database could not take
+    <state>/spill              preallocated: a head fixing the slot size, then two slots for
+                               batches the database could not take
 
 The overlay keeps the whole upper in memory while mounted; this file is its write-behind
 copy, written in batches (``write``): at a timer, at ``fsync``/``fsyncdir`` (durably, with
@@ -142,8 +143,11 @@ SPILL_NAME = "spill"
 RESERVE_BYTES = 8 << 20  # at most; and at most 1/32 of the state directory's file system
 SPILL_SLOT_BYTES = 2 << 20  # per slot (two slots); at most 1/64 of the file system each
 REGROW_EVERY_S = 0.5  # a failed regrowth of the reserve is tried again after this
+SPILL_START = 4096  # the spill file's head (magic, slot bytes); the two slots follow
+_SPILL_FILE_MAGIC = b"RWSPILLF"
+_SPILL_FILE = struct.Struct("<8sQ")
 _SPILL_MAGIC = b"RWSPILL1"
-_SPILL_HEAD = struct.Struct("<8sQQ32s")  # magic, sequence number, payload length, blake3
+_SPILL_HEAD = struct.Struct("<8sQQ32s")  # per record: magic, sequence, payload bytes, blake3
 
 # table -> (column -> comment): the documentation of the schema.
 TABLES: dict[str, dict[str, str]] = {
@@ -334,6 +338,12 @@ def _apply(c: sqlite3.Connection, b: Batch) -> None:
                       list(b.meta.items()))
 
 
+def _write_all(fd: int, data: bytes, off: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:] if done else data, off + done)
+
+
 def _unlink_all(paths: list[str]) -> None:
     for path in paths:
         try:
@@ -474,25 +484,38 @@ class Upper:
         st = os.statvfs(self.state_dir)
         fs_bytes = st.f_blocks * st.f_frsize
         self.reserve_bytes = min(RESERVE_BYTES, fs_bytes // 32)
-        slot = min(SPILL_SLOT_BYTES, fs_bytes // 64)
         self._reserve_fd = os.open(os.path.join(self.state_dir, RESERVE_NAME),
                                    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._spill_fd = fd = os.open(os.path.join(self.state_dir, SPILL_NAME),
                                       os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        have = os.fstat(fd).st_size
-        if have < 2 * slot:
-            # Written, not fallocated: later writes in place then never allocate.
+        magic, have = _SPILL_FILE.unpack(os.pread(fd, _SPILL_FILE.size, 0).ljust(
+            _SPILL_FILE.size, b"\0"))
+        if magic == _SPILL_FILE_MAGIC:
+            self.spill_slot = have  # fixed when the file was made: records stay where they are
+        else:
+            # A new spill (or one whose making was cut short, so never written to): zeros
+            # first, written rather than fallocated so that later writes in place never
+            # allocate; then the head that fixes the slot size; then the directory entry.
+            want = min(SPILL_SLOT_BYTES, fs_bytes // 64)
             try:
-                os.pwrite(fd, bytes(2 * slot - have), have)
+                os.ftruncate(fd, 0)
+                _write_all(fd, bytes(SPILL_START + 2 * want), 0)
                 os.fsync(fd)
-                have = 2 * slot
+                _write_all(fd, _SPILL_FILE.pack(_SPILL_FILE_MAGIC, want), 0)
+                os.fsync(fd)
+                dfd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+                self.spill_slot = want
             except OSError as e:
-                if e.errno != errno.ENOSPC:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                have = os.fstat(fd).st_size
-                log.warning("%s: no space for the whole spill (%d of %d bytes)",
-                            self.state_dir, have, 2 * slot)
-        self.spill_slot = have // 2
+                os.ftruncate(fd, 0)
+                log.warning("%s: no space for a spill (%d bytes): on a full disk, changes "
+                            "the database cannot take wait in memory", self.state_dir,
+                            SPILL_START + 2 * want)
         self.spill_seq = applied
         pending = self._read_spill()
         if pending is not None and pending[0] > applied:
@@ -516,13 +539,14 @@ class Upper:
         assert self._spill_fd is not None
         best: tuple[int, list[Batch]] | None = None
         for i in range(2):
-            head = os.pread(self._spill_fd, _SPILL_HEAD.size, i * self.spill_slot)
+            at = SPILL_START + i * self.spill_slot
+            head = os.pread(self._spill_fd, _SPILL_HEAD.size, at)
             if len(head) < _SPILL_HEAD.size:
                 continue
             magic, seq, n, digest = _SPILL_HEAD.unpack(head)
             if magic != _SPILL_MAGIC or n > self.spill_slot - _SPILL_HEAD.size:
                 continue
-            payload = os.pread(self._spill_fd, n, i * self.spill_slot + _SPILL_HEAD.size)
+            payload = os.pread(self._spill_fd, n, at + _SPILL_HEAD.size)
             if len(payload) != n or blake3.blake3(payload).digest() != digest:
                 continue  # torn by a crash while written: the other slot is the valid one
             if best is None or seq > best[0]:
@@ -540,10 +564,7 @@ class Upper:
                             f"the spill ({self.spill_slot} bytes)")
         rec = _SPILL_HEAD.pack(_SPILL_MAGIC, seq, len(payload),
                                blake3.blake3(payload).digest()) + payload
-        off = (seq % 2) * self.spill_slot
-        done = 0
-        while done < len(rec):
-            done += os.pwrite(self._spill_fd, rec[done:], off + done)
+        _write_all(self._spill_fd, rec, SPILL_START + (seq % 2) * self.spill_slot)
         os.fdatasync(self._spill_fd)
         self.spill_seq = seq
 
