@@ -364,8 +364,10 @@ def tree_version(entries: Iterable[Entry]) -> int:
     """The version ``entries`` are written in: 2 if a file repeats chunk ids more than
     ``V1_REPEATS_MAX`` times, else 1 (see the module docstring)."""
     for e in entries:
-        if e.kind is Kind.FILE and e.chunks.repeats > V1_REPEATS_MAX:
-            return 2
+        if e.kind is Kind.FILE:
+            cl = e.chunks
+            if cl._ends and cl._ends[-1] - len(cl._ids) > V1_REPEATS_MAX:
+                return 2
     return 1
 
 
@@ -398,10 +400,16 @@ def encode_tree(entries: list[Entry] | tuple[Entry, ...], version: int | None = 
             out += e.tree_id
         elif e.kind is Kind.FILE:
             _put_varint(out, e.size)
+            cl = e.chunks
+            ids = cl._ids
             if version == 1:
-                _put_varint(out, len(e.chunks))
-                for c, reps in e.chunks.runs():
-                    out += c * reps if reps > 1 else c
+                n = len(cl)
+                _put_varint(out, n)
+                if n == len(ids):  # no repeats (the usual file): every id once
+                    out += b"".join(ids)
+                else:
+                    for c, reps in cl.runs():
+                        out += c * reps
             else:
                 _put_varint(out, e.chunks.run_count)
                 for c, reps in e.chunks.runs():
@@ -508,6 +516,7 @@ def _decode_entries(buf: bytes) -> list[Entry]:
     if magic != MAGIC and magic != MAGIC_V2:
         raise _Malformed(0, "bad magic" if len(buf) >= len(MAGIC) else "truncated")
     v2 = magic == MAGIC_V2
+    ones = _ONE
     count, pos = _varint(buf, len(MAGIC))
     size_limit = len(buf)
     if count > size_limit:
@@ -569,7 +578,7 @@ def _decode_entries(buf: bytes) -> list[Entry]:
                 raise _Malformed(pos, "chunk count larger than the object")
             raw, pos = _take(buf, pos, n * DIGEST_SIZE)
             if n == 1:
-                chunks = _one(raw)
+                chunks = ones.get(raw) or _one(raw)
             elif n:
                 chunks = ChunkList(raw[i:i + DIGEST_SIZE]
                                    for i in range(0, len(raw), DIGEST_SIZE))
