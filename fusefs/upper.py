@@ -46,7 +46,8 @@ Invariants, each checked by ``check`` under the stable name in brackets:
 - [ino-range] an allocated inode number (below 2^62) is below next_ino.
 - [kind-fields] a row carries the fields of its kind only: directories no chunks or data,
   files no tree or target, symlinks a target as long as their size; ``lower_chunks`` (runs,
-  format 2) holds exactly ``ceil(lower_len / chunk_size)`` ids and ``lower_len <= size``.
+  format 2) holds exactly ``ceil(lower_len / chunk_size)`` ids and ``lower_len <= size``;
+  only block and character devices carry an ``rdev``.
 - [dentry-parent] every dentry sits in a directory that has a row.
 - [dentry-target] every non-whiteout dentry names an inode that has a row.
 - [whiteout-lower] a whiteout sits in a directory with a lower tree, and (checked when the
