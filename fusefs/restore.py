@@ -153,7 +153,11 @@ class _Trees:
 
 
 def writers(ov: Overlay) -> set[int]:
-    """Numbers of the linked files open for writing (they are detached by a restore)."""
+    """Numbers of the linked files open for writing (they are detached by a restore).
+
+    The one part of detaching that needs file handles (OPEN/RELEASE): without them the
+    daemon cannot tell a writer of an unchanged path, which then keeps its inode. Paths
+    that change, removed directories and held lowers follow inodes and lookup counts."""
     return {h.node.ino for h in ov.handles.values()
             if h.writable and h.node.nlink > 0 and h.node.kind is Kind.FILE}
 
