@@ -443,8 +443,8 @@ def _sweep(parent: str) -> None:
 
 def _kill_members(path: str, keep: int | None = None, bound_s: float = _CGROUP_RMDIR_S
                   ) -> bool:
-    """SIGKILL every task of cgroup ``path`` but ``keep`` until none is left; False if
-    some were still there after ``bound_s`` seconds."""
+    """SIGKILL every task of cgroup ``path`` but ``keep``, again until none is left; False
+    if some were still listed after ``bound_s`` seconds (0: one pass, no wait)."""
     listing = os.path.join(path, "tasks" if keep is not None else "cgroup.procs")
     deadline = time.monotonic() + bound_s
     while True:
@@ -455,11 +455,11 @@ def _kill_members(path: str, keep: int | None = None, bound_s: float = _CGROUP_R
             return True
         if not left:
             return True
-        if time.monotonic() > deadline:
-            return False
         for p in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(p, signal.SIGKILL)
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.005)
 
 
@@ -551,9 +551,10 @@ class _Spawner:
         with open(os.path.join(self.path, "pids.max"), "w") as f:
             f.write(str(max_pids + 1))
 
-    def empty(self) -> bool:
-        """Kill what is left of the last command; whether the cgroup holds only the thread."""
-        return _kill_members(self.path, keep=self.tid)
+    def sweep(self) -> None:
+        """Kill anything of the last command still listed in the cgroup (its processes die
+        with the sandbox's pid namespace; the listing may lag behind), without waiting."""
+        _kill_members(self.path, keep=self.tid, bound_s=0)
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -580,12 +581,9 @@ def _acquire(parent: str) -> _Spawner:
 
 
 def _release(s: _Spawner) -> None:
-    if s.empty():
-        with _spawn_lock:
-            _idle.append(s)
-    else:                                     # unkillable leftovers: never reuse it
-        with _spawn_lock:
-            _spawners.remove(s)
+    s.sweep()
+    with _spawn_lock:
+        _idle.append(s)
 
 
 @atexit.register
