@@ -376,8 +376,10 @@ def tools_section(res: Result) -> str:
              ratio(r["tool_ms"], r["direct_ms"])] for r in d["rows"]]
     return (f"The agent tools (in process, as the MCP server calls them) over a session mount "
             f"of a 20,000-file tree, against `rg` and `find` run directly on the native tree; "
-            f"median of {d['runs']} runs:\n\n" +
-            table(["workload", "tool", "rg / find", "tool / direct"], rows))
+            f"median of {d['runs']} runs. The Bash row is `true` through a real MCP client "
+            f"and `rewindfs mcp` over stdio (sandboxed), against `bash -c true`, median of "
+            f"at least 20 calls:\n\n" +
+            table(["workload", "tool", "direct", "tool / direct"], rows))
 
 
 def machine() -> str:
