@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -115,23 +114,21 @@ def check_allow_other(wanted: bool) -> Check:
 
 
 def check_sandbox() -> Check:
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        return Check("bash_sandbox", "fail", "bubblewrap (bwrap) is not installed: the Bash "
-                     "tool refuses to run", f"{_sudo()}apt-get install bubblewrap")
-    try:
-        r = subprocess.run([bwrap, "--unshare-user", "--unshare-pid", "--unshare-net",
-                            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "true"],
-                           capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return Check("bash_sandbox", "fail", f"bwrap could not run: {e}",
-                     f"{_sudo()}apt-get install --reinstall bubblewrap")
-    if r.returncode != 0:
-        why = (r.stderr.strip().splitlines() or ["no message"])[-1]
-        return Check("bash_sandbox", "fail", f"bwrap cannot create user namespaces: {why}",
-                     f"{_sudo()}sysctl -w kernel.unprivileged_userns_clone=1 "
-                     "user.max_user_namespaces=15000")
-    return Check("bash_sandbox", "ok", f"{bwrap} creates user, pid and network namespaces")
+    from tools import sandbox  # the Bash tool's own test of its sandbox
+
+    reason = sandbox.unavailable_reason()
+    if reason is None:
+        return Check("bash_sandbox", "ok", f"{shutil.which('bwrap')} builds the Bash sandbox "
+                     "(user, pid and network namespaces, seccomp)")
+    detail = f"{reason}: the Bash tool refuses to run"
+    if "bwrap" in reason and "not installed" in reason:
+        fix = f"{_sudo()}apt-get install bubblewrap"
+    elif "namespaces" in reason:
+        fix = (f"{_sudo()}sysctl -w kernel.unprivileged_userns_clone=1 "
+               "user.max_user_namespaces=15000")
+    else:
+        fix = "bash scripts/setup.sh"
+    return Check("bash_sandbox", "fail", detail, fix)
 
 
 def check_ripgrep() -> Check:
