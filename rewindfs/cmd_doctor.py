@@ -121,7 +121,9 @@ def check_sandbox() -> Check:
         return Check("bash_sandbox", "ok", f"{shutil.which('bwrap')} builds the Bash sandbox "
                      "(user, pid and network namespaces, seccomp)")
     detail = f"{reason}: the Bash tool refuses to run"
-    if "bwrap" in reason and "not installed" in reason:
+    if "REWINDFS_NO_SANDBOX" in reason:
+        fix = "unset REWINDFS_NO_SANDBOX"
+    elif "bwrap" in reason and "not installed" in reason:
         fix = f"{_sudo()}apt-get install bubblewrap"
     elif "namespaces" in reason:
         fix = (f"{_sudo()}sysctl -w kernel.unprivileged_userns_clone=1 "
