@@ -13,6 +13,7 @@ It must never touch its own mount point from the serving thread (PYFUSE3.md trap
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -67,13 +68,22 @@ class MountConfig:
 
 LOG_KEEP = 10000
 """Log lines kept in memory at most while the log's disk is full."""
+LOG_SLACK = 256 << 10
+"""Bytes the log file keeps allocated beyond its end (fallocate FALLOC_FL_KEEP_SIZE), so
+that what the daemon logs when its disk fills up still has room; renewed every
+``LOG_SLACK // 4`` bytes written."""
+_FALLOC_FL_KEEP_SIZE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 class LogFile(logging.Handler):
-    """The daemon's log file, made to survive a full disk: a line that cannot be written
-    (ENOSPC, or any other OSError) is kept in memory, at most ``LOG_KEEP`` of them (the
-    oldest are then counted and dropped), and written before the next line once the disk
-    has room again. Never raises, so logging never fails a request."""
+    """The daemon's log file, made to survive a full disk: it keeps ``LOG_SLACK`` bytes
+    allocated beyond its end while there is space, so the lines about a full disk are
+    written; a line that still cannot be written (ENOSPC, or any other OSError) is kept in
+    memory, at most ``LOG_KEEP`` of them (the oldest are then counted and dropped), and
+    written before the next line once the disk has room again. Never raises, so logging
+    never fails a request."""
 
     def __init__(self, path: str) -> None:
         super().__init__()
@@ -81,6 +91,16 @@ class LogFile(logging.Handler):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.pending: deque[bytes] = deque()
         self.dropped = 0
+        self._unslacked = 0  # bytes written since the slack was last renewed
+        self._renew_slack()
+
+    def _renew_slack(self) -> None:
+        try:
+            end = os.fstat(self.fd).st_size
+        except OSError:
+            return
+        if _libc.fallocate(self.fd, _FALLOC_FL_KEEP_SIZE, end, LOG_SLACK) == 0:
+            self._unslacked = 0  # else: no space (or no fallocate); tried again later
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -107,10 +127,13 @@ class LogFile(logging.Handler):
                 n = os.write(self.fd, buf)
             except OSError:
                 return False
+            self._unslacked += n
             if n < len(buf):
                 self.pending[0] = buf[n:]
                 return False
             self.pending.popleft()
+        if self._unslacked >= LOG_SLACK // 4:
+            self._renew_slack()
         return True
 
     def close(self) -> None:

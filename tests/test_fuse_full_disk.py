@@ -185,6 +185,11 @@ def test_rm_frees_space_on_a_full_disk_and_the_mount_recovers_in_place(
     assert err == errno.ENOSPC, os.strerror(err)
     assert filled > 16 * MIB
     assert free_bytes(disk) < 4 * MIB
+    # Exactly the acknowledged bytes are there (the last write may have been short).
+    assert os.stat(mnt / "fill").st_size == filled
+    with open(mnt / "fill", "rb") as f:
+        f.seek(filled - 8192)
+        assert f.read() == b"f" * 8192
 
     # Every change made while full is either refused (ENOSPC) or acknowledged and kept.
     small = write_new(mnt / "while-full.txt", b"small\n")
@@ -301,8 +306,10 @@ def test_a_persist_failing_at_unmount_exits_non_zero_and_the_next_mount_loses_no
         r = m.umount()
     assert r.returncode == 0, r.stderr + m.log()
     assert fh.upper_problems(m.state, m.store) == []
+    # The log survived the full disk: what the daemon said while it was full is there.
     log = (m.state / "daemon.log").read_text(errors="replace")
-    assert "ENOSPC" in log  # the log survived the full disk and names the cause
+    assert "changes are kept in the spill" in log and "ENOSPC" in log, log[-3000:]
+    assert "persisting the upper at unmount failed" in log, log[-3000:]
 
 
 def test_removals_spilled_on_a_full_disk_survive_a_crash_and_free_space_at_once(
