@@ -213,6 +213,46 @@ def test_raw_devices_are_unreadable(arena: Arena) -> None:
     assert r["text"].split("\n")[0] == "0", r
 
 
+# -- the seccomp filter and the limits -----------------------------------------------------
+
+# keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING, create=1): the session keyring
+KEYCTL = ("python3 -c 'import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+          "r = libc.syscall(250, 0, -3, 1); "
+          "print(\"KEYRING\" if r > 0 else \"errno %d\" % ctypes.get_errno())'")
+
+
+@pytest.mark.parametrize("cmd, works", [
+    ("unshare --user true && echo NESTED-USERNS", "NESTED-USERNS"),
+    (KEYCTL, "KEYRING"),
+], ids=["nested-user-namespace", "keyctl"])
+def test_seccomp_refuses_nested_user_namespaces_and_keyrings(arena: Arena, cmd: str,
+                                                             works: str) -> None:
+    r = arena.inside(cmd)
+    assert works not in r["text"]
+    assert "Operation not permitted" in r["text"] or "errno 1\n" in r["text"], r
+    assert works in arena.outside(cmd)
+
+
+def test_mount_is_refused(arena: Arena) -> None:
+    needs_root_outside()
+    d = arena.root / "mnt"
+    d.mkdir()
+    cmd = f"mount -t tmpfs none {d} && echo MOUNTED"
+    assert "MOUNTED" not in arena.inside(cmd)["text"]
+    assert "MOUNTED" in arena.outside(f"unshare --mount -- {cmd}", as_root=True)
+
+
+def test_file_size_and_memory_are_bounded(arena: Arena) -> None:
+    big = "head -c 2097152 /dev/zero > big && echo WROTE; ls -l big | cut -d' ' -f5"
+    r = arena.inside(big, max_file_bytes=1 << 20)
+    assert "WROTE" not in r["text"] and "1048576" in r["text"], r
+    assert "WROTE" in arena.outside(big)
+    alloc = "python3 -c 'b = bytearray(512 << 20); print(\"ALLOCATED\")'"
+    r = arena.inside(alloc, max_memory_bytes=256 << 20)
+    assert "ALLOCATED" not in r["text"] and "MemoryError" in r["text"], r
+    assert "ALLOCATED" in arena.outside(alloc)
+
+
 # -- host secrets ------------------------------------------------------------------------------
 
 
