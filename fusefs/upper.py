@@ -400,6 +400,7 @@ class Upper:
         self._regrow_at = 0.0  # monotonic time of the next regrowth attempt
         self.spilled: list[Batch] = []  # in the spill, not yet in the database
         self.spill_seq = 0  # sequence number of the newest spill record
+        self._spill_new = False  # made by this open: its directory entry is not synced yet
         self.failing = False  # the last write could not be stored anywhere
 
     @classmethod
@@ -494,22 +495,17 @@ class Upper:
         if magic == _SPILL_FILE_MAGIC:
             self.spill_slot = have  # fixed when the file was made: records stay where they are
         else:
-            # A new spill (or one whose making was cut short, so never written to): zeros
-            # first, written rather than fallocated so that later writes in place never
-            # allocate; then the head that fixes the slot size; then the directory entry.
+            # A new spill (or one whose making was cut short, so never written to): zeros,
+            # written rather than fallocated so that later writes in place never allocate,
+            # and the head that fixes the slot size. Nothing is synced here (opening stays
+            # cheap): the first record's sync makes the head durable with it (``_spill``).
             want = min(SPILL_SLOT_BYTES, fs_bytes // 64)
             try:
                 os.ftruncate(fd, 0)
                 _write_all(fd, bytes(SPILL_START + 2 * want), 0)
-                os.fsync(fd)
                 _write_all(fd, _SPILL_FILE.pack(_SPILL_FILE_MAGIC, want), 0)
-                os.fsync(fd)
-                dfd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
                 self.spill_slot = want
+                self._spill_new = True
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
@@ -566,7 +562,14 @@ class Upper:
         rec = _SPILL_HEAD.pack(_SPILL_MAGIC, seq, len(payload),
                                blake3.blake3(payload).digest()) + payload
         _write_all(self._spill_fd, rec, SPILL_START + (seq % 2) * self.spill_slot)
-        os.fdatasync(self._spill_fd)
+        os.fdatasync(self._spill_fd)  # the record, and the head of a new spill with it
+        if self._spill_new:  # and the spill's directory entry, once
+            dfd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            self._spill_new = False
         self.spill_seq = seq
 
     def _release_reserve(self) -> bool:
