@@ -109,8 +109,7 @@ class Live:
             log.warning("syncfs of %s failed: %s", self.mountpoint, e)
 
     def _listed(self, ref: Ref) -> bool:
-        return self.store.conn.execute("SELECT 1 FROM snapshots WHERE ref=?",
-                                       (str(ref),)).fetchone() is not None
+        return self.store.catalog.snapshot(str(ref)) is not None
 
     async def _freeze(self, *, origin: str, label: str | None,
                       list_it: bool = True) -> dict[str, Any]:

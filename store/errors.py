@@ -221,3 +221,22 @@ class LeaseLostError(StoreError):
         self.holder = holder
         self.epoch = epoch
         super().__init__(f"lease {name!r} epoch {epoch} held by {holder} is lost")
+
+
+class FencedError(LeaseLostError):
+    """A write stamped with a lease epoch that is no longer the lease's current one: the
+    holder was taken over, so its late journal append or checkpoint is refused."""
+
+    def __init__(self, name: str, epoch: int, current: int) -> None:
+        self.current = current
+        super().__init__(name, "", epoch)
+        self.args = (f"lease {name!r}: a write of epoch {epoch} is refused, the lease is at "
+                     f"epoch {current} (taken over)",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class CatalogError(StoreError):
+    """The catalog (the shared metadata database) cannot be reached or used, or its schema
+    is of another version than this program's."""

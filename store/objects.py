@@ -33,8 +33,10 @@ import zstandard
 
 from . import schema
 from .backend import BlobBackend, LocalDirBackend, check_key
+from .catalog import Catalog, SQLiteCatalog
 from .errors import (
     BlobNotFoundError,
+    FencedError,
     IntegrityError,
     ObjectNotFoundError,
     RefNotFoundError,
@@ -47,8 +49,6 @@ from .tree import Entry, Tree, decode_tree, encode_tree
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_LEVEL = 3
 CONFIG_KEY = "config.json"
-_OBJ_KINDS = {int(k): k for k in ObjKind}
-_CODECS = {int(c): c for c in Codec}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,9 @@ class Store:
     """A content-addressed store of chunks and trees, with snapshot list and journals.
 
     ``Store(root)`` opens (creating if needed) a local store; pass ``backend=`` to keep the
-    blobs elsewhere (the index and lock stay under ``root``). ``chunk_size`` (bytes, power of
+    blobs elsewhere (the index and lock stay under ``root``) and ``catalog=`` to keep the
+    metadata in a shared catalog (store/catalog.py; ``root`` then keeps only this host's
+    caches: the files and dirs caches). ``chunk_size`` (bytes, power of
     two from 64 KiB to 8 MiB) and ``level`` (zstd level) are fixed when the store is created;
     later opens read them from the backend. Safe to use from several threads; each thread
     gets its own SQLite connection. A missing index next to a backend holding packs is
@@ -88,11 +90,14 @@ class Store:
     """
 
     def __init__(self, root: str | os.PathLike[str], *, backend: BlobBackend | None = None,
+                 catalog: Catalog | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = DEFAULT_LEVEL) -> None:
         self.root = os.path.abspath(os.fspath(root))
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self.backend: BlobBackend = backend or LocalDirBackend(os.path.join(self.root, "backend"))
         self.index_path = os.path.join(self.root, "index.sqlite")
+        self.catalog: Catalog = catalog if catalog is not None else SQLiteCatalog(
+            lambda: self.conn)
         self._local = threading.local()
         self._cache_lock = threading.Lock()
         self._trees: OrderedDict[bytes, Tree] = OrderedDict()
@@ -121,7 +126,7 @@ class Store:
                 self.close()
                 raise StoreError(f"the index {self.index_path} is damaged ({e}); move it away "
                                  "and open the store again to rebuild it from the backend") from None
-            if fresh_index and self.backend.list("packs/"):
+            if fresh_index and not self.catalog.shared and self.backend.list("packs/"):
                 # The index is only a cache: one lost next to a backend that holds packs is
                 # rebuilt, never started empty (GC would take every pack for a leftover).
                 from .rebuild import rebuild_index  # rebuild.py imports this module
@@ -163,35 +168,19 @@ class Store:
     # -- reading ---------------------------------------------------------------------
 
     def has(self, oid: ObjectId) -> bool:
-        return self.conn.execute("SELECT 1 FROM objects WHERE id=?", (oid,)).fetchone() is not None
+        return self.catalog.has(oid)
 
     def locate(self, oid: ObjectId) -> Location:
         """Return where ``oid`` is stored. Raises ObjectNotFoundError."""
-        row = self.conn.execute(
-            "SELECT kind, pack, rec_offset, rec_length, codec, inner_offset, raw_length "
-            "FROM objects WHERE id=?", (oid,)).fetchone()
-        if row is None:
+        loc = self.catalog.locate(oid)
+        if loc is None:
             raise ObjectNotFoundError(oid.hex())
-        return Location(oid, ObjKind(row[0]), row[1], row[2], row[3], Codec(row[4]), row[5],
-                        row[6])
+        return loc
 
     def locate_many(self, oids: Iterable[ObjectId]) -> dict[bytes, Location]:
         """Where each of ``oids`` is stored, by id, in one query per 500 ids; ids that are
-        not indexed are left out."""
-        ids = list(dict.fromkeys(oids))
-        out: dict[bytes, Location] = {}
-        for i in range(0, len(ids), 500):
-            batch = ids[i:i + 500]
-            for row in self.conn.execute(
-                    "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, "
-                    "raw_length FROM objects WHERE id IN (" + ",".join("?" * len(batch)) + ")",
-                    batch):
-                kind, codec = _OBJ_KINDS.get(row[1]), _CODECS.get(row[5])
-                if kind is None or codec is None:
-                    raise IntegrityError(row[0].hex(), "index row has an unknown kind or codec")
-                out[row[0]] = Location(ObjectId(row[0]), kind, row[2], row[3], row[4], codec,
-                                       row[6], row[7])
-        return out
+        not indexed are left out. Raises IntegrityError for a row of unknown kind or codec."""
+        return self.catalog.locate_many(list(dict.fromkeys(oids)))
 
     def _record(self, loc: Location) -> bytes:
         key = (loc.pack, loc.rec_offset)
@@ -319,66 +308,66 @@ class Store:
         if self.locate(ref.tree_id).kind is not ObjKind.TREE:
             raise IntegrityError(str(ref), "names a chunk, not a tree")
         if label is None:
-            row = self.conn.execute("SELECT label FROM snapshots WHERE ref=?",
-                                    (str(ref),)).fetchone()
-            label = None if row is None else row[0]
+            row = self.catalog.snapshot(str(ref))
+            label = None if row is None else row[3]
         now = time.time_ns()
         key = f"snapshots/{now:020d}-{os.getpid()}-add.json"
         self._history_put(key, {"op": "add", "ref": str(ref), "time_ns": now,
                                 "origin": origin, "label": label})
-        self.conn.execute(
-            "INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, key) "
-            "VALUES (?, ?, ?, ?, ?)", (str(ref), now, origin, label, key))
+        self.catalog.put_snapshot((str(ref), now, origin, label, key))
 
     def forget(self, ref: Ref | str) -> bool:
         """Drop ``ref`` from the snapshot list; return False if it was not listed.
         Raises InvalidRefError for anything but a Ref."""
         ref = Ref.parse(ref)
-        if self.conn.execute("SELECT 1 FROM snapshots WHERE ref=?", (str(ref),)).fetchone() is None:
+        if self.catalog.snapshot(str(ref)) is None:
             return False
         now = time.time_ns()
         key = f"snapshots/{now:020d}-{os.getpid()}-forget.json"
         self._history_put(key, {"op": "forget", "ref": str(ref), "time_ns": now})
-        self.conn.execute("DELETE FROM snapshots WHERE ref=?", (str(ref),))
+        self.catalog.delete_snapshot(str(ref))
         return True
 
     def list_snapshots(self) -> list[SnapshotInfo]:
-        rows = self.conn.execute(
-            "SELECT ref, time_ns, origin, label FROM snapshots ORDER BY time_ns, ref").fetchall()
-        return [SnapshotInfo(Ref.parse(r[0]), r[1], r[2], r[3]) for r in rows]
+        return [SnapshotInfo(Ref.parse(r[0]), r[1], r[2], r[3])
+                for r in self.catalog.snapshots()]
 
     # -- journal (CONTRACT 1.1, 4.5) ----------------------------------------------------
 
     def append_journal(self, session: str, event: str, ref: Ref | str, *, epoch: int = 0,
-                       trigger: str | None = None, consistency: str | None = None) -> int:
+                       trigger: str | None = None, consistency: str | None = None,
+                       fence: str | None = None) -> int:
         """Append one event to ``session``'s journal, durably; return its seq (1, 2, ...).
+
+        With ``fence`` (a lease name, e.g. ``session/<id>``), the append is refused with
+        FencedError unless that lease is still at ``epoch``: checked before the backend
+        object is written and again, atomically, with the index row (store/catalog.py).
         Raises InvalidRefError for anything but a Ref (nothing is written then)."""
         ref = Ref.parse(ref)
         check_key(f"journal/{session}")
-        row = self.conn.execute("SELECT MAX(seq) FROM journal WHERE session=?",
-                                (session,)).fetchone()
-        seq = (row[0] or 0) + 1
+        if fence is not None:
+            cur = self.catalog.lease(fence)
+            if cur is not None and cur[1] != epoch:
+                raise FencedError(fence, epoch, cur[1])
+        seq = self.catalog.last_seq(session) + 1
         key = f"journal/{session}/{seq:012d}.json"
         while self.backend.exists(key):
             # A crash after the durable record and before its index row: the event happened,
             # so index it and append after it.
             rec = json.loads(self.backend.get(key))
-            self.conn.execute(
-                "INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, ref, "
-                "trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (session, seq, rec["time_ns"], rec["epoch"], rec["event"], rec["ref"],
-                 rec.get("trigger"), rec.get("consistency"), key))
+            self.catalog.add_journal((session, seq, rec["time_ns"], rec["epoch"], rec["event"],
+                                      rec["ref"], rec.get("trigger"), rec.get("consistency"),
+                                      key))
             seq += 1
             key = f"journal/{session}/{seq:012d}.json"
         now = time.time_ns()
         self._history_put(key, {"session": session, "seq": seq, "time_ns": now, "epoch": epoch,
                                 "event": event, "ref": str(ref), "trigger": trigger,
                                 "consistency": consistency})
-        # OR IGNORE: verify/gc may have applied the durable record already (rebuild.catch_up).
-        self.conn.execute(
-            "INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, ref, trigger_, "
-            "consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (session, seq, now, epoch, event, str(ref), trigger, consistency, key))
+        # Ignored if present: verify/gc may have applied the durable record already
+        # (rebuild.catch_up).
+        self.catalog.add_journal((session, seq, now, epoch, event, str(ref), trigger,
+                                  consistency, key), fence=fence)
         return seq
 
     def journal_refs(self) -> list[Ref]:
@@ -388,11 +377,8 @@ class Store:
 
     def journal(self, session: str) -> list[JournalEvent]:
         """The session's events, oldest first."""
-        rows = self.conn.execute(
-            "SELECT session, seq, time_ns, epoch, event, ref, trigger_, consistency "
-            "FROM journal WHERE session=? ORDER BY seq", (session,)).fetchall()
         return [JournalEvent(r[0], r[1], r[2], r[3], r[4], Ref.parse(r[5]), r[6], r[7])
-                for r in rows]
+                for r in self.catalog.journal(session)]
 
 
 class Writer:
@@ -466,20 +452,7 @@ class Writer:
         if not self._rows:
             return
         self.store.backend.sync()
-        c = self.store.conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
-            c.executemany(
-                "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
-                "inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(r.oid, int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
-                  r.inner_offset, r.raw_length) for r in self._rows])
-            c.executemany("INSERT OR IGNORE INTO packs(key, size, objects) VALUES (?, ?, ?)",
-                          self._packs)
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
+        self.store.catalog.add_objects(self._rows, self._packs)
         self._rows = []
         self._packs = []
         self._pending.clear()

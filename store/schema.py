@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # table -> (column -> comment). The comments are the documentation of the schema.
 TABLES: dict[str, dict[str, str]] = {
@@ -117,6 +117,12 @@ TABLES: dict[str, dict[str, str]] = {
         "key": "setting name (primary key): schema_version, unverified_rebuild, ...",
         "value": "setting value as text.",
     },
+    "sessions": {
+        "id": "session id (primary key): the session registry of the catalog "
+              "(store/catalog.py).",
+        "host": "host id of the host whose state directory holds the session's upper.",
+        "record": "the session record as JSON (fusefs/session/registry.py).",
+    },
     "leases": {
         "name": "lease name (primary key), e.g. session/<id> or workspace-roots/<sha256>.",
         "holder": "opaque holder id (host:pid:nonce).",
@@ -168,6 +174,8 @@ def create(conn: sqlite3.Connection) -> None:
     db.table("config").create({"key": str, "value": str}, pk="key", if_not_exists=True)
     db.table("leases").create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
                         pk="name", if_not_exists=True)
+    db.table("sessions").create({"id": str, "host": str, "record": str}, pk="id",
+                                if_not_exists=True)
     db.table("objects").create_index(["pack"], if_not_exists=True)
     conn.execute("INSERT OR REPLACE INTO config(key, value) VALUES ('schema_version', ?)",
                  (str(SCHEMA_VERSION),))

@@ -156,19 +156,27 @@ def test_exactly_one_process_wins(tmp_path: str) -> None:
     assert all(o == ["busy", holder.holder] for o in outs if o[0] == "busy")
 
 
-def test_a_dead_holder_of_this_host_is_taken_over_before_expiry(tmp_path):
+def test_a_dead_holder_of_this_host_is_taken_over_before_expiry(tmp_path, monkeypatch):
     import socket
 
+    from store.hostid import host_id
     from store.lease import holder_is_dead
 
     store = Store(tmp_path / "s")
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    dead = f"{socket.gethostname()}:{child.pid}:abcd"
-    alive = f"{socket.gethostname()}:1:abcd"
+    dead = f"{host_id()}:{child.pid}:abcd"
+    alive = f"{host_id()}:1:abcd"
     assert holder_is_dead(dead)
     assert not holder_is_dead(alive)
     assert not holder_is_dead(f"otherhost:{child.pid}:abcd")
+    # Another host id on the same machine (a second "host" of the tests, a container) is
+    # never judged by this machine's pids, nor is the bare host name.
+    assert not holder_is_dead(f"{socket.gethostname()}:{child.pid}:abcd")
+    monkeypatch.setenv("REWINDFS_HOST_ID", "hostB")
+    assert not holder_is_dead(dead)
+    assert holder_is_dead(f"hostB:{child.pid}:abcd")
+    monkeypatch.delenv("REWINDFS_HOST_ID")
     leaser = Leaser(store)
     first = leaser.acquire("session/x", dead, 3600)
     second = leaser.acquire("session/x", "me:1:zz", 3600)

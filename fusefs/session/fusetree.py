@@ -174,13 +174,16 @@ def state_dirs_reader(path: str) -> list[Ref]:
 
 
 def register_state_dir(store: Any, d: str) -> None:
-    """List ``d`` in the store's ``state_dirs`` table (GC keeps what it pins)."""
-    store.conn.execute("INSERT OR IGNORE INTO state_dirs(path) VALUES (?)",
-                       (os.path.abspath(d),))
+    """List ``d`` as this host's in the catalog's ``state_dirs`` (GC keeps what it pins)."""
+    from store.hostid import host_id
+
+    store.catalog.add_state_dir(os.path.abspath(d), host_id())
 
 
 def unregister_state_dir(store: Any, d: str) -> None:
-    store.conn.execute("DELETE FROM state_dirs WHERE path=?", (os.path.abspath(d),))
+    from store.hostid import host_id
+
+    store.catalog.remove_state_dir(os.path.abspath(d), host_id())
 
 
 def clear_upper(d: str) -> None:

@@ -51,20 +51,28 @@ class Journal:
 
     def checkpointed(self, ref: Ref, trigger: str, consistency: str, epoch: int) -> int:
         """Append ``WorkspaceCheckpointed``; return its seq. Raises ValueError for an unknown
-        trigger or consistency, JournalError if ``ref`` is not in the store."""
+        trigger or consistency, JournalError if ``ref`` is not in the store, and
+        store.errors.FencedError if the session lease is no longer at ``epoch`` (taken over:
+        this holder may not append any more)."""
         if trigger not in TRIGGERS:
             raise ValueError(f"unknown checkpoint trigger {trigger!r}")
         if consistency not in CONSISTENCIES:
             raise ValueError(f"unknown consistency {consistency!r}")
         self._check_committed(ref)
         return int(self.store.append_journal(self.session_id, CHECKPOINTED, ref, epoch=epoch,
-                                             trigger=trigger, consistency=consistency))
+                                             trigger=trigger, consistency=consistency,
+                                             fence=self._fence(epoch)))
 
     def restored(self, ref: Ref, epoch: int) -> int:
         """Append ``WorkspaceRestored``; return its seq. Raises JournalError if ``ref`` is not
-        in the store."""
+        in the store, FencedError as ``checkpointed``."""
         self._check_committed(ref)
-        return int(self.store.append_journal(self.session_id, RESTORED, ref, epoch=epoch))
+        return int(self.store.append_journal(self.session_id, RESTORED, ref, epoch=epoch,
+                                             fence=self._fence(epoch)))
+
+    def _fence(self, epoch: int) -> str | None:
+        # An epoch is that of the session lease: appends are fenced by it (none without).
+        return f"session/{self.session_id}" if epoch else None
 
     def events(self) -> list[JournalEvent]:
         """Every event, oldest first."""

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -107,7 +106,9 @@ class PermitGate:
 
 def holder_id() -> str:
     """A lease holder id unique to this process and runtime: ``host:pid:nonce``."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    from store.lease import holder_name
+
+    return holder_name(os.getpid(), secrets.token_hex(4))
 
 
 class SessionCore:

@@ -1,0 +1,356 @@
+"""The catalog: the store's metadata, behind one interface with two implementations.
+
+What the catalog holds (the tables of store/schema.py that describe the store, not this
+host's caches): the object index (``objects``, ``packs``), the snapshot list, the session
+journals, named refs, registered state directories, the session registry and leases.
+
+- ``SQLiteCatalog``: today's embedded index (``<store>/index.sqlite``), the default. Its
+  SQL is the store's original SQL, on the store's per-thread connection, so the embedded
+  store pays one method call per operation and nothing more.
+- ``PostgresCatalog`` (store/pgcatalog.py): the same tables in a PostgreSQL database shared
+  by many hosts (``--catalog postgresql://...``).
+
+Both pass one conformance suite (tests/test_catalog.py). Rows cross the interface as
+tuples: a snapshot row is ``(ref, time_ns, origin, label, key)``, a journal row is
+``(session, seq, time_ns, epoch, event, ref, trigger, consistency, key)``, a pack row
+``(key, size, objects)``; object locations are ``pack.Location``.
+
+Fencing (CONTRACT 4.2 across hosts): ``add_journal(row, fence=name)`` inserts the row only
+if the lease ``name`` is still at the row's epoch, in the same transaction, and raises
+``FencedError`` otherwise; a holder that was taken over can never append after its
+successor. Leases: a name is acquired free (epoch 1), taken over when expired or its
+holder is provably dead (epoch + 1), re-acquired by its holder (same epoch); every change
+runs in one transaction that locks the row, so of two hosts racing exactly one wins.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .errors import FencedError, IntegrityError, LeaseBusyError, LeaseLostError
+from .pack import Codec, Location, ObjKind
+from .ref import ObjectId
+
+SnapshotRow = tuple[str, int, str, "str | None", str]
+JournalRow = tuple[str, int, int, int, str, str, "str | None", "str | None", str]
+PackRow = tuple[str, int, int]
+_OBJ_KINDS = {int(k): k for k in ObjKind}
+_CODECS = {int(c): c for c in Codec}
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A held lease: ``expires_ns`` is wall-clock ns by which the holder must renew."""
+
+    name: str
+    holder: str
+    epoch: int
+    expires_ns: int
+
+
+def location(row: Any) -> Location:
+    """A Location from an ``objects`` row ``(id, kind, pack, rec_offset, rec_length, codec,
+    inner_offset, raw_length)``; IntegrityError for an unknown kind or codec."""
+    oid = bytes(row[0])
+    kind, codec = _OBJ_KINDS.get(row[1]), _CODECS.get(row[5])
+    if kind is None or codec is None:
+        raise IntegrityError(oid.hex(), "index row has an unknown kind or codec")
+    return Location(ObjectId(oid), kind, str(row[2]), int(row[3]), int(row[4]), codec,
+                    int(row[6]), int(row[7]))
+
+
+def decide_acquire(row: tuple[str, int, int] | None, holder: str, now: int,
+                   holder_is_dead: Callable[[str], bool], name: str) -> int:
+    """The epoch ``holder`` gets for ``name`` given its current row ``(holder, epoch,
+    expires_ns)`` (None: never held); LeaseBusyError if it is held by another live holder.
+    One rule for both catalogs."""
+    if row is None:
+        return 1
+    cur, epoch, expires = row
+    if cur == holder and expires > now:
+        return int(epoch)
+    if expires <= now or not cur or holder_is_dead(cur):
+        return int(epoch) + 1
+    raise LeaseBusyError(name, cur, int(epoch), int(expires))
+
+
+class Catalog(Protocol):
+    """The catalog interface (see the module docstring). Every method is one transaction."""
+
+    #: True if other hosts share this catalog (then local paths in it are per host).
+    shared: bool
+
+    # objects and packs
+    def has(self, oid: bytes) -> bool: ...
+    def locate(self, oid: bytes) -> Location | None: ...
+    def locate_many(self, ids: list[bytes]) -> dict[bytes, Location]: ...
+    def add_objects(self, rows: list[Location], packs: list[PackRow]) -> None: ...
+    def packs(self) -> list[PackRow]: ...
+
+    # snapshot list
+    def snapshot(self, ref: str) -> SnapshotRow | None: ...
+    def put_snapshot(self, row: SnapshotRow) -> None: ...
+    def delete_snapshot(self, ref: str) -> bool: ...
+    def snapshots(self) -> list[SnapshotRow]: ...
+
+    # journals
+    def last_seq(self, session: str) -> int: ...
+    def add_journal(self, row: JournalRow, fence: str | None = None) -> bool: ...
+    def journal(self, session: str) -> list[JournalRow]: ...
+
+    # named refs
+    def set_named_ref(self, name: str, ref: str) -> None: ...
+    def named_ref(self, name: str) -> str | None: ...
+    def delete_named_ref(self, name: str) -> bool: ...
+    def named_refs(self) -> list[tuple[str, str]]: ...
+
+    # registered state directories (per host: GC on that host reads them)
+    def add_state_dir(self, path: str, host: str) -> None: ...
+    def remove_state_dir(self, path: str, host: str) -> None: ...
+    def state_dirs(self, host: str | None = None) -> list[tuple[str, str]]: ...
+
+    # session registry: id -> (host, record JSON)
+    def put_session(self, session: str, host: str, record: str) -> None: ...
+    def session(self, session: str) -> tuple[str, str] | None: ...
+    def sessions(self) -> list[tuple[str, str, str]]: ...
+    def delete_session(self, session: str) -> bool: ...
+
+    # leases
+    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int,
+                      holder_is_dead: Callable[[str], bool]) -> Lease: ...
+    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int) -> Lease: ...
+    def lease_release(self, lease: Lease) -> None: ...
+    def lease(self, name: str) -> tuple[str, int, int] | None: ...
+
+    # settings shared by the store's hosts (schema_version, unverified_rebuild, ...)
+    def config_value(self, key: str) -> str | None: ...
+    def set_config(self, key: str, value: str | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SQLiteCatalog:
+    """The embedded catalog: the tables of store/schema.py in ``<store>/index.sqlite``,
+    read and written on ``conn()`` (the store's per-thread connection). Hosts: one, so
+    state directories and sessions are all this host's (``host`` is recorded anyway)."""
+
+    shared = False
+
+    def __init__(self, conn: Callable[[], sqlite3.Connection]) -> None:
+        self._conn = conn
+
+    def _tx(self) -> sqlite3.Connection:
+        c = self._conn()
+        c.execute("BEGIN IMMEDIATE")
+        return c
+
+    # -- objects ---------------------------------------------------------------------
+
+    def has(self, oid: bytes) -> bool:
+        return self._conn().execute("SELECT 1 FROM objects WHERE id=?",
+                                    (oid,)).fetchone() is not None
+
+    def locate(self, oid: bytes) -> Location | None:
+        row = self._conn().execute(
+            "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, raw_length "
+            "FROM objects WHERE id=?", (oid,)).fetchone()
+        return None if row is None else location(row)
+
+    def locate_many(self, ids: list[bytes]) -> dict[bytes, Location]:
+        out: dict[bytes, Location] = {}
+        c = self._conn()
+        for i in range(0, len(ids), 500):
+            batch = ids[i:i + 500]
+            for row in c.execute(
+                    "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, "
+                    "raw_length FROM objects WHERE id IN (" + ",".join("?" * len(batch)) + ")",
+                    batch):
+                out[row[0]] = location(row)
+        return out
+
+    def add_objects(self, rows: list[Location], packs: list[PackRow]) -> None:
+        c = self._tx()
+        try:
+            c.executemany(
+                "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
+                "inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r.oid, int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
+                  r.inner_offset, r.raw_length) for r in rows])
+            c.executemany("INSERT OR IGNORE INTO packs(key, size, objects) VALUES (?, ?, ?)",
+                          packs)
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+
+    def packs(self) -> list[PackRow]:
+        return [tuple(r) for r in self._conn().execute(
+            "SELECT key, size, objects FROM packs ORDER BY key")]
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self, ref: str) -> SnapshotRow | None:
+        row = self._conn().execute("SELECT ref, time_ns, origin, label, key FROM snapshots "
+                                   "WHERE ref=?", (ref,)).fetchone()
+        return None if row is None else tuple(row)
+
+    def put_snapshot(self, row: SnapshotRow) -> None:
+        self._conn().execute("INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, "
+                             "key) VALUES (?, ?, ?, ?, ?)", row)
+
+    def delete_snapshot(self, ref: str) -> bool:
+        return self._conn().execute("DELETE FROM snapshots WHERE ref=?",
+                                    (ref,)).rowcount > 0
+
+    def snapshots(self) -> list[SnapshotRow]:
+        return [tuple(r) for r in self._conn().execute(
+            "SELECT ref, time_ns, origin, label, key FROM snapshots ORDER BY time_ns, ref")]
+
+    # -- journals --------------------------------------------------------------------
+
+    def last_seq(self, session: str) -> int:
+        row = self._conn().execute("SELECT MAX(seq) FROM journal WHERE session=?",
+                                   (session,)).fetchone()
+        return int(row[0] or 0)
+
+    def add_journal(self, row: JournalRow, fence: str | None = None) -> bool:
+        """Insert ``row`` unless its (session, seq) exists; True if inserted. With ``fence``,
+        refuse (FencedError) unless that lease is at the row's epoch, atomically."""
+        sql = ("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, ref, "
+               "trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+        if fence is None:
+            return self._conn().execute(sql, row).rowcount > 0
+        c = self._tx()
+        try:
+            lease = c.execute("SELECT epoch FROM leases WHERE name=?", (fence,)).fetchone()
+            if lease is not None and lease[0] != row[3]:
+                raise FencedError(fence, row[3], lease[0])
+            n = c.execute(sql, row).rowcount
+            c.execute("COMMIT")
+            return n > 0
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+
+    def journal(self, session: str) -> list[JournalRow]:
+        return [tuple(r) for r in self._conn().execute(
+            "SELECT session, seq, time_ns, epoch, event, ref, trigger_, consistency, key "
+            "FROM journal WHERE session=? ORDER BY seq", (session,))]
+
+    # -- named refs ------------------------------------------------------------------
+
+    def set_named_ref(self, name: str, ref: str) -> None:
+        self._conn().execute("INSERT OR REPLACE INTO named_refs(name, ref) VALUES (?, ?)",
+                             (name, ref))
+
+    def named_ref(self, name: str) -> str | None:
+        row = self._conn().execute("SELECT ref FROM named_refs WHERE name=?",
+                                   (name,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def delete_named_ref(self, name: str) -> bool:
+        return self._conn().execute("DELETE FROM named_refs WHERE name=?",
+                                    (name,)).rowcount > 0
+
+    def named_refs(self) -> list[tuple[str, str]]:
+        return [tuple(r) for r in self._conn().execute(
+            "SELECT name, ref FROM named_refs ORDER BY name")]
+
+    # -- state directories -------------------------------------------------------------
+
+    def add_state_dir(self, path: str, host: str) -> None:
+        self._conn().execute("INSERT OR IGNORE INTO state_dirs(path) VALUES (?)", (path,))
+
+    def remove_state_dir(self, path: str, host: str) -> None:
+        self._conn().execute("DELETE FROM state_dirs WHERE path=?", (path,))
+
+    def state_dirs(self, host: str | None = None) -> list[tuple[str, str]]:
+        # One host: every directory is this host's, whatever ``host`` asks.
+        return [(r[0], host or "") for r in self._conn().execute(
+            "SELECT path FROM state_dirs ORDER BY path")]
+
+    # -- sessions --------------------------------------------------------------------
+
+    def put_session(self, session: str, host: str, record: str) -> None:
+        self._conn().execute("INSERT OR REPLACE INTO sessions(id, host, record) "
+                             "VALUES (?, ?, ?)", (session, host, record))
+
+    def session(self, session: str) -> tuple[str, str] | None:
+        row = self._conn().execute("SELECT host, record FROM sessions WHERE id=?",
+                                   (session,)).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def sessions(self) -> list[tuple[str, str, str]]:
+        return [tuple(r) for r in self._conn().execute(
+            "SELECT id, host, record FROM sessions ORDER BY id")]
+
+    def delete_session(self, session: str) -> bool:
+        return self._conn().execute("DELETE FROM sessions WHERE id=?",
+                                    (session,)).rowcount > 0
+
+    # -- leases ----------------------------------------------------------------------
+
+    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int,
+                      holder_is_dead: Callable[[str], bool]) -> Lease:
+        c = self._tx()
+        try:
+            row = c.execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=?",
+                            (name,)).fetchone()
+            epoch = decide_acquire(row, holder, now_ns, holder_is_dead, name)
+            lease = Lease(name, holder, epoch, now_ns + ttl_ns)
+            c.execute("INSERT OR REPLACE INTO leases(name, holder, epoch, expires_ns) "
+                      "VALUES (?, ?, ?, ?)", (name, holder, epoch, lease.expires_ns))
+            c.execute("COMMIT")
+            return lease
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+
+    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int) -> Lease:
+        c = self._tx()
+        try:
+            row = c.execute("SELECT holder, epoch FROM leases WHERE name=?",
+                            (lease.name,)).fetchone()
+            if row is None or row[0] != lease.holder or row[1] != lease.epoch:
+                raise LeaseLostError(lease.name, lease.holder, lease.epoch)
+            new = Lease(lease.name, lease.holder, lease.epoch, now_ns + ttl_ns)
+            c.execute("UPDATE leases SET expires_ns=? WHERE name=?", (new.expires_ns, lease.name))
+            c.execute("COMMIT")
+            return new
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+
+    def lease_release(self, lease: Lease) -> None:
+        self._conn().execute(
+            "UPDATE leases SET holder='', expires_ns=0 WHERE name=? AND holder=? AND epoch=?",
+            (lease.name, lease.holder, lease.epoch))
+
+    def lease(self, name: str) -> tuple[str, int, int] | None:
+        row = self._conn().execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=?",
+                                   (name,)).fetchone()
+        return None if row is None else (row[0], row[1], row[2])
+
+    # -- config ----------------------------------------------------------------------
+
+    def config_value(self, key: str) -> str | None:
+        row = self._conn().execute("SELECT value FROM config WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_config(self, key: str, value: str | None) -> None:
+        if value is None:
+            self._conn().execute("DELETE FROM config WHERE key=?", (key,))
+        else:
+            self._conn().execute("INSERT OR REPLACE INTO config(key, value) VALUES (?, ?)",
+                                 (key, value))
+
+    def close(self) -> None:
+        return None
+
+
+def ids_of(oids: Iterable[bytes]) -> list[bytes]:
+    """``oids`` without repeats, in first-seen order (one query batch per 500)."""
+    return list(dict.fromkeys(oids))

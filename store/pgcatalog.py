@@ -1,0 +1,354 @@
+"""The shared catalog on PostgreSQL (psycopg 3 with a psycopg-pool connection pool).
+
+The same tables as the embedded index (store/schema.py documents every column), in one
+database shared by every host of a store, plus a ``host`` column where a row belongs to
+one host (``state_dirs``) and the session registry (``sessions``). The interface and its
+rules are in store/catalog.py; both implementations pass tests/test_catalog.py.
+
+Schema: created and migrated by the product. ``catalog_meta.schema_version`` counts the
+entries of ``MIGRATIONS`` applied; opening a catalog applies the missing ones in order,
+in one transaction under an advisory lock (two hosts opening a new catalog at once do
+not race), and refuses (``CatalogError``) a catalog of a newer version than this program.
+
+Connections: a pool of ``max_size`` connections, each checked before it is handed out, so
+after a PostgreSQL restart the next operation reconnects (the operation that was running
+when the server went away fails with ``CatalogError``). Every method is one transaction.
+Leases and fenced journal appends lock their ``leases`` row (``SELECT ... FOR UPDATE``), so
+two hosts racing for one lease are serialized and exactly one wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .catalog import JournalRow, Lease, PackRow, SnapshotRow, decide_acquire, location
+from .errors import CatalogError, FencedError, LeaseLostError, StoreError
+from .pack import Location
+
+# Advisory lock key of schema migrations (any constant unique to this product).
+_MIGRATION_LOCK = 0x72657769
+
+MIGRATIONS: list[str] = [
+    # 1: the catalog tables.
+    """
+    CREATE TABLE objects (id bytea PRIMARY KEY, kind smallint NOT NULL, pack text NOT NULL,
+        rec_offset bigint NOT NULL, rec_length bigint NOT NULL, codec smallint NOT NULL,
+        inner_offset bigint NOT NULL, raw_length bigint NOT NULL);
+    CREATE INDEX objects_pack ON objects (pack);
+    CREATE TABLE packs (key text PRIMARY KEY, size bigint NOT NULL, objects bigint NOT NULL);
+    CREATE TABLE snapshots (ref text PRIMARY KEY, time_ns bigint NOT NULL,
+        origin text NOT NULL, label text, key text NOT NULL);
+    CREATE TABLE journal (session text NOT NULL, seq bigint NOT NULL,
+        time_ns bigint NOT NULL, epoch bigint NOT NULL, event text NOT NULL,
+        ref text NOT NULL, trigger_ text, consistency text, key text NOT NULL,
+        PRIMARY KEY (session, seq));
+    CREATE TABLE named_refs (name text PRIMARY KEY, ref text NOT NULL);
+    CREATE TABLE state_dirs (host text NOT NULL, path text NOT NULL,
+        PRIMARY KEY (host, path));
+    CREATE TABLE sessions (id text PRIMARY KEY, host text NOT NULL, record text NOT NULL);
+    CREATE TABLE leases (name text PRIMARY KEY, holder text NOT NULL, epoch bigint NOT NULL,
+        expires_ns bigint NOT NULL);
+    CREATE TABLE config (key text PRIMARY KEY, value text NOT NULL);
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class PostgresCatalog:
+    """The catalog in the PostgreSQL database at ``dsn`` (a ``postgresql://`` URL or a
+    libpq connection string). Raises CatalogError if it cannot be reached within
+    ``timeout_s`` seconds or its schema is newer than this program's."""
+
+    shared = True
+
+    def __init__(self, dsn: str, *, max_size: int = 8, timeout_s: float = 10.0) -> None:
+        import psycopg
+        from psycopg_pool import ConnectionPool
+
+        self._psycopg = psycopg
+        self.dsn = dsn
+        self._pool: Any = ConnectionPool(
+            dsn, min_size=1, max_size=max_size, open=False, timeout=timeout_s,
+            check=ConnectionPool.check_connection,
+            kwargs={"connect_timeout": max(1, int(timeout_s)), "autocommit": True},
+            name="rewindfs-catalog")
+        try:
+            self._pool.open(wait=True, timeout=timeout_s)
+        except Exception as e:
+            self._pool.close()
+            raise CatalogError(f"cannot reach the catalog at {_redact(dsn)}: {e}") from None
+        try:
+            self._migrate()
+        except BaseException:
+            self._pool.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"PostgresCatalog({_redact(self.dsn)})"
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """A connection inside one transaction; database failures become CatalogError
+        (the store's own typed errors pass through)."""
+        psycopg = self._psycopg
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                yield conn
+        except StoreError:
+            raise
+        except (psycopg.Error, OSError) as e:
+            raise CatalogError(f"catalog {_redact(self.dsn)}: {type(e).__name__}: "
+                               f"{str(e).strip()}") from None
+        except Exception as e:
+            if type(e).__module__.startswith("psycopg_pool"):
+                raise CatalogError(f"catalog {_redact(self.dsn)}: {e}") from None
+            raise
+
+    def _migrate(self) -> None:
+        with self._tx() as c:
+            c.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            c.execute("CREATE TABLE IF NOT EXISTS catalog_meta "
+                      "(key text PRIMARY KEY, value text NOT NULL)")
+            row = c.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
+                            ).fetchone()
+            have = int(row[0]) if row else 0
+            if have > SCHEMA_VERSION:
+                raise CatalogError(f"the catalog at {_redact(self.dsn)} has schema version "
+                                   f"{have}; this program knows up to {SCHEMA_VERSION}")
+            for sql in MIGRATIONS[have:]:
+                c.execute(sql)
+            c.execute("INSERT INTO catalog_meta(key, value) VALUES ('schema_version', %s) "
+                      "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                      (str(SCHEMA_VERSION),))
+
+    def schema_version(self) -> int:
+        with self._tx() as c:
+            row = c.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
+                            ).fetchone()
+        return int(row[0])
+
+    # -- objects ---------------------------------------------------------------------
+
+    def has(self, oid: bytes) -> bool:
+        with self._tx() as c:
+            return c.execute("SELECT 1 FROM objects WHERE id=%s", (oid,)).fetchone() is not None
+
+    def locate(self, oid: bytes) -> Location | None:
+        with self._tx() as c:
+            row = c.execute("SELECT id, kind, pack, rec_offset, rec_length, codec, "
+                            "inner_offset, raw_length FROM objects WHERE id=%s",
+                            (oid,)).fetchone()
+        return None if row is None else location(row)
+
+    def locate_many(self, ids: list[bytes]) -> dict[bytes, Location]:
+        out: dict[bytes, Location] = {}
+        if not ids:
+            return out
+        with self._tx() as c:
+            for row in c.execute("SELECT id, kind, pack, rec_offset, rec_length, codec, "
+                                 "inner_offset, raw_length FROM objects WHERE id = ANY(%s)",
+                                 (list(ids),)):
+                loc = location(row)
+                out[bytes(loc.oid)] = loc
+        return out
+
+    def add_objects(self, rows: list[Location], packs: list[PackRow]) -> None:
+        with self._tx() as c, c.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
+                "inner_offset, raw_length) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (id) DO NOTHING",
+                [(bytes(r.oid), int(r.kind), r.pack, r.rec_offset, r.rec_length,
+                  int(r.codec), r.inner_offset, r.raw_length) for r in rows])
+            cur.executemany("INSERT INTO packs(key, size, objects) VALUES (%s, %s, %s) "
+                            "ON CONFLICT (key) DO NOTHING", packs)
+
+    def packs(self) -> list[PackRow]:
+        with self._tx() as c:
+            return [(r[0], int(r[1]), int(r[2])) for r in c.execute(
+                "SELECT key, size, objects FROM packs ORDER BY key")]
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self, ref: str) -> SnapshotRow | None:
+        with self._tx() as c:
+            row = c.execute("SELECT ref, time_ns, origin, label, key FROM snapshots "
+                            "WHERE ref=%s", (ref,)).fetchone()
+        return None if row is None else (row[0], int(row[1]), row[2], row[3], row[4])
+
+    def put_snapshot(self, row: SnapshotRow) -> None:
+        with self._tx() as c:
+            c.execute("INSERT INTO snapshots(ref, time_ns, origin, label, key) "
+                      "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (ref) DO UPDATE SET "
+                      "time_ns=excluded.time_ns, origin=excluded.origin, "
+                      "label=excluded.label, key=excluded.key", row)
+
+    def delete_snapshot(self, ref: str) -> bool:
+        with self._tx() as c:
+            return int(c.execute("DELETE FROM snapshots WHERE ref=%s", (ref,)).rowcount) > 0
+
+    def snapshots(self) -> list[SnapshotRow]:
+        with self._tx() as c:
+            return [(r[0], int(r[1]), r[2], r[3], r[4]) for r in c.execute(
+                "SELECT ref, time_ns, origin, label, key FROM snapshots "
+                "ORDER BY time_ns, ref")]
+
+    # -- journals --------------------------------------------------------------------
+
+    def last_seq(self, session: str) -> int:
+        with self._tx() as c:
+            row = c.execute("SELECT MAX(seq) FROM journal WHERE session=%s",
+                            (session,)).fetchone()
+        return int(row[0] or 0)
+
+    def add_journal(self, row: JournalRow, fence: str | None = None) -> bool:
+        with self._tx() as c:
+            if fence is not None:
+                lease = c.execute("SELECT epoch FROM leases WHERE name=%s FOR UPDATE",
+                                  (fence,)).fetchone()
+                if lease is not None and int(lease[0]) != row[3]:
+                    raise FencedError(fence, row[3], int(lease[0]))
+            n = c.execute("INSERT INTO journal(session, seq, time_ns, epoch, event, ref, "
+                          "trigger_, consistency, key) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+                          "%s, %s) ON CONFLICT (session, seq) DO NOTHING", row).rowcount
+        return int(n) > 0
+
+    def journal(self, session: str) -> list[JournalRow]:
+        with self._tx() as c:
+            return [(r[0], int(r[1]), int(r[2]), int(r[3]), r[4], r[5], r[6], r[7], r[8])
+                    for r in c.execute(
+                        "SELECT session, seq, time_ns, epoch, event, ref, trigger_, "
+                        "consistency, key FROM journal WHERE session=%s ORDER BY seq",
+                        (session,))]
+
+    # -- named refs ------------------------------------------------------------------
+
+    def set_named_ref(self, name: str, ref: str) -> None:
+        with self._tx() as c:
+            c.execute("INSERT INTO named_refs(name, ref) VALUES (%s, %s) "
+                      "ON CONFLICT (name) DO UPDATE SET ref=excluded.ref", (name, ref))
+
+    def named_ref(self, name: str) -> str | None:
+        with self._tx() as c:
+            row = c.execute("SELECT ref FROM named_refs WHERE name=%s", (name,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def delete_named_ref(self, name: str) -> bool:
+        with self._tx() as c:
+            return int(c.execute("DELETE FROM named_refs WHERE name=%s",
+                                 (name,)).rowcount) > 0
+
+    def named_refs(self) -> list[tuple[str, str]]:
+        with self._tx() as c:
+            return [(r[0], r[1]) for r in c.execute(
+                "SELECT name, ref FROM named_refs ORDER BY name")]
+
+    # -- state directories -------------------------------------------------------------
+
+    def add_state_dir(self, path: str, host: str) -> None:
+        with self._tx() as c:
+            c.execute("INSERT INTO state_dirs(host, path) VALUES (%s, %s) "
+                      "ON CONFLICT DO NOTHING", (host, path))
+
+    def remove_state_dir(self, path: str, host: str) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM state_dirs WHERE host=%s AND path=%s", (host, path))
+
+    def state_dirs(self, host: str | None = None) -> list[tuple[str, str]]:
+        with self._tx() as c:
+            if host is None:
+                rows = c.execute("SELECT path, host FROM state_dirs ORDER BY host, path")
+            else:
+                rows = c.execute("SELECT path, host FROM state_dirs WHERE host=%s "
+                                 "ORDER BY path", (host,))
+            return [(r[0], r[1]) for r in rows]
+
+    # -- sessions --------------------------------------------------------------------
+
+    def put_session(self, session: str, host: str, record: str) -> None:
+        with self._tx() as c:
+            c.execute("INSERT INTO sessions(id, host, record) VALUES (%s, %s, %s) "
+                      "ON CONFLICT (id) DO UPDATE SET host=excluded.host, "
+                      "record=excluded.record", (session, host, record))
+
+    def session(self, session: str) -> tuple[str, str] | None:
+        with self._tx() as c:
+            row = c.execute("SELECT host, record FROM sessions WHERE id=%s",
+                            (session,)).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def sessions(self) -> list[tuple[str, str, str]]:
+        with self._tx() as c:
+            return [(r[0], r[1], r[2]) for r in c.execute(
+                "SELECT id, host, record FROM sessions ORDER BY id")]
+
+    def delete_session(self, session: str) -> bool:
+        with self._tx() as c:
+            return int(c.execute("DELETE FROM sessions WHERE id=%s",
+                                 (session,)).rowcount) > 0
+
+    # -- leases ----------------------------------------------------------------------
+
+    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int,
+                      holder_is_dead: Callable[[str], bool]) -> Lease:
+        with self._tx() as c:
+            c.execute("INSERT INTO leases(name, holder, epoch, expires_ns) "
+                      "VALUES (%s, '', 0, 0) ON CONFLICT (name) DO NOTHING", (name,))
+            h, e, x = c.execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=%s "
+                                "FOR UPDATE", (name,)).fetchone()
+            row = None if (h, e, x) == ("", 0, 0) else (h, int(e), int(x))
+            epoch = decide_acquire(row, holder, now_ns, holder_is_dead, name)
+            lease = Lease(name, holder, epoch, now_ns + ttl_ns)
+            c.execute("UPDATE leases SET holder=%s, epoch=%s, expires_ns=%s WHERE name=%s",
+                      (holder, epoch, lease.expires_ns, name))
+        return lease
+
+    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int) -> Lease:
+        with self._tx() as c:
+            row = c.execute("SELECT holder, epoch FROM leases WHERE name=%s FOR UPDATE",
+                            (lease.name,)).fetchone()
+            if row is None or row[0] != lease.holder or int(row[1]) != lease.epoch:
+                raise LeaseLostError(lease.name, lease.holder, lease.epoch)
+            new = Lease(lease.name, lease.holder, lease.epoch, now_ns + ttl_ns)
+            c.execute("UPDATE leases SET expires_ns=%s WHERE name=%s",
+                      (new.expires_ns, lease.name))
+        return new
+
+    def lease_release(self, lease: Lease) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE leases SET holder='', expires_ns=0 WHERE name=%s AND holder=%s "
+                      "AND epoch=%s", (lease.name, lease.holder, lease.epoch))
+
+    def lease(self, name: str) -> tuple[str, int, int] | None:
+        with self._tx() as c:
+            row = c.execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=%s",
+                            (name,)).fetchone()
+        return None if row is None else (row[0], int(row[1]), int(row[2]))
+
+    # -- config ----------------------------------------------------------------------
+
+    def config_value(self, key: str) -> str | None:
+        with self._tx() as c:
+            row = c.execute("SELECT value FROM config WHERE key=%s", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_config(self, key: str, value: str | None) -> None:
+        with self._tx() as c:
+            if value is None:
+                c.execute("DELETE FROM config WHERE key=%s", (key,))
+            else:
+                c.execute("INSERT INTO config(key, value) VALUES (%s, %s) ON CONFLICT (key) "
+                          "DO UPDATE SET value=excluded.value", (key, value))
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _redact(dsn: str) -> str:
+    """``dsn`` without its password (URL form ``user:password@`` or ``password=...``)."""
+    import re
+
+    dsn = re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", dsn)
+    return re.sub(r"(password\s*=\s*)\S+", r"\1***", dsn)
