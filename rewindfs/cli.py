@@ -28,6 +28,41 @@ def default_store() -> str:
     return os.environ.get("REWINDFS_STORE") or os.path.join("agent-data", "store")
 
 
+def resolve_store(args: argparse.Namespace) -> None:
+    """Turn the shared-mode options into a store directory (store/config.py): for
+    ``--store s3://BUCKET/PREFIX`` (with ``--catalog``, ``--s3-endpoint``), ``args.store``
+    becomes this host's local directory (``--local``, default ``$XDG_STATE_HOME/rewindfs``),
+    configured for that store. ``--host-id`` is put in the environment, so daemons and
+    session hosts started from here use it too. Raises StoreConfigError (exit 2) for a
+    catalog without a remote store or the reverse."""
+    host = getattr(args, "host_id", None)
+    if host:
+        from store.hostid import ENV, check_host_id
+
+        try:
+            os.environ[ENV] = check_host_id(host)
+        except ValueError as e:
+            raise UsageError(f"--host-id: {e}") from None
+    url = str(args.store)
+    catalog = getattr(args, "catalog", None)
+    if not url.startswith("s3://") and not catalog:
+        return
+    from store import config
+
+    if not url.startswith("s3://"):
+        raise config.StoreConfigError(f"--catalog needs a remote store (--store "
+                                      f"s3://BUCKET/PREFIX), not the directory {url}")
+    cache_bytes = os.environ.get("REWINDFS_CACHE_BYTES")
+    cfg = config.SharedConfig(blobs=url, catalog=catalog or "",
+                              s3_endpoint=getattr(args, "s3_endpoint", None) or None,
+                              cache=os.environ.get("REWINDFS_CACHE") or None,
+                              cache_bytes=int(cache_bytes) if cache_bytes
+                              else config.DEFAULT_CACHE_BYTES)
+    local = getattr(args, "local", None) or config.default_local_dir()
+    config.configure(local, cfg)
+    args.store = os.path.abspath(local)
+
+
 def open_store(args: argparse.Namespace) -> Any:
     from store.objects import Store
 
@@ -57,6 +92,8 @@ class _Parser(argparse.ArgumentParser):
 
 class UsageError(Exception):
     """The command line is not of a command's form (argparse's exit 2)."""
+
+    exit_code = 2
 
 
 def _jsonable(v: Any) -> Any:
@@ -91,7 +128,20 @@ def error_document(e: BaseException, exit_code: int) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="rewindfs", description=__doc__.split("\n")[0])
     p.add_argument("--store", default=default_store(),
-                   help="store directory (default: $REWINDFS_STORE or ./agent-data/store)")
+                   help="store directory, or s3://BUCKET/PREFIX for a shared store "
+                        "(default: $REWINDFS_STORE or ./agent-data/store)")
+    p.add_argument("--catalog", default=os.environ.get("REWINDFS_CATALOG"),
+                   help="shared catalog of an s3:// store: postgresql://... "
+                        "(default: $REWINDFS_CATALOG)")
+    p.add_argument("--s3-endpoint", default=os.environ.get("REWINDFS_S3_ENDPOINT"),
+                   help="S3 endpoint URL for SeaweedFS, MinIO, ... "
+                        "(default: $REWINDFS_S3_ENDPOINT, else AWS)")
+    p.add_argument("--local", default=os.environ.get("REWINDFS_LOCAL"),
+                   help="this host's local directory of an s3:// store: session state, "
+                        "caches (default: $REWINDFS_LOCAL or $XDG_STATE_HOME/rewindfs)")
+    p.add_argument("--host-id", default=None,
+                   help="this host's id in leases and the catalog (default: "
+                        "$REWINDFS_HOST_ID, else derived from machine id and boot id)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     import importlib
 
@@ -116,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     handler: Handler = args.handler
     as_json = bool(getattr(args, "json", False))
     try:
+        resolve_store(args)
         return handler(args)
     except KeyboardInterrupt as e:
         return _fail(e, 130, "interrupted", as_json)

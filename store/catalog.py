@@ -41,6 +41,30 @@ _OBJ_KINDS = {int(k): k for k in ObjKind}
 _CODECS = {int(c): c for c in Codec}
 
 
+@dataclass
+class Dump:
+    """Every row of the object index and the history tables, read in one transaction:
+    ``objects`` rows are ``(id, kind, pack, rec_offset, rec_length, codec, inner_offset,
+    raw_length)``; ``journal`` is ordered by session and seq."""
+
+    objects: list[tuple[Any, ...]]
+    packs: list[PackRow]
+    snapshots: list[SnapshotRow]
+    journal: list[JournalRow]
+    named: list[tuple[str, str]]
+
+
+@dataclass
+class Summary:
+    """Counts for ``stats``: ``kinds`` maps an object kind to (count, plaintext bytes)."""
+
+    kinds: dict[int, tuple[int, int]]
+    packs: int
+    stored_bytes: int
+    sessions: int
+    journal_events: int
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """A held lease: ``expires_ns`` is wall-clock ns by which the holder must renew."""
@@ -124,6 +148,14 @@ class Catalog(Protocol):
     def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int) -> Lease: ...
     def lease_release(self, lease: Lease) -> None: ...
     def lease(self, name: str) -> tuple[str, int, int] | None: ...
+
+    # whole-catalog work: verify, stats, catch-up with the backend history, rebuild-index
+    def dump(self) -> Dump: ...
+    def summary(self) -> Summary: ...
+    def apply_history(self, puts: list[SnapshotRow], forgets: list[tuple[str, str]],
+                      journal: list[JournalRow]) -> int: ...
+    def replace_all(self, packs: list[tuple[str, int, list[Location]]],
+                    snapshots: list[SnapshotRow], journal: list[JournalRow]) -> int: ...
 
     # settings shared by the store's hosts (schema_version, unverified_rebuild, ...)
     def config_value(self, key: str) -> str | None: ...
@@ -333,6 +365,93 @@ class SQLiteCatalog:
         row = self._conn().execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=?",
                                    (name,)).fetchone()
         return None if row is None else (row[0], row[1], row[2])
+
+    # -- whole catalog ---------------------------------------------------------------
+
+    def dump(self) -> Dump:
+        c = self._conn()
+        c.execute("BEGIN")
+        try:
+            return Dump(
+                objects=c.execute("SELECT id, kind, pack, rec_offset, rec_length, codec, "
+                                  "inner_offset, raw_length FROM objects").fetchall(),
+                packs=c.execute("SELECT key, size, objects FROM packs").fetchall(),
+                snapshots=c.execute("SELECT ref, time_ns, origin, label, key "
+                                    "FROM snapshots").fetchall(),
+                journal=c.execute("SELECT session, seq, time_ns, epoch, event, ref, trigger_, "
+                                  "consistency, key FROM journal "
+                                  "ORDER BY session, seq").fetchall(),
+                named=c.execute("SELECT name, ref FROM named_refs").fetchall())
+        finally:
+            c.execute("COMMIT")
+
+    def summary(self) -> Summary:
+        c = self._conn()
+        kinds = {k: (n, b or 0) for k, n, b in c.execute(
+            "SELECT kind, COUNT(*), SUM(raw_length) FROM objects GROUP BY kind")}
+        npacks, stored = c.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM packs"
+                                   ).fetchone()
+        sessions, events = c.execute("SELECT COUNT(DISTINCT session), COUNT(*) FROM journal"
+                                     ).fetchone()
+        return Summary(kinds, npacks, stored, sessions, events)
+
+    def apply_history(self, puts: list[SnapshotRow], forgets: list[tuple[str, str]],
+                      journal: list[JournalRow]) -> int:
+        """Apply history records the catalog lacks, in one transaction: a listing is
+        written only over an older row (by history key), a forget ``(ref, key)`` drops only
+        a row older than it, a journal row only where none is. Returns rows changed."""
+        c = self._tx()
+        changed = 0
+        try:
+            for row in puts:
+                changed += c.execute(
+                    "INSERT INTO snapshots(ref, time_ns, origin, label, key) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(ref) DO UPDATE SET "
+                    "time_ns=excluded.time_ns, origin=excluded.origin, label=excluded.label, "
+                    "key=excluded.key WHERE coalesce(snapshots.key, '') < excluded.key",
+                    row).rowcount
+            for ref, key in forgets:
+                changed += c.execute("DELETE FROM snapshots WHERE ref=? AND "
+                                     "coalesce(key, '') < ?", (ref, key)).rowcount
+            for jr in journal:
+                changed += c.execute(
+                    "INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, ref, "
+                    "trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    jr).rowcount
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        return changed
+
+    def replace_all(self, packs: list[tuple[str, int, list[Location]]],
+                    snapshots: list[SnapshotRow], journal: list[JournalRow]) -> int:
+        """Replace the object index and history tables (``rebuild-index``), and drop this
+        host's files and dirs caches, in one transaction; return objects indexed."""
+        c = self._tx()
+        n = 0
+        try:
+            for table in ("objects", "packs", "snapshots", "journal", "files_cache",
+                          "dirs_cache"):
+                c.execute(f"DELETE FROM {table}")
+            for key, size, rows in packs:
+                c.execute("INSERT INTO packs(key, size, objects) VALUES (?, ?, ?)",
+                          (key, size, len(rows)))
+                n += c.executemany(
+                    "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, "
+                    "codec, inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(r.oid, int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
+                      r.inner_offset, r.raw_length) for r in rows]).rowcount
+            c.executemany("INSERT INTO snapshots(ref, time_ns, origin, label, key) "
+                          "VALUES (?, ?, ?, ?, ?)", snapshots)
+            c.executemany("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, "
+                          "ref, trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          journal)
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        return n
 
     # -- config ----------------------------------------------------------------------
 

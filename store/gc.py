@@ -149,7 +149,12 @@ def gc(store: Store, *, extra_live: Iterable[Ref] = (),
        state_dirs_reader: StateDirsReader | None = None,
        repack_below: float = REPACK_BELOW) -> GCReport:
     """Collect garbage in ``store`` (see the module docstring). Returns a GCReport; raises
-    GCError(op, key, cause) when it refuses or a step fails (re-running is safe)."""
+    GCError(op, key, cause) when it refuses or a step fails (re-running is safe); on a
+    shared catalog it refuses (the cross-host pin protocol is not built yet: a writer on
+    another host does not hold this host's gc.lock)."""
+    if store.catalog.shared:
+        raise GCError("check", "catalog", "gc of a shared store (s3:// with a shared "
+                                          "catalog) is not supported yet; nothing deleted")
     fd = store.lock(exclusive=True)
     assert fd is not None
     try:

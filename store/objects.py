@@ -81,7 +81,8 @@ class Store:
     ``Store(root)`` opens (creating if needed) a local store; pass ``backend=`` to keep the
     blobs elsewhere (the index and lock stay under ``root``) and ``catalog=`` to keep the
     metadata in a shared catalog (store/catalog.py; ``root`` then keeps only this host's
-    caches: the files and dirs caches). ``chunk_size`` (bytes, power of
+    caches: the files and dirs caches). A ``root`` holding ``store.json`` opens the shared
+    store it names (store/config.py). ``chunk_size`` (bytes, power of
     two from 64 KiB to 8 MiB) and ``level`` (zstd level) are fixed when the store is created;
     later opens read them from the backend. Safe to use from several threads; each thread
     gets its own SQLite connection. A missing index next to a backend holding packs is
@@ -94,6 +95,12 @@ class Store:
                  chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = DEFAULT_LEVEL) -> None:
         self.root = os.path.abspath(os.fspath(root))
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        if backend is None and catalog is None:
+            from . import config
+
+            shared = config.read(self.root)
+            if shared is not None:  # this host's local directory of a shared store
+                backend, catalog = config.open_parts(self.root, shared)
         self.backend: BlobBackend = backend or LocalDirBackend(os.path.join(self.root, "backend"))
         self.index_path = os.path.join(self.root, "index.sqlite")
         self.catalog: Catalog = catalog if catalog is not None else SQLiteCatalog(
@@ -155,15 +162,11 @@ class Store:
             self._local.conn = None
 
     def config_value(self, key: str) -> str | None:
-        row = self.conn.execute("SELECT value FROM config WHERE key=?", (key,)).fetchone()
-        return None if row is None else row[0]
+        """A setting of the store (in the catalog: shared by its hosts)."""
+        return self.catalog.config_value(key)
 
     def set_config(self, key: str, value: str | None) -> None:
-        if value is None:
-            self.conn.execute("DELETE FROM config WHERE key=?", (key,))
-        else:
-            self.conn.execute("INSERT OR REPLACE INTO config(key, value) VALUES (?, ?)",
-                              (key, value))
+        self.catalog.set_config(key, value)
 
     # -- reading ---------------------------------------------------------------------
 

@@ -23,7 +23,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .catalog import JournalRow, Lease, PackRow, SnapshotRow, decide_acquire, location
+from .catalog import (
+    Dump,
+    JournalRow,
+    Lease,
+    PackRow,
+    SnapshotRow,
+    Summary,
+    decide_acquire,
+    location,
+)
 from .errors import CatalogError, FencedError, LeaseLostError, StoreError
 from .pack import Location
 
@@ -326,6 +335,79 @@ class PostgresCatalog:
             row = c.execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=%s",
                             (name,)).fetchone()
         return None if row is None else (row[0], int(row[1]), int(row[2]))
+
+    # -- whole catalog ---------------------------------------------------------------
+
+    def dump(self) -> Dump:
+        with self._tx() as c:
+            c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            return Dump(
+                objects=[(bytes(r[0]), *r[1:]) for r in c.execute(
+                    "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, "
+                    "raw_length FROM objects")],
+                packs=[(r[0], int(r[1]), int(r[2])) for r in c.execute(
+                    "SELECT key, size, objects FROM packs")],
+                snapshots=[(r[0], int(r[1]), r[2], r[3], r[4]) for r in c.execute(
+                    "SELECT ref, time_ns, origin, label, key FROM snapshots")],
+                journal=[(r[0], int(r[1]), int(r[2]), int(r[3]), r[4], r[5], r[6], r[7], r[8])
+                         for r in c.execute(
+                             "SELECT session, seq, time_ns, epoch, event, ref, trigger_, "
+                             "consistency, key FROM journal ORDER BY session, seq")],
+                named=[(r[0], r[1]) for r in c.execute("SELECT name, ref FROM named_refs")])
+
+    def summary(self) -> Summary:
+        with self._tx() as c:
+            kinds = {int(k): (int(n), int(b or 0)) for k, n, b in c.execute(
+                "SELECT kind, COUNT(*), SUM(raw_length) FROM objects GROUP BY kind")}
+            npacks, stored = c.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM packs"
+                                       ).fetchone()
+            sessions, events = c.execute("SELECT COUNT(DISTINCT session), COUNT(*) "
+                                         "FROM journal").fetchone()
+        return Summary(kinds, int(npacks), int(stored), int(sessions), int(events))
+
+    def apply_history(self, puts: list[SnapshotRow], forgets: list[tuple[str, str]],
+                      journal: list[JournalRow]) -> int:
+        changed = 0
+        with self._tx() as c:
+            for row in puts:
+                changed += int(c.execute(
+                    "INSERT INTO snapshots(ref, time_ns, origin, label, key) "
+                    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (ref) DO UPDATE SET "
+                    "time_ns=excluded.time_ns, origin=excluded.origin, label=excluded.label, "
+                    "key=excluded.key WHERE snapshots.key < excluded.key", row).rowcount)
+            for ref, key in forgets:
+                changed += int(c.execute("DELETE FROM snapshots WHERE ref=%s AND key < %s",
+                                         (ref, key)).rowcount)
+            for jr in journal:
+                changed += int(c.execute(
+                    "INSERT INTO journal(session, seq, time_ns, epoch, event, ref, trigger_, "
+                    "consistency, key) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                    "ON CONFLICT (session, seq) DO NOTHING", jr).rowcount)
+        return changed
+
+    def replace_all(self, packs: list[tuple[str, int, list[Location]]],
+                    snapshots: list[SnapshotRow], journal: list[JournalRow]) -> int:
+        n = 0
+        with self._tx() as c, c.cursor() as cur:
+            for table in ("objects", "packs", "snapshots", "journal"):
+                cur.execute(f"DELETE FROM {table}")
+            for key, size, rows in packs:
+                cur.execute("INSERT INTO packs(key, size, objects) VALUES (%s, %s, %s)",
+                            (key, size, len(rows)))
+                before = cur.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
+                cur.executemany(
+                    "INSERT INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
+                    "inner_offset, raw_length) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
+                    "ON CONFLICT (id) DO NOTHING",
+                    [(bytes(r.oid), int(r.kind), r.pack, r.rec_offset, r.rec_length,
+                      int(r.codec), r.inner_offset, r.raw_length) for r in rows])
+                n += int(cur.execute("SELECT COUNT(*) FROM objects").fetchone()[0]) - int(before)
+            cur.executemany("INSERT INTO snapshots(ref, time_ns, origin, label, key) "
+                            "VALUES (%s, %s, %s, %s, %s)", snapshots)
+            cur.executemany("INSERT INTO journal(session, seq, time_ns, epoch, event, ref, "
+                            "trigger_, consistency, key) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+                            "%s, %s) ON CONFLICT (session, seq) DO NOTHING", journal)
+        return n
 
     # -- config ----------------------------------------------------------------------
 

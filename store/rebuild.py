@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import blake3
 
 from .backend import BlobBackend
+from .catalog import JournalRow
 from .errors import BackendError, IntegrityError
 from .objects import CONFIG_KEY, Store
 from .pack import Location, parse_trailer
@@ -65,7 +66,7 @@ class JournalRecord:
     consistency: str | None
     key: str
 
-    def row(self) -> tuple[object, ...]:
+    def row(self) -> JournalRow:
         return (self.session, self.seq, self.time_ns, self.epoch, self.event, self.ref,
                 self.trigger, self.consistency, self.key)
 
@@ -156,33 +157,24 @@ def catch_up(store: Store, history: History | None = None) -> int:
     event without a row gets one. Rows are never removed for lack of a record.
     """
     h = history if history is not None else read_history(store.backend)
-    c = store.conn
-    changed = 0
-    c.execute("BEGIN IMMEDIATE")
-    try:
-        rows = {r[0]: r[1] for r in c.execute("SELECT ref, key FROM snapshots")}
-        for ref, (key, op) in h.last_op.items():
-            have = rows.get(ref)
-            if have is not None and (have or "") >= key:
-                continue
-            if op == "add":
-                s = h.snapshots[ref]
-                c.execute("INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, key) "
-                          "VALUES (?, ?, ?, ?, ?)", (ref, s.time_ns, s.origin, s.label, s.key))
-                changed += 1
-            elif have is not None:
-                c.execute("DELETE FROM snapshots WHERE ref=?", (ref,))
-                changed += 1
-        for jr in h.journal:
-            cur = c.execute("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, "
-                            "ref, trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            jr.row())
-            changed += cur.rowcount
-        c.execute("COMMIT")
-    except BaseException:
-        c.execute("ROLLBACK")
-        raise
-    return changed
+    rows = {r[0]: r[4] for r in store.catalog.snapshots()}
+    puts = []
+    forgets = []
+    for ref, (key, op) in h.last_op.items():
+        have = rows.get(ref)
+        if have is not None and (have or "") >= key:
+            continue
+        if op == "add":
+            s = h.snapshots[ref]
+            puts.append((ref, s.time_ns, s.origin, s.label, s.key))
+        elif have is not None:
+            forgets.append((ref, key))
+    journal = [jr.row() for jr in h.journal]
+    if not (puts or forgets or journal):
+        return 0
+    # The catalog re-checks each row against what is there now, in one transaction (a
+    # newer listing written meanwhile by another writer is never replaced by an older one).
+    return store.catalog.apply_history(puts, forgets, journal)
 
 
 @dataclass
@@ -245,37 +237,20 @@ def rebuild_index(store: Store) -> RebuildReport:
             packs.append((key, len(data), rows))
         h = read_history(store.backend)
         rep.skipped_records = list(h.bad)
-        c = store.conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
-            for table in ("objects", "packs", "snapshots", "journal", "files_cache",
-                          "dirs_cache"):
-                c.execute(f"DELETE FROM {table}")
-            for key, size, rows in packs:
-                c.execute("INSERT INTO packs(key, size, objects) VALUES (?, ?, ?)",
-                          (key, size, len(rows)))
-                cur = c.executemany(
-                    "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, "
-                    "codec, inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(r.oid, int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
-                      r.inner_offset, r.raw_length) for r in rows])
-                rep.objects += cur.rowcount
-            rep.packs = len(packs)
-            c.executemany("INSERT INTO snapshots(ref, time_ns, origin, label, key) "
-                          "VALUES (?, ?, ?, ?, ?)",
-                          [(s.ref, s.time_ns, s.origin, s.label, s.key)
-                           for s in h.snapshots.values()])
-            rep.snapshots = len(h.snapshots)
-            cur = c.executemany("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, "
-                                "event, ref, trigger_, consistency, key) "
-                                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                                [jr.row() for jr in h.journal])
-            rep.journal_events = cur.rowcount
-            store.set_config(UNVERIFIED, "1")
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
+        # GC refuses until verify passes: set before the tables change, so a crash in
+        # between leaves the flag up (a spurious flag costs one verify, a missing one a
+        # GC over a partial index).
+        store.set_config(UNVERIFIED, "1")
+        rep.objects = store.catalog.replace_all(
+            packs, [(s.ref, s.time_ns, s.origin, s.label, s.key) for s in h.snapshots.values()],
+            [jr.row() for jr in h.journal])
+        if store.catalog.shared:  # this host's caches are in its local index
+            c = store.conn
+            c.execute("DELETE FROM files_cache")
+            c.execute("DELETE FROM dirs_cache")
+        rep.packs = len(packs)
+        rep.snapshots = len(h.snapshots)
+        rep.journal_events = len({(jr.session, jr.seq) for jr in h.journal})
     finally:
         store.unlock(fd)
     return rep

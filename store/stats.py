@@ -47,7 +47,6 @@ def _ratio(a: int, b: int) -> float:
 def stats(store: Store) -> Stats:
     """Compute Stats for ``store``. Raises the store's read errors (ObjectNotFoundError,
     IntegrityError) if a listed snapshot's tree cannot be read."""
-    c = store.conn
     memo: dict[ObjectId, tuple[int, int]] = {}
 
     def size_of(tid: ObjectId) -> tuple[int, int]:
@@ -76,18 +75,15 @@ def stats(store: Store) -> Stats:
         return memo[tid]
 
     logical = files = 0
-    refs = [r[0] for r in c.execute("SELECT ref FROM snapshots")]
+    refs = [r[0] for r in store.catalog.snapshots()]
     for text in refs:
         b, f = size_of(Ref.parse(text).tree_id)
         logical += b
         files += f
-    kinds = {k: (n, b or 0) for k, n, b in c.execute(
-        "SELECT kind, COUNT(*), SUM(raw_length) FROM objects GROUP BY kind")}
-    nchunks, unique = kinds.get(int(ObjKind.CHUNK), (0, 0))
-    ntrees, tree_bytes = kinds.get(int(ObjKind.TREE), (0, 0))
-    npacks, stored = c.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM packs").fetchone()
-    sessions, events = c.execute(
-        "SELECT COUNT(DISTINCT session), COUNT(*) FROM journal").fetchone()
+    s = store.catalog.summary()
+    nchunks, unique = s.kinds.get(int(ObjKind.CHUNK), (0, 0))
+    ntrees, tree_bytes = s.kinds.get(int(ObjKind.TREE), (0, 0))
+    npacks, stored, sessions, events = s.packs, s.stored_bytes, s.sessions, s.journal_events
     return Stats(snapshots=len(refs), files=files, logical_bytes=logical,
                  unique_bytes=unique, tree_bytes=tree_bytes, stored_bytes=stored,
                  packs=npacks, chunks=nchunks, trees=ntrees, sessions=sessions,

@@ -82,23 +82,12 @@ class _Index:
 
 def _load(store: Store) -> _Index:
     idx = _Index()
-    c = store.conn
-    c.execute("BEGIN")
-    try:
-        for oid, kind, pack, off, ln, codec, inner, raw in c.execute(
-                "SELECT id, kind, pack, rec_offset, rec_length, codec, inner_offset, raw_length "
-                "FROM objects"):
-            idx.kinds[oid] = (kind, raw)
-            idx.by_pack[pack].append((oid, kind, off, ln, codec, inner, raw))
-        idx.packs = {k: (size, n) for k, size, n in
-                     c.execute("SELECT key, size, objects FROM packs")}
-        idx.snapshots = c.execute("SELECT ref, time_ns, origin, label, key "
-                                  "FROM snapshots").fetchall()
-        idx.journal = c.execute("SELECT session, seq, time_ns, epoch, event, ref, trigger_, "
-                                "consistency, key FROM journal ORDER BY session, seq").fetchall()
-        idx.named = c.execute("SELECT name, ref FROM named_refs").fetchall()
-    finally:
-        c.execute("COMMIT")
+    d = store.catalog.dump()  # one read transaction
+    for oid, kind, pack, off, ln, codec, inner, raw in d.objects:
+        idx.kinds[oid] = (kind, raw)
+        idx.by_pack[pack].append((oid, kind, off, ln, codec, inner, raw))
+    idx.packs = {k: (size, n) for k, size, n in d.packs}
+    idx.snapshots, idx.journal, idx.named = d.snapshots, d.journal, d.named
     return idx
 
 

@@ -1,0 +1,163 @@
+"""The store config file: one line switches a store directory from embedded to shared.
+
+A store directory (``--store DIR``) normally holds everything: packs, index, caches. When
+it holds ``store.json``, it is instead this host's *local part* of a shared store::
+
+    {"blobs": "s3://BUCKET/PREFIX", "s3_endpoint": "http://127.0.0.1:8333" | null,
+     "catalog": "postgresql://...", "cache": "/abs/cache/dir", "cache_bytes": 10737418240}
+
+and ``Store(DIR)`` opens the packs on S3 (``store/s3.py``) through the local range cache
+(``store/blobcache.py``) and the metadata in the shared catalog (``store/pgcatalog.py``).
+DIR keeps what belongs to this host only: the files and dirs caches (``index.sqlite``),
+the lock files, and everything the session layer derives from the store directory (the
+session state base ``DIR/sessions`` with uppers and session records, the paths hidden
+from Bash, the persistence-overlap checks), so every such rule holds for DIR unchanged.
+
+Rules: a remote blob store needs a catalog shared by its hosts, and a shared catalog needs
+a remote blob store (each host's local directory would otherwise hold packs the others
+cannot read); either alone is ``StoreConfigError``. The file is written once by
+``configure`` (mode 0600, atomically) and a later ``configure`` with other values is
+refused, so a directory never silently changes store. Credentials are not in it: S3 keys
+come from the standard AWS environment and files, a PostgreSQL password from libpq's
+``PGPASSWORD``/``~/.pgpass`` (a password written in the URL is kept, in a 0600 file).
+
+Environment (read by the CLI, rewindfs/cli.py): ``REWINDFS_STORE`` (a directory or an
+``s3://`` URL), ``REWINDFS_S3_ENDPOINT``, ``REWINDFS_CATALOG``, ``REWINDFS_LOCAL``,
+``REWINDFS_CACHE_BYTES``, ``REWINDFS_HOST_ID``. Default local directory of a URL store:
+``$XDG_STATE_HOME/rewindfs`` (``~/.local/state/rewindfs``); default cache
+``$XDG_CACHE_HOME/rewindfs`` (``~/.cache/rewindfs``), 10 GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import StoreError
+
+CONFIG_FILE = "store.json"
+DEFAULT_CACHE_BYTES = 10 << 30
+
+
+class StoreConfigError(StoreError):
+    """A store configuration is refused (see store/config.py for the rules)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class SharedConfig:
+    """What ``store.json`` says (see the module docstring)."""
+
+    blobs: str
+    catalog: str
+    s3_endpoint: str | None = None
+    cache: str | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+
+    def check(self) -> SharedConfig:
+        from .s3 import parse_s3_url
+
+        if not self.blobs:
+            raise StoreConfigError("a shared catalog needs a remote blob store "
+                                   "(--store s3://BUCKET/PREFIX)")
+        if not self.catalog:
+            raise StoreConfigError(f"the remote store {self.blobs} needs a catalog shared by "
+                                   "its hosts (--catalog postgresql://...)")
+        try:
+            parse_s3_url(self.blobs)
+        except ValueError as e:
+            raise StoreConfigError(f"--store: {e}") from None
+        if not self.catalog.startswith(("postgresql://", "postgres://")):
+            raise StoreConfigError(f"--catalog must be a postgresql:// URL, not "
+                                   f"{self.catalog.split('://')[0]!r}")
+        if self.cache_bytes <= 0:
+            raise StoreConfigError("the cache size must be positive")
+        return self
+
+
+def default_local_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "rewindfs")
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "rewindfs")
+
+
+def read(root: str) -> SharedConfig | None:
+    """The shared configuration of store directory ``root``, or None for an embedded store.
+    Raises StoreConfigError for a file that is not a valid configuration."""
+    path = os.path.join(root, CONFIG_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw: Any = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StoreConfigError(f"{path}: not a store configuration ({e})") from None
+    try:
+        cfg = SharedConfig(blobs=str(raw.get("blobs") or ""), catalog=str(raw.get("catalog") or ""),
+                           s3_endpoint=raw.get("s3_endpoint") or None,
+                           cache=raw.get("cache") or None,
+                           cache_bytes=int(raw.get("cache_bytes") or DEFAULT_CACHE_BYTES))
+    except (AttributeError, TypeError, ValueError) as e:
+        raise StoreConfigError(f"{path}: not a store configuration ({e})") from None
+    return cfg.check()
+
+
+def configure(root: str, cfg: SharedConfig) -> SharedConfig:
+    """Make ``root`` the local directory of the shared store ``cfg`` (writing ``store.json``
+    if absent; the cache directory defaults to ``default_cache_dir()``). Returns the stored
+    configuration. Raises StoreConfigError if ``cfg`` breaks the rules, if ``root`` already
+    belongs to another store, or if ``root`` is an embedded store holding packs."""
+    cfg.check()
+    if cfg.cache is None:
+        cfg = SharedConfig(cfg.blobs, cfg.catalog, cfg.s3_endpoint, default_cache_dir(),
+                           cfg.cache_bytes)
+    root = os.path.abspath(root)
+    have = read(root)
+    if have is not None:
+        if (have.blobs, have.catalog, have.s3_endpoint) != (cfg.blobs, cfg.catalog,
+                                                             cfg.s3_endpoint):
+            raise StoreConfigError(f"{root} is the local directory of {have.blobs} with "
+                                   f"another catalog or endpoint; use another --local")
+        return have
+    if os.path.isdir(os.path.join(root, "backend", "packs")):
+        raise StoreConfigError(f"{root} is an embedded store; use another --local directory")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    path = os.path.join(root, CONFIG_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(asdict(cfg), sort_keys=True, indent=1).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return cfg
+
+
+def open_parts(root: str, cfg: SharedConfig) -> tuple[Any, Any]:
+    """The (backend, catalog) of shared store ``cfg`` for local directory ``root``: S3
+    through the range cache, and the PostgreSQL catalog. Raises BackendError if the bucket
+    cannot be reached, CatalogError if the catalog cannot."""
+    from .blobcache import CachedBackend
+    from .pgcatalog import PostgresCatalog
+    from .s3 import S3Backend, parse_s3_url
+
+    bucket, prefix = parse_s3_url(cfg.blobs)
+    s3 = S3Backend(bucket, prefix, endpoint_url=cfg.s3_endpoint)
+    s3.check()
+    cache_dir = os.path.join(cfg.cache or default_cache_dir(), _cache_name(cfg.blobs))
+    return CachedBackend(s3, cache_dir, cfg.cache_bytes), PostgresCatalog(cfg.catalog)
+
+
+def _cache_name(blobs: str) -> str:
+    # One cache directory per store URL, so two stores never share cached ranges.
+    import blake3
+
+    return blake3.blake3(blobs.encode()).hexdigest()[:16]
