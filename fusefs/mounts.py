@@ -122,6 +122,8 @@ def served_refs(store_root: str) -> list[str]:
     want = os.path.realpath(store_root)
     d = os.path.join(runtime_dir(), "mounts")
     out: list[str] = []
+    if not os.path.isdir(d):  # no mount was ever started with this runtime dir
+        return out
     for name in sorted(os.listdir(d)):
         if not name.endswith(".json"):
             continue

@@ -124,6 +124,7 @@ class Catalog(Protocol):
     def last_seq(self, session: str) -> int: ...
     def add_journal(self, row: JournalRow, fence: str | None = None) -> bool: ...
     def journal(self, session: str) -> list[JournalRow]: ...
+    def journal_refs(self) -> list[str]: ...
 
     # named refs
     def set_named_ref(self, name: str, ref: str) -> None: ...
@@ -271,6 +272,10 @@ class SQLiteCatalog:
         return [tuple(r) for r in self._conn().execute(
             "SELECT session, seq, time_ns, epoch, event, ref, trigger_, consistency, key "
             "FROM journal WHERE session=? ORDER BY seq", (session,))]
+
+    def journal_refs(self) -> list[str]:
+        """Every Ref text some journal names, each once."""
+        return [r[0] for r in self._conn().execute("SELECT DISTINCT ref FROM journal")]
 
     # -- named refs ------------------------------------------------------------------
 

@@ -375,8 +375,7 @@ class Store:
 
     def journal_refs(self) -> list[Ref]:
         """Every Ref that some session's journal names (each once)."""
-        rows = self.conn.execute("SELECT DISTINCT ref FROM journal").fetchall()
-        return [Ref.parse(r[0]) for r in rows]
+        return [Ref.parse(r) for r in self.catalog.journal_refs()]
 
     def journal(self, session: str) -> list[JournalEvent]:
         """The session's events, oldest first."""

@@ -232,6 +232,10 @@ class PostgresCatalog:
                         "consistency, key FROM journal WHERE session=%s ORDER BY seq",
                         (session,))]
 
+    def journal_refs(self) -> list[str]:
+        with self._tx() as c:
+            return [r[0] for r in c.execute("SELECT DISTINCT ref FROM journal")]
+
     # -- named refs ------------------------------------------------------------------
 
     def set_named_ref(self, name: str, ref: str) -> None:

@@ -105,6 +105,7 @@ def test_journal(cat: Catalog) -> None:
     restored = ("s", 3, 30, 1, "WorkspaceRestored", "ref3", None, None, "journal/s/3.json")
     cat.add_journal(restored)
     assert cat.journal("s")[-1] == restored
+    assert sorted(cat.journal_refs()) == ["ref1", "ref2", "ref3"]
 
 
 def test_fenced_append_refused_after_takeover(cat: Catalog) -> None:
