@@ -315,7 +315,8 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
     and runs anything (to move the child into a cgroup first). ``net_fds``: (ready write
     end, go read end): once the sandbox is set up, a byte is written to the first, and the
     command runs after a byte arrived on the second (meanwhile its network is configured:
-    bwrap's own loopback setup and slirp4netns's must not overlap). ``resolv_fd``: contents for /etc/resolv.conf."""
+    bwrap's own loopback setup and slirp4netns's must not overlap). ``resolv_fd``: contents
+    for /etc/resolv.conf."""
     argv = [bwrap_path, *_namespaces(), *_system_view(), *_etc_view()]
     if resolv_fd is not None and os.path.isfile("/etc/resolv.conf") \
             and not os.path.islink("/etc/resolv.conf"):
@@ -714,8 +715,9 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
     spawner: _Spawner | None = None
     cgroup: _PidsCgroup | None = None
     if cg_parent is not None and _threads_may_differ(cg_parent):
-        spawner = _acquire(cg_parent)
-        cg_parent = None
+        with contextlib.suppress(OSError):    # else the command's first process is moved
+            spawner = _acquire(cg_parent)
+            cg_parent = None
     child_fds: list[int] = []
     own: dict[str, int] = {}
 
