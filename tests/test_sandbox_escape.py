@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -500,3 +501,52 @@ def test_session_mount_serves_the_sandbox_mapped_to_its_owner(mounter: fh.Mounte
                 return 3
             return 0
         assert treegen.as_nobody(other) == 3
+
+
+# -- the operator's options, end to end ------------------------------------------------------
+
+
+def mcp_bash(tmp: Path, options: list[str], commands: list[str],
+             env: dict[str, str]) -> list[tuple[bool, str]]:
+    """(is_error, text) of each Bash call to ``rewindfs mcp --root`` with ``options``,
+    through the mcp SDK's client over stdio, the server given ``env``."""
+    import anyio
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    root = tmp / "root"
+    root.mkdir(exist_ok=True)
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "rewindfs.cli", "--store", str(tmp / "store"), "mcp", "--root", str(root),
+              *options], cwd=str(REPO), env=env)
+    out: list[tuple[bool, str]] = []
+
+    async def session() -> None:
+        async with Client(params, read_timeout_seconds=120) as client:
+            for c in commands:
+                r = await client.call_tool("Bash", {"command": c})
+                out.append((bool(r.is_error), "".join(getattr(x, "text", "")
+                                                      for x in r.content)))
+
+    anyio.run(session)
+    return out
+
+
+def test_mcp_options_env_and_unsafe_no_sandbox(tmp_path: Path) -> None:
+    env = dict(os.environ, **{SECRET_NAME: SECRET, "REWINDFS_TEST_NAMED": "named-value"})
+    show = f'echo "[${SECRET_NAME}] [$REWINDFS_TEST_NAMED]"'
+    (err, text), = mcp_bash(tmp_path, ["--env", "REWINDFS_TEST_NAMED"], [show], env)
+    assert not err and text.split("\n")[0] == "[] [named-value]", text
+    (err, text), = mcp_bash(tmp_path, [], [show], env)
+    assert text.split("\n")[0] == "[] []", text
+    # Without a sandbox: refused, unless the operator allows running unconfined.
+    env["REWINDFS_NO_SANDBOX"] = "1"
+    (err, text), = mcp_bash(tmp_path, [], ["touch ran"], env)
+    assert err and "refused: no sandbox can be built here" in text
+    assert not (tmp_path / "root" / "ran").exists()
+    (err, text), (_, shown) = mcp_bash(tmp_path, ["--unsafe-no-sandbox"], ["touch ran", show],
+                                       env)
+    assert not err and "ran unconfined" in text
+    assert (tmp_path / "root" / "ran").exists()
+    assert shown.split("\n")[0] == "[] []", shown      # the allowlist holds unconfined too
