@@ -169,6 +169,22 @@ def wait_for(cond, what: str, timeout: float = 30.0) -> None:  # type: ignore[no
         time.sleep(0.1)
 
 
+def refused_mkdirs(d: Path, timeout: float = 10.0) -> list[str]:
+    """mkdir ``new-dir-N`` in ``d`` until one is refused with ENOSPC (the mount has seen
+    its full disk); returns the names that were acknowledged before that."""
+    made: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        name = f"new-dir-{len(made)}"
+        e = fh.errno_of(os.mkdir, d / name)
+        if e == errno.ENOSPC:
+            return made
+        assert e == 0, os.strerror(e)
+        made.append(name)
+        time.sleep(0.2)
+    raise AssertionError(f"mkdir still acknowledged on a full disk: {made}")
+
+
 def test_rm_frees_space_on_a_full_disk_and_the_mount_recovers_in_place(
         mount: Mount, disk: Path) -> None:
     m = mount
@@ -258,16 +274,7 @@ def test_a_persist_failing_at_unmount_exits_non_zero_and_the_next_mount_loses_no
     os.rmdir(mnt / "gone-dir")
     # Whatever would add to the upper is refused with ENOSPC once the mount has seen the
     # full disk (its next commit); what it acknowledged before must be kept all the same.
-    made: list[str] = []
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        name = f"new-dir-{len(made)}"
-        if fh.errno_of(os.mkdir, mnt / name) == errno.ENOSPC:
-            break
-        made.append(name)
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"mkdir still acknowledged on a full disk: {made}")
+    made = refused_mkdirs(mnt)
     assert m.status()["disk_full"] is True
     assert write_new(mnt / "new.txt", b"new\n") == errno.ENOSPC
     assert fh.errno_of(os.chmod, mnt / "keep.txt", 0o600) == errno.ENOSPC
@@ -369,3 +376,84 @@ def test_removals_spilled_on_a_full_disk_survive_a_crash_and_free_space_at_once(
         ov.close()
     assert check(state, store) == []
     store.close()
+
+
+def test_session_shutdown_after_a_failed_persist_fails_and_resume_loses_nothing(
+        tmp_path: Path) -> None:
+    """The same rule through a session (its host process persists at shutdown): the state
+    base (``<store>/sessions``) is a real tmpfs that another program fills."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if not os.path.exists("/dev/fuse") or shutil.which(fh.FUSERMOUNT) is None:
+        pytest.skip("needs /dev/fuse and fusermount3")
+    from fusefs.session.control import control_path, request
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "seed.txt").write_bytes(b"seed\n")
+    store = tmp_path / "store"
+    ref = fh.snapshot(store, src)
+    base = store / "sessions"
+    base.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m,mode=0700", "tmpfs",
+                        str(base)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    pids: list[int] = []
+    root: Path | None = None
+
+    def start(*args: str) -> dict[str, str]:
+        r = cli(store, "session", *args, "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        path = control_path(str(base / out["id"]))
+        assert path is not None
+        pids.append(int(request(path, {"op": "status"}, 30)["pid"]))
+        return dict(out)
+
+    try:
+        s = start("new", "--seed", ref, "--base", str(tmp_path / "ws"))
+        root = Path(s["root"])
+        for i in range(10):
+            (root / f"doomed-{i}.txt").write_bytes(f"file {i}\n".encode())
+        (root / "keep.txt").write_bytes(b"keep me\n")
+        time.sleep(1.5)  # committed by the session's write-behind
+        reserves = list((base / s["id"]).rglob(RESERVE_NAME))
+        assert len(reserves) == 1
+        os.truncate(reserves[0], 0)
+        _, err = fill(base / "filler")
+        assert err == errno.ENOSPC
+        for i in range(5):
+            os.unlink(root / f"doomed-{i}.txt")
+        made = refused_mkdirs(root)
+
+        r = cli(store, "session", "shutdown", s["id"])
+        assert r.returncode != 0, "session shutdown exited 0 although persisting failed"
+        assert "ENOSPC" in r.stderr, r.stderr
+        assert not fh.is_fuse_mounted(root)
+
+        os.unlink(base / "filler")
+        start("resume", s["id"])
+        for i in range(10):
+            assert (root / f"doomed-{i}.txt").exists() == (i >= 5), i
+        assert (root / "keep.txt").read_bytes() == b"keep me\n"
+        for name in made:  # acknowledged before the session saw the full disk
+            assert (root / name).is_dir(), name
+        (root / "after.txt").write_bytes(b"room again\n")
+        r = cli(store, "session", "shutdown", s["id"])
+        assert r.returncode == 0, r.stderr
+        start("resume", s["id"])
+        assert (root / "after.txt").read_bytes() == b"room again\n"
+        assert all((root / name).is_dir() for name in made)
+        r = cli(store, "session", "shutdown", s["id"])
+        assert r.returncode == 0, r.stderr
+    finally:
+        if root is not None and fh.is_fuse_mounted(root):
+            fh.fusermount(root, lazy=True)
+        for pid in pids:
+            deadline = time.monotonic() + 30
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+        subprocess.run(["umount", "-l", str(base)], capture_output=True)

@@ -282,6 +282,7 @@ class FuseMount:
         self.ready = threading.Event()  # serving, or failed to mount (see ``error``)
         self.unmounted = threading.Event()
         self.error: str | None = None
+        self.persist_error: str | None = None  # set when the last persist failed (``leave``)
         self.served = False  # the mount served at some point (a fixed root is written back)
         self.live: Any = None  # fusefs.control.Live while serving
         self.last: dict[str, Any] = {}  # the daemon's last checkpoint or restore reply
@@ -316,7 +317,8 @@ class FuseMount:
 
     def leave(self) -> None:
         """A session stops using the mount; the last one unmounts it and writes a fixed
-        root back (CONTRACT 4.1, 4.9). Blocks until that is done."""
+        root back (CONTRACT 4.1, 4.9). Blocks until that is done. Raises MountError if
+        persisting the upper failed at the unmount (a full disk: see ``fusefs/upper.py``)."""
         with self._lock:
             self._users -= 1
             last = self._users <= 0
@@ -325,6 +327,10 @@ class FuseMount:
         if last:
             self.stop()
             self.finish()
+            if self.persist_error is not None:  # the caller's shutdown fails with the cause
+                from fusefs.errors import MountError
+
+                raise MountError(self.mountpoint, self.persist_error)
 
     # -- preparing -----------------------------------------------------------------------
 
@@ -436,6 +442,7 @@ class FuseMount:
             ops.close()
         except Exception as e:
             log.error("persisting the upper at unmount failed: %s: %s", type(e).__name__, e)
+            self.persist_error = f"persisting the upper at unmount failed: {e}"
             code = 9
         if our_mount is not None:
             try:
