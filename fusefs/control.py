@@ -13,8 +13,9 @@ Protocol, shared with the no-FUSE session host (``fusefs.session.control``): one
 per line each way; requests ``{"op": ...}``:
 
 - ``status``: ``{ref, dirty_inodes, dirty_bytes, detached_inodes, held_lowers,
-  open_handles, writable_handles, parked, paused, mountpoint, state, pid, requests}``
-  (``requests``: FUSE requests served so far by operation, those that reached a handler)
+  open_handles, writable_handles, parked, paused, mountpoint, state, pid, requests,
+  binding}`` (``requests``: FUSE requests served so far by operation, those that reached
+  a handler; ``binding``: ``fusefs.binding.info()``)
 - ``checkpoint {label?, trigger?, timeout_s?}``: ``{ref, elapsed_ms, unchanged, packs,
   bytes}``
 - ``restore {ref, discard?, timeout_s?, wait_writers_s?}``: ``{ref, pre_restore, changes,
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from store.errors import RefNotFoundError
 from store.ref import Ref
 
+from . import binding
 from .session.control import CONTROL_FILE, error_reply, raise_reply, request, socket_dir
 from .session.errors import CheckpointError, RestoreError
 
@@ -406,7 +408,8 @@ class Live:
                 "open_dirs": len(ov.dirs), "parked": self.gate.parked,
                 "paused": self.gate.paused, "permits": self.gate.permits,
                 "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid(),
-                "requests": dict(self.ops.counts), **self._disk()}
+                "requests": dict(self.ops.counts), "binding": binding.info(),
+                **self._disk()}
 
     def _disk(self) -> dict[str, Any]:
         """The state directory's disk as the upper sees it (see "A full disk" in upper.py):
@@ -460,9 +463,11 @@ class Live:
 
 
 def invalidate(inv: Any) -> None:
-    """Drop the kernel's cached names and attributes listed in ``inv`` (a
-    ``restore.Invalidation``). Blocking: call from a worker thread, never from a handler
-    (PYFUSE3.md traps 8, 16); entries the kernel no longer holds are skipped."""
+    """Drop the kernel's cached names, attributes and directory listings listed in ``inv``
+    (a ``restore.Invalidation``). Blocking: call from a worker thread, never from a handler
+    (PYFUSE3.md traps 8, 16); entries the kernel no longer holds are skipped. A listing
+    the kernel keeps (``FOPEN_CACHE_DIR``) lives in the directory's page cache: dropping
+    the pages (``attr_only=False``) drops it."""
     import errno
 
     import pyfuse3
@@ -479,9 +484,9 @@ def invalidate(inv: Any) -> None:
         except OSError as e:
             if e.errno != errno.ENOENT:
                 log.warning("invalidate_entry(%d, %r): %s", parent, name, e)
-    for ino in inv.inodes:
+    for ino, attr_only in [(i, True) for i in inv.inodes] + [(i, False) for i in inv.listings]:
         try:
-            pyfuse3.invalidate_inode(ino, attr_only=True)
+            pyfuse3.invalidate_inode(ino, attr_only=attr_only)
         except OSError as e:
             if e.errno != errno.ENOENT:
                 log.warning("invalidate_inode(%d): %s", ino, e)

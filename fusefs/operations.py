@@ -42,6 +42,7 @@ from pyfuse3 import (
     XAttrNameT,
 )
 
+from . import binding
 from .errors import UpperSpilledError
 from .inodes import Node
 from .overlay import Overlay, sync_paths
@@ -58,6 +59,10 @@ SEQ_SLACK = 1 << 20  # a read this close to the previous one's end counts as seq
 PREFETCH = 3  # chunks loaded ahead of a sequential reader, in parallel worker threads
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+# What ``opendir`` answers with the patched binding (``fusefs.binding``): the kernel keeps
+# the listing until the directory changes through the mount, or a restore invalidates it.
+DIR_CACHE: dict[str, Any] = {"keep_cache": True, "cache_readdir": True}
 
 
 class Gate(Protocol):
@@ -123,6 +128,10 @@ class Operations(pyfuse3.Operations):
 
     supports_dot_lookup = False
     enable_writeback_cache = False
+    # Only ``user.`` attributes exist here (``Overlay.setxattr``): with the patched binding
+    # the kernel's security.capability query before every write, and ls's security.selinux
+    # and ACL queries, are answered ENODATA without reaching a handler.
+    absent_xattr_prefixes = (b"security.", b"system.", b"trusted.")
 
     def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S,
                  gate: Gate | None = None, upper_lock: trio.Lock | None = None) -> None:
@@ -436,7 +445,10 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
-        return FileHandleT(self.ov.opendir(inode))
+        fh = FileHandleT(self.ov.opendir(inode))
+        if binding.EXTENDED:  # the patched binding takes a FileInfo here
+            return cast(FileHandleT, FileInfo(fh=fh, **DIR_CACHE))
+        return fh
 
     @_boundary
     async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:

@@ -61,15 +61,17 @@ class Invalidation:
     ``deleted`` (directory inode, name, the detached inode it named: the kernel also drops
     that inode's link count and marks a directory dead, as rmdir(2) does, so nothing new is
     looked up or cached inside it and the inode is forgotten once its last user is gone;
-    a parent before its children, so they are dropped in reverse) and ``inodes`` (numbers
-    whose attributes changed)."""
+    a parent before its children, so they are dropped in reverse), ``inodes`` (numbers
+    whose attributes changed) and ``listings`` (directories whose entries changed: their
+    attributes and the kernel's cached listing)."""
 
     entries: list[tuple[int, bytes]] = field(default_factory=list)
     inodes: list[int] = field(default_factory=list)
     deleted: list[tuple[int, bytes, int]] = field(default_factory=list)
+    listings: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.entries) + len(self.inodes) + len(self.deleted)
+        return len(self.entries) + len(self.inodes) + len(self.deleted) + len(self.listings)
 
 
 @dataclass
@@ -337,7 +339,7 @@ def plan_swap(ov: Overlay, changes: list[Change], target: Ref, rb: Rebase,
             continue
         no = ino_of_dir(path)
         sp.dirs.append((no, tid))
-        inv.inodes.append(no)
+        inv.listings.append(no)
     detached = set(sp.detach)
     for parent, name, no in gone:
         if no in detached:
@@ -450,7 +452,8 @@ def known_to_kernel(ov: Overlay, inv: Invalidation) -> Invalidation:
 
     return Invalidation([(p, nm) for p, nm in inv.entries if known(p)],
                         [i for i in inv.inodes if known(i)],
-                        [(p, nm, i) for p, nm, i in inv.deleted if known(p)])
+                        [(p, nm, i) for p, nm, i in inv.deleted if known(p)],
+                        [i for i in inv.listings if known(i)])
 
 
 # -- the whole restore, for callers without an event loop ------------------------------------

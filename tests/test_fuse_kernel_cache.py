@@ -1,0 +1,126 @@
+"""The kernel's caches on a real mount: directory listings and file pages the kernel keeps
+(with the patched pyfuse3, ``scripts/pyfuse3/``) are never stale after a restore or a
+checkpoint, changes made through the mount show at once, and the requests the kernel then
+answers itself no longer reach the daemon. The binding in use is reported by ``status``.
+Tests that count requests only hold with the patched binding and are skipped on stock.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import fusehelpers as fh
+import pytest
+from ckpt_support import client
+
+from fusefs import binding
+
+pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
+
+patched_only = pytest.mark.skipif(not binding.EXTENDED,
+                                  reason="the stock pyfuse3 cannot cache listings")
+
+
+def listing(d: Path) -> set[str]:
+    return set(os.listdir(d))
+
+
+def requests(m: Path) -> dict[str, int]:
+    return dict(client(m).status()["requests"])
+
+
+def test_status_names_the_binding_in_use(mounter: fh.Mounter, lower_ref: str) -> None:
+    m = mounter.rw(lower_ref).mnt
+    st = client(m).status()
+    want = os.environ.get("REWINDFS_EXPECT_BINDING") or binding.kind()
+    assert st["binding"]["kind"] == want
+    assert st["binding"]["listings_cached"] is (want == "patched")
+
+
+def test_restore_never_leaves_a_stale_listing_or_page(mounter: fh.Mounter,
+                                                      lower_ref: str) -> None:
+    m = mounter.rw(lower_ref).mnt
+    (m / "d" / "deep").mkdir(parents=True)
+    for name in ("a", "b"):
+        (m / "d" / name).write_bytes(b"first " + name.encode())
+    (m / "d" / "deep" / "x").write_bytes(b"x1")
+    (m / "page.txt").write_bytes(b"one" * 1000)
+    times = {p: os.stat(m / p).st_mtime_ns for p in ("d", "d/deep", "page.txt")}
+    first = client(m).checkpoint()["ref"]
+    (m / "d" / "a").unlink()
+    (m / "d" / "c").write_bytes(b"second c")
+    (m / "d" / "deep" / "y").write_bytes(b"y2")
+    (m / "page.txt").write_bytes(b"two" * 1000)
+    for p, t in times.items():  # same mtimes and sizes: only the contents tell them apart
+        os.utime(m / p, ns=(t, t))
+    second = client(m).checkpoint()["ref"]
+
+    for _ in range(3):
+        # listed twice (the second from the kernel's cache when it keeps listings), and
+        # the file read twice (its pages kept)
+        for _ in range(2):
+            assert listing(m / "d") == {"b", "c", "deep"}
+            assert listing(m / "d" / "deep") == {"x", "y"}
+            assert (m / "page.txt").read_bytes() == b"two" * 1000
+        client(m).restore(first)
+        for _ in range(2):
+            assert listing(m / "d") == {"a", "b", "deep"}
+            assert listing(m / "d" / "deep") == {"x"}
+            assert (m / "d" / "a").read_bytes() == b"first a"
+            assert (m / "page.txt").read_bytes() == b"one" * 1000
+        client(m).restore(second)
+
+
+def test_cached_listing_follows_every_change_through_the_mount(mounter: fh.Mounter,
+                                                               lower_ref: str) -> None:
+    m = mounter.rw(lower_ref).mnt
+    d, e = m / "d", m / "e"
+    d.mkdir()
+    e.mkdir()
+    (d / "f").write_bytes(b"f")
+    assert listing(d) == listing(d) == {"f"}
+    (d / "g").write_bytes(b"g")
+    assert listing(d) == {"f", "g"}
+    os.rename(d / "f", e / "f")
+    assert listing(d) == {"g"} and listing(e) == {"f"}
+    os.link(e / "f", d / "h")
+    os.symlink("g", d / "s")
+    os.mkdir(d / "sub")
+    assert listing(d) == {"g", "h", "s", "sub"}
+    client(m).checkpoint()
+    assert listing(d) == {"g", "h", "s", "sub"}
+    (d / "g").unlink()
+    os.rmdir(d / "sub")
+    assert listing(d) == listing(d) == {"h", "s"}
+
+
+@patched_only
+def test_a_second_listing_and_writes_reach_the_daemon_no_more(mounter: fh.Mounter,
+                                                              lower_ref: str) -> None:
+    m = mounter.rw(lower_ref).mnt
+    os.listdir(m / "dir")
+    before = requests(m)
+    for _ in range(5):
+        os.listdir(m / "dir")
+    after = requests(m)
+    assert after.get("readdir", 0) == before.get("readdir", 0)
+    with open(m / "written.bin", "wb", buffering=0) as f:
+        for _ in range(20):
+            f.write(b"x" * 100)
+    done = requests(m)
+    assert done.get("write", 0) - after.get("write", 0) == 20
+    assert done.get("getxattr", 0) == after.get("getxattr", 0)  # no security.capability
+
+
+def test_xattrs_still_read_and_absent_ones_answer_enodata(mounter: fh.Mounter,
+                                                         lower_ref: str) -> None:
+    m = mounter.rw(lower_ref).mnt
+    p = m / "plain.txt"
+    os.setxattr(p, "user.note", b"kept")
+    assert os.getxattr(p, "user.note") == b"kept"
+    for name in ("security.capability", "security.selinux", "trusted.x", "user.absent"):
+        with pytest.raises(OSError) as ei:
+            os.getxattr(p, name)
+        assert ei.value.errno == errno.ENODATA
