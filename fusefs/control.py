@@ -14,8 +14,11 @@ per line each way; requests ``{"op": ...}``:
 
 - ``status``: ``{ref, dirty_inodes, dirty_bytes, detached_inodes, held_lowers,
   open_handles, writable_handles, parked, paused, mountpoint, state, pid, requests,
-  binding}`` (``requests``: FUSE requests served so far by operation, those that reached
-  a handler; ``binding``: ``fusefs.binding.info()``)
+  binding, no_open, kernel_inodes}`` (``requests``: FUSE requests served so far by
+  operation, those that reached a handler; ``binding``: ``fusefs.binding.info()``;
+  ``kernel_inodes``: inodes the kernel holds a lookup on. In no-open mode
+  ``open_handles`` and ``writable_handles`` count only files created through the mount
+  and still open: files opened with open(2) are unseen)
 - ``checkpoint {label?, trigger?, timeout_s?}``: ``{ref, elapsed_ms, unchanged, packs,
   bytes}``
 - ``restore {ref, discard?, timeout_s?, wait_writers_s?}``: ``{ref, pre_restore, changes,
@@ -397,7 +400,9 @@ class Live:
         cs = ov.cs
         dirty = 0
         nbytes = 0
+        held = 0
         for n in ov.nodes.values():
+            held += n.nlookup > 0
             if n.upper and n.ino != 1 and n.nlink > 0:
                 dirty += 1
                 if n.kind == 2:
@@ -409,6 +414,7 @@ class Live:
                 "paused": self.gate.paused, "permits": self.gate.permits,
                 "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid(),
                 "requests": dict(self.ops.counts), "binding": binding.info(),
+                "no_open": bool(getattr(self.ops, "no_open", False)), "kernel_inodes": held,
                 **self._disk()}
 
     def _disk(self) -> dict[str, Any]:

@@ -64,6 +64,7 @@ class MountConfig:
     cache_mib: int = 128
     max_tasks: int = 8  # pyfuse3 worker tasks: requests that wait (fsync, big chunks)
     # do not hold up the others
+    no_open: bool = False  # OPEN/OPENDIR answered ENOSYS (README: no-open mode)
 
 
 LOG_KEEP = 10000
@@ -236,6 +237,16 @@ def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
         raise
 
 
+def refuse_no_open(cfg: MountConfig) -> None:
+    """Raise MountError if ``cfg`` asks for no-open mode and the binding cannot serve it
+    (a stock pyfuse3 does not hand the inode to requests without a handle)."""
+    from . import binding
+
+    if cfg.no_open and not binding.EXTENDED:
+        raise MountError(cfg.mountpoint, "--no-open needs the patched pyfuse3 "
+                         f"({binding.describe()})")
+
+
 def refuse_overlap(cfg: MountConfig) -> None:
     """Raise MountError if the store, state directory, log or stats file lies inside the
     mount point: the daemon must never write through its own mount (it would wait on
@@ -262,6 +273,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     cfg.mountpoint = os.path.abspath(cfg.mountpoint)
     try:
         refuse_overlap(cfg)
+        refuse_no_open(cfg)
     except MountError as e:
         ready(str(e))
         raise
@@ -281,7 +293,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         from .gate import Gate
 
         gate = Gate()  # checkpoint and restore pause changes through it
-    ops = Operations(ov, gate=gate)
+    ops = Operations(ov, gate=gate, no_open=cfg.no_open)
     options = {"default_permissions", "fsname=rewindfs", "subtype=rewindfs", "noatime"}
     if ov.readonly:
         options.add("ro")

@@ -132,10 +132,23 @@ class Operations(pyfuse3.Operations):
     # the kernel's security.capability query before every write, and ls's security.selinux
     # and ACL queries, are answered ENODATA without reaching a handler.
     absent_xattr_prefixes = (b"security.", b"system.", b"trusted.")
+    # With the patched binding, handle requests also carry the inode (no-open mode).
+    inode_in_requests = True
 
     def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S,
-                 gate: Gate | None = None, upper_lock: trio.Lock | None = None) -> None:
+                 gate: Gate | None = None, upper_lock: trio.Lock | None = None,
+                 no_open: bool = False) -> None:
+        """``no_open``: answer OPEN and OPENDIR with ENOSYS, so the kernel sends no more
+        OPEN/RELEASE or OPENDIR/RELEASEDIR on this connection and later requests come
+        with handle 0 (addressed by inode); needs the patched binding. ValueError
+        without it."""
         super().__init__()
+        if no_open and not binding.EXTENDED:
+            raise ValueError("no-open mode needs the patched pyfuse3 "
+                             "(scripts/pyfuse3/; bash scripts/setup.sh builds it)")
+        self.no_open = no_open
+        # O_TRUNC then arrives as a SETATTR: an OPEN answered ENOSYS cannot truncate.
+        self.init_unwant = getattr(pyfuse3, "CAP_ATOMIC_O_TRUNC", 0) if no_open else 0
         self.ov = overlay
         self.timeout = timeout
         self.gate: Gate = gate or OpenGate()
@@ -218,7 +231,7 @@ class Operations(pyfuse3.Operations):
     async def _load_chunks(self, fh: int, off: int, size: int) -> None:
         for cid in self.ov.lower_chunks_needed(fh, off, size):
             await self._fetch(cid)
-        h = self.ov.handles.get(fh)
+        h = self.ov.handles.get(fh) if fh > 0 else self.ov.inode_handles.get(fh)
         if h is None or self._nursery is None:
             return
         sequential = abs(off - h.seq_end) <= SEQ_SLACK
@@ -397,8 +410,16 @@ class Operations(pyfuse3.Operations):
 
     # -- files -----------------------------------------------------------------------------
 
+    def _fh(self, fh: int, inode: int | None) -> int:
+        """``fh``, or for a request without a handle (no-open mode) one for ``inode``."""
+        if fh or not inode:
+            return fh
+        return self.ov.inode_fh(inode)
+
     @_boundary
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
+        if self.no_open:  # the kernel opens on its own from now on (file.c, no_open)
+            raise FUSEError(errno.ENOSYS)
         writable = flags & os.O_ACCMODE != os.O_RDONLY or bool(flags & os.O_TRUNC)
         async with self.gate.opening(writable):
             return FileInfo(fh=FileHandleT(self.ov.open(inode, flags)), keep_cache=True)
@@ -411,27 +432,33 @@ class Operations(pyfuse3.Operations):
             return FileInfo(fh=FileHandleT(fh), keep_cache=True), self.attrs(n)
 
     @_boundary
-    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
-        await self._load_chunks(fh, off, size)
-        return self.ov.read(fh, off, size)
+    async def read(self, fh: FileHandleT, off: int, size: int,
+                   inode: InodeT | None = None) -> bytes:
+        h = self._fh(fh, inode)
+        await self._load_chunks(h, off, size)
+        return self.ov.read(h, off, size)
 
     @_boundary
-    async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
+    async def write(self, fh: FileHandleT, off: int, buf: bytes,
+                    inode: InodeT | None = None) -> int:
         async with self.gate.mutation():
-            await self._load_chunks(fh, off, len(buf))
-            return self.ov.write(fh, off, buf)
+            h = self._fh(fh, inode)
+            await self._load_chunks(h, off, len(buf))
+            return self.ov.write(h, off, buf)
 
-    # No flush handler: pyfuse3 answers ENOSYS once and the kernel stops sending FLUSH on
-    # every close(2). Durability is promised at fsync (CONTRACT 2.5), not at close.
+    async def flush(self, fh: FileHandleT, inode: InodeT | None = None) -> None:
+        """ENOSYS: the kernel then stops sending FLUSH on every close(2) of this
+        connection. Durability is promised at fsync (CONTRACT 2.5), not at close."""
+        raise FUSEError(errno.ENOSYS)
 
     @_boundary
-    async def release(self, fh: FileHandleT) -> None:
+    async def release(self, fh: FileHandleT, inode: InodeT | None = None) -> None:
         self.ov.release(fh)
 
     @_boundary
-    async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
+    async def fsync(self, fh: FileHandleT, datasync: bool, inode: InodeT | None = None) -> None:
         async with self.gate.mutation():
-            fd = self.ov.sync_fd(fh)
+            fd = self.ov.sync_fd(self._fh(fh, inode))
             if fd is not None:
                 def sync() -> None:
                     try:
@@ -445,14 +472,19 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
+        if self.no_open:  # listings then kept by default (FOPEN_CACHE_DIR)
+            raise FUSEError(errno.ENOSYS)
         fh = FileHandleT(self.ov.opendir(inode))
         if binding.EXTENDED:  # the patched binding takes a FileInfo here
             return cast(FileHandleT, FileInfo(fh=fh, **DIR_CACHE))
         return fh
 
     @_boundary
-    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken,
+                      inode: InodeT | None = None) -> None:
         ov = self.ov
+        if not fh and inode:
+            fh = FileHandleT(ov.inode_dir_fh(inode, start_id))
         for name, n, cookie in ov.readdir(fh, start_id):
             dot = name in (b".", b"..")
             if not pyfuse3.readdir_reply(token, FileNameT(name), self.attrs(n), cookie):
@@ -463,11 +495,12 @@ class Operations(pyfuse3.Operations):
                 ov.remember(n)
 
     @_boundary
-    async def releasedir(self, fh: FileHandleT) -> None:
+    async def releasedir(self, fh: FileHandleT, inode: InodeT | None = None) -> None:
         self.ov.releasedir(fh)
 
     @_boundary
-    async def fsyncdir(self, fh: FileHandleT, datasync: bool) -> None:
+    async def fsyncdir(self, fh: FileHandleT, datasync: bool,
+                       inode: InodeT | None = None) -> None:
         async with self.gate.mutation():
             await self.commit(durable=True)
 

@@ -121,6 +121,10 @@ class Overlay:
         self.pinned: dict[int, bytes] = {}
         self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, DirHandle] = {}
+        # No-open mode (the kernel sends handle 0): I/O by inode through handles keyed
+        # -ino, which count as neither open nor writable (``inode_fh``).
+        self.inode_handles: dict[int, Handle] = {}
+        self.inode_dirs: dict[int, DirHandle] = {}
         self._next_fh = 1
         self.next_ino = 2
         self.next_cookie = 1
@@ -321,6 +325,8 @@ class Overlay:
             return
         if self.nodes.get(n.ino) is not n:
             return
+        self.inode_handles.pop(-n.ino, None)
+        self.inode_dirs.pop(-n.ino, None)
         if not n.upper:
             del self.nodes[n.ino]
             self._drop_inline(n)
@@ -928,10 +934,32 @@ class Overlay:
         return fh
 
     def handle(self, fh: int) -> Handle:
-        h = self.handles.get(fh)
+        h = self.handles.get(fh) if fh > 0 else self.inode_handles.get(fh)
         if h is None:
             raise _err(errno.EBADF)
         return h
+
+    def inode_fh(self, ino: int) -> int:
+        """A handle number for I/O on ``ino`` without an open (no-open mode: the kernel
+        checked the open's access mode, and the kernel's lookup of ``ino`` keeps the node
+        in memory while a file is open). Negative; it is neither released nor counted
+        among ``handles``. Raises ENOENT if ``ino`` is not in memory."""
+        h = self.inode_handles.get(-ino)
+        n = self._node(ino)
+        if h is None or h.node is not n:
+            self.inode_handles[-ino] = Handle(n, os.O_RDWR)
+        return -ino
+
+    def inode_dir_fh(self, ino: int, start: int) -> int:
+        """``inode_fh`` for listing directory ``ino``; a listing from the start (``start``
+        0) sees the entries as they are now."""
+        h = self.inode_dirs.get(-ino)
+        d = self._dir(ino)
+        if h is None or h.node is not d:
+            self.inode_dirs[-ino] = DirHandle(d)
+        elif start == 0:
+            h.refresh()
+        return -ino
 
     def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
@@ -946,7 +974,7 @@ class Overlay:
     def lower_chunks_needed(self, fh: int, off: int, size: int) -> list[ObjectId]:
         """Lower chunks a read or write of ``[off, off+size)`` will need that are neither
         cached nor cheap: the adapter loads them in a worker thread first."""
-        h = self.handles.get(fh)
+        h = self.handles.get(fh) if fh > 0 else self.inode_handles.get(fh)
         if h is None or size <= 0:
             return []
         n = h.node
@@ -1152,7 +1180,7 @@ class Overlay:
         """Yield (name, node, cookie) from after cookie ``start`` (0: from the beginning).
         Entries that exist throughout a listing come exactly once. The caller counts a
         lookup (``remember``) for each entry it hands to the kernel, except "." and ".."."""
-        h = self.dirs.get(fh)
+        h = self.dirs.get(fh) if fh > 0 else self.inode_dirs.get(fh)
         if h is None:
             raise _err(errno.EBADF)
         d = h.node

@@ -58,6 +58,10 @@ def register(sub: Any) -> None:
     p.add_argument("--debug", action="store_true", help="log at debug level")
     p.add_argument("--cache-mib", type=int, default=128,
                    help="decompressed lower chunks kept in memory (MiB, default 128)")
+    p.add_argument("--no-open", action="store_true",
+                   help="no-open mode: the kernel stops sending OPEN/RELEASE and "
+                        "OPENDIR/RELEASEDIR (fewer requests; open handles are no longer "
+                        "counted, see README); needs the patched pyfuse3")
     p.add_argument("--stats-file", metavar="FILE", help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     add_json(p)
@@ -116,14 +120,16 @@ def cmd_mount(args: argparse.Namespace) -> int:
     log_path = os.path.abspath(args.log) if args.log else None
     stats_path = os.path.abspath(args.stats_file) if args.stats_file else None
 
-    from fusefs.daemon import MountConfig, fd_ready, refuse_overlap, serve
+    from fusefs.daemon import MountConfig, fd_ready, refuse_no_open, refuse_overlap, serve
 
     cfg = MountConfig(store_root=store, mountpoint=mnt, ref=ref, state_dir=state,
                       readonly=args.ro, allow_other=args.allow_other, log_path=log_path,
-                      stats_path=stats_path, debug=args.debug, cache_mib=args.cache_mib)
+                      stats_path=stats_path, debug=args.debug, cache_mib=args.cache_mib,
+                      no_open=args.no_open)
     if args.foreground:
         return serve(cfg, fd_ready(args.ready_fd))
     refuse_overlap(cfg)
+    refuse_no_open(cfg)
 
     if log_path is None:
         if state is not None:
@@ -141,6 +147,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         argv.append("--allow-other")
     if args.debug:
         argv.append("--debug")
+    if args.no_open:
+        argv.append("--no-open")
     if args.cache_mib != 128:
         argv += ["--cache-mib", str(args.cache_mib)]
     if stats_path is not None:
