@@ -171,14 +171,16 @@ class FuseOverlayfs(Contender):
 class Rewindfs(Contender):
     name = "rewindfs"
 
-    def __init__(self, work: Path, lower: Path, store: Path, ref: str) -> None:
+    def __init__(self, work: Path, lower: Path, store: Path, ref: str,
+                 no_open: bool = False) -> None:
         super().__init__(work, lower)
         self.store, self.ref = store, ref
         self.stats = work / "stats.json"
+        self.no_open = no_open
 
     def setup(self) -> None:
         self.root.mkdir(parents=True)
-        extra = ["--stats-file", str(self.stats)]
+        extra = ["--stats-file", str(self.stats)] + (["--no-open"] if self.no_open else [])
         self.daemon = fh.Daemon(store=self.store, mnt=self.root, ref=self.ref,
                                 state=self.work / "state", log=self.work / "daemon.log",
                                 extra=extra)
@@ -353,7 +355,7 @@ def loadavg() -> str:
 
 
 def report(res: dict[str, dict[str, dict[str, Any]]], files: int,
-           load: tuple[str, str] | None = None) -> str:
+           load: tuple[str, str] | None = None, served_by: str | None = None) -> str:
     names = [n for n in ("tmpfs", "ext4", "fuse-overlayfs", "rewindfs") if n in res]
     rows = []
     for key, label in WORKLOADS:
@@ -381,6 +383,8 @@ def report(res: dict[str, dict[str, dict[str, Any]]], files: int,
             f" + {MANY:,} empty files in one directory"]
     if load is not None:
         text.append(f"Load average (1, 5, 15 min): {load[0]} before, {load[1]} after")
+    if served_by is not None:
+        text.append(f"rewindfs served by {served_by}")
     text += [markdown_table(header, rows), ""]
     ops_rows = []
     for key, label in WORKLOADS:
@@ -434,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("--only", default="tmpfs,ext4,fuse-overlayfs,rewindfs",
                     help="comma-separated contenders to run")
+    ap.add_argument("--no-open", action="store_true",
+                    help="mount rewindfs in no-open mode (rewindfs mount --no-open)")
     args = ap.parse_args(argv)
     only = args.only.split(",")
     if not can_drop_caches():
@@ -454,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             store = tmp / "store"
             log("bench_fuse: snapshot of the lower tree")
             ref = fh.snapshot(store, lower)
-            contenders.append(Rewindfs(tmp / "rewindfs", lower, store, ref))
+            contenders.append(Rewindfs(tmp / "rewindfs", lower, store, ref, args.no_open))
         try:
             for c in contenders:
                 c.work.mkdir(parents=True, exist_ok=True)
@@ -472,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
                     rmtree(c.work)
     load1 = loadavg()
     log(f"bench_fuse: load average {load1}")
-    print(report(res, files, (load0, load1)))
+    from fusefs import binding
+
+    served_by = binding.describe() + (", no-open mode" if args.no_open else "")
+    print(report(res, files, (load0, load1), served_by))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True))
     return 0
