@@ -282,6 +282,11 @@ class Live:
         if wait_writers_s is not None and wait_writers_s < 0:
             raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
                                f"wait_writers_s must not be negative, not {wait_writers_s}")
+        if wait_writers_s is not None and getattr(self.ops, "no_open", False):
+            raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
+                               "--wait-writers is refused on a no-open mount: files opened "
+                               "for writing never reach the daemon, so it cannot wait for "
+                               "them to close")
         wait = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         ov = self.ov
         append_error: BaseException | None = None

@@ -128,10 +128,13 @@ class Operations(pyfuse3.Operations):
 
     supports_dot_lookup = False
     enable_writeback_cache = False
-    # Only ``user.`` attributes exist here (``Overlay.setxattr``): with the patched binding
-    # the kernel's security.capability query before every write, and ls's security.selinux
-    # and ACL queries, are answered ENODATA without reaching a handler.
+    # Only ``user.`` attributes exist here (``Overlay.setxattr``: others are ENOTSUP): with
+    # the patched binding the kernel's security.capability query before every write, and
+    # ls's security.selinux and ACL queries, are answered ENOTSUP without reaching a
+    # handler; ENOTSUP (not ENODATA) tells ls the namespace is unsupported on the whole
+    # device, so it stops asking after the first file.
     absent_xattr_prefixes = (b"security.", b"system.", b"trusted.")
+    absent_xattr_errno = errno.EOPNOTSUPP
     # With the patched binding, handle requests also carry the inode (no-open mode).
     inode_in_requests = True
 
@@ -530,6 +533,8 @@ class Operations(pyfuse3.Operations):
         # attribute is answered without building an OSError to translate.
         v = self.ov.xattr(inode, name)
         if v is None:
+            if name.startswith(self.absent_xattr_prefixes):  # as the patched binding says
+                raise FUSEError(self.absent_xattr_errno)
             raise FUSEError(errno.ENODATA)
         return v
 

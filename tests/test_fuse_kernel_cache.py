@@ -16,6 +16,7 @@ import pytest
 from ckpt_support import client
 
 from fusefs import binding
+from fusefs.session.errors import RestoreError
 
 pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
 
@@ -114,16 +115,21 @@ def test_a_second_listing_and_writes_reach_the_daemon_no_more(mounter: fh.Mounte
     assert done.get("getxattr", 0) == after.get("getxattr", 0)  # no security.capability
 
 
-def test_xattrs_still_read_and_absent_ones_answer_enodata(mounter: fh.Mounter,
-                                                         lower_ref: str) -> None:
+def test_user_xattrs_read_and_other_namespaces_are_unsupported(mounter: fh.Mounter,
+                                                                lower_ref: str) -> None:
     m = mounter.rw(lower_ref).mnt
     p = m / "plain.txt"
     os.setxattr(p, "user.note", b"kept")
     assert os.getxattr(p, "user.note") == b"kept"
-    for name in ("security.capability", "security.selinux", "trusted.x", "user.absent"):
+    for name, err in [("security.capability", errno.ENOTSUP), ("security.selinux", errno.ENOTSUP),
+                      ("system.posix_acl_access", errno.ENOTSUP), ("trusted.x", errno.ENOTSUP),
+                      ("user.absent", errno.ENODATA)]:
         with pytest.raises(OSError) as ei:
             os.getxattr(p, name)
-        assert ei.value.errno == errno.ENODATA
+        assert ei.value.errno == err, name
+    with pytest.raises(OSError) as ei:
+        os.setxattr(p, "security.x", b"1")
+    assert ei.value.errno == errno.ENOTSUP
 
 
 # -- no-open mode (rewindfs mount --no-open) --------------------------------------------------
@@ -172,6 +178,10 @@ def test_no_open_mode_restore_shows_the_target_at_once(mounter: fh.Mounter,
     assert listing(m / "d") == listing(m / "d") == {"a", "b"}
     keep = open(m / "d" / "a", "rb")  # noqa: SIM115 - held across the restore
     try:
+        with pytest.raises(RestoreError) as ei:  # it cannot see writers: refused
+            client(m).restore(first, wait_writers=5)
+        assert ei.value.kind == "permit_failed" and "no-open" in str(ei.value)
+        assert listing(m / "d") == {"a", "b"}
         client(m).restore(first)
         assert listing(m / "d") == {"a"}
         assert (m / "d" / "a").read_bytes() == b"a1"
