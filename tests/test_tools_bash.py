@@ -1,4 +1,5 @@
-"""Bash: output cap, exit codes, timeouts that kill the whole tree, confinement, permit."""
+"""Bash: output cap, exit codes, timeouts that kill the whole tree, confinement, permit,
+the working directory kept between calls, background commands."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tools import sandbox
-from tools.bash import run_bash
+from tools.bash import bash_output, kill_shell, run_bash
 from tools.binding import DirBinding
 from tools.context import ToolContext
 from tools.sandbox import SandboxPolicy
@@ -266,3 +267,114 @@ def test_pids_cgroup_bounds_a_command_and_is_removed_afterwards(
     assert p.stdout == "True\n", p.stderr
     assert [n for n in os.listdir(CG_PARENT) if n.startswith("rewindfs-bash-")
             and n not in before and not n.startswith(mine)] == []
+
+
+def test_working_directory_persists_between_calls(ws: ToolContext, mode: str) -> None:
+    root = Path(ws.root.real)
+    (root / "src" / "pkg").mkdir(parents=True)
+    r = run_bash(ws, "cd src && pwd")
+    assert r.text.split("\n")[0] == f"{root}/src" and r.data["cwd"] == "src"
+    r = run_bash(ws, "pwd; cd pkg; touch here")
+    assert r.text.split("\n")[0] == f"{root}/src" and r.data["cwd"] == "src/pkg"
+    assert (root / "src" / "pkg" / "here").exists()
+    assert run_bash(ws, "pwd").text.split("\n")[0] == f"{root}/src/pkg"
+    # A failing command keeps the directory it ended in; exec and a timeout keep the old one.
+    assert run_bash(ws, "cd ..; false").data["cwd"] == "src"
+    assert run_bash(ws, "cd pkg; exec true").data["cwd"] == "src"
+    assert run_bash(ws, "cd pkg; sleep 5", timeout=1).data["cwd"] == "src"
+    # Leaving the workspace resets to the root, with a note.
+    r = run_bash(ws, "cd /")
+    assert ("[note: the command ended in /, outside the workspace; the next command starts "
+            "in the workspace root]") in r.text
+    assert run_bash(ws, "pwd").text.split("\n")[0] == str(root)
+    # A directory removed meanwhile: the command runs in the root, with a note.
+    run_bash(ws, "cd src/pkg")
+    (root / "src" / "pkg" / "here").unlink()
+    (root / "src" / "pkg").rmdir()
+    r = run_bash(ws, "pwd")
+    assert r.text.split("\n")[0] == str(root)
+    assert "[note: the working directory src/pkg no longer exists; the command ran in the " \
+        "workspace root]" in r.text
+
+
+def test_each_connection_has_its_own_directory(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    a, b = ToolContext(DirBinding(tmp_path)), ToolContext(DirBinding(tmp_path))
+    run_bash(a, "cd d")
+    assert run_bash(b, "pwd").text.split("\n")[0] == str(tmp_path.resolve())
+    assert run_bash(a, "pwd").text.split("\n")[0] == str(tmp_path.resolve() / "d")
+
+
+def _wait_for(cond: object, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():                                   # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_background_command_output_and_exit(ws: ToolContext, mode: str) -> None:
+    root = Path(ws.root.real)
+    (root / "sub").mkdir()
+    run_bash(ws, "cd sub")
+    r = run_bash(ws, "echo first; while [ ! -e go ]; do sleep 0.02; done; echo second; "
+                     "pwd; exit 3", run_in_background=True)
+    assert r.ok and r.data["bash_id"] == "bash_1"
+    assert r.text.startswith('started bash_1 in the background; read its output with '
+                             'BashOutput(bash_id="bash_1")')
+    job = ws.jobs.get("bash_1")
+    assert job is not None
+    _wait_for(lambda: job.total > 0)
+    out = bash_output(ws, "bash_1")
+    assert out.text == "first\n[still running]" and out.data["status"] == "running"
+    assert bash_output(ws, "bash_1").text == "(no new output)\n[still running]"
+    (root / "sub" / "go").touch()
+    job.done.wait(30)
+    out = bash_output(ws, "bash_1")
+    assert out.text == f"second\n{root}/sub\n[exit code: 3]"
+    assert (out.data["status"], out.data["exit_code"]) == ("exited", 3)
+    assert kill_shell(ws, "bash_1").text == "bash_1 had already ended: [exit code: 3]"
+
+
+def test_background_filter_and_unknown_ids(ws: ToolContext) -> None:
+    r = run_bash(ws, "printf 'ok 1\\nbad 2\\nok 3\\n'", run_in_background=True)
+    job = ws.jobs.get(r.data["bash_id"])
+    assert job is not None and job.done.wait(30)
+    assert bash_output(ws, job.id, filter="^ok").text == "ok 1\nok 3\n[exit code: 0]"
+    assert bash_output(ws, "bash_9").render() == (
+        "error: no background command 'bash_9' (known: bash_1)")
+    assert kill_shell(ws, "bash_9").render() == (
+        "error: no background command 'bash_9' (known: bash_1)")
+    assert bash_output(ws, job.id, filter="(").render().startswith(
+        "error: invalid filter '(': ")
+
+
+def test_kill_shell_stops_the_whole_tree(ws: ToolContext, mode: str) -> None:
+    marker = f"rewindfs-bg-{uuid.uuid4().hex}"
+    r = run_bash(ws, f"(setsid sleep 300 {marker} &); sleep 300 {marker}",
+                 run_in_background=True)
+    _wait_for(lambda: len(procs_with(marker)) >= 2)
+    k = kill_shell(ws, r.data["bash_id"])
+    assert k.text == f"stopped {r.data['bash_id']} and every process it started"
+    _wait_for(lambda: not procs_with(marker))
+    assert bash_output(ws, r.data["bash_id"]).data["status"] == "killed"
+
+
+def test_closing_the_connection_ends_its_background_commands(ws: ToolContext) -> None:
+    marker = f"rewindfs-bg-{uuid.uuid4().hex}"
+    run_bash(ws, f"sleep 300 {marker}", run_in_background=True)
+    _wait_for(lambda: bool(procs_with(marker)))
+    ws.close()
+    _wait_for(lambda: not procs_with(marker))
+
+
+def test_background_command_holds_no_write_permit(tmp_path: Path) -> None:
+    b = PermitBinding(tmp_path)
+    ws = ToolContext(b)
+    r = run_bash(ws, "touch started; sleep 300", run_in_background=True)
+    _wait_for(lambda: (tmp_path / "started").exists())
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (b.checkpoint(), done.set()))
+    t.start()
+    assert done.wait(30), "a checkpoint waited for a background command"
+    t.join()
+    kill_shell(ws, r.data["bash_id"])

@@ -248,3 +248,159 @@ def test_creation_loses_to_a_file_created_after_the_check(ws: ToolContext) -> No
     assert ei.value.kind == "created"
     assert (Path(ws.root.path) / "late.txt").read_text() == "theirs\n"
     assert os.listdir(ws.root.path) == ["late.txt"]
+
+
+# --- ReadFile caps, binary prefix, images, ledger records (issue 11, point 8) --------------
+
+def test_read_caps_the_answer_in_bytes_with_the_paging_hint(ws: ToolContext) -> None:
+    put(ws, "wide.txt", "".join(f"{i:05d} " + "w" * 993 + "\n" for i in range(1, 501)))
+    r = read_file(ws, "wide.txt")
+    lines = r.text.split("\n")
+    assert len(r.text.encode()) <= 100_000 + 200
+    assert lines[-1] == ("[lines 1-99 of 500; the answer is capped at 100000 bytes; "
+                         "continue with offset=100]")
+    assert (r.data["last_line"], r.data["total_lines"], r.data["capped"]) == (99, 500, True)
+    nxt = read_file(ws, "wide.txt", offset=100)
+    assert nxt.text.startswith("   100\t00100 ")
+    # The whole file was hashed although 99 lines were shown: an edit is allowed.
+    assert edit_file(ws, "wide.txt", "00500 w", "00500 W").ok
+
+
+def test_read_of_a_large_text_file_stops_early_and_records_what_it_read(
+        ws: ToolContext) -> None:
+    p = put(ws, "big.log", "")
+    line = "x" * 99 + "\n"
+    with open(p, "w") as f:
+        for _ in range(200_000):                    # 20 MB: above the whole-hash size
+            f.write(line)
+    r = read_file(ws, "big.log", limit=10)
+    assert r.text.split("\n")[-1] == ("[lines 1-10; the file goes on; continue with "
+                                      "offset=11]")
+    assert r.data["total_lines"] is None
+    seen = ws.recorded("big.log")
+    assert seen is not None and not seen.whole and seen.length < 4 * 1024 * 1024
+    assert edit_file(ws, "big.log", "x" * 99 + "\n", "y\n", replace_all=False).render() \
+        .startswith("error: big.log: old text occurs 200000 times (lines 1, 2, 3,")
+    # Changed by someone else after the read (its ctime moves): refused.
+    with open(p, "r+") as f:
+        f.seek(10_000_000)
+        f.write("z")
+    assert edit_file(ws, "big.log", "z", "Z").render() == (
+        "error: big.log: changed since it was last read; read it again with ReadFile before "
+        "changing it")
+    assert read_file(ws, "big.log", limit=1).ok
+    assert edit_file(ws, "big.log", "z", "Z").ok
+
+
+def test_repeated_match_message_is_capped(ws: ToolContext) -> None:
+    put(ws, "rep.txt", "same\n" * 100)
+    read_file(ws, "rep.txt")
+    r = edit_file(ws, "rep.txt", "same", "other")
+    numbers = ", ".join(str(i) for i in range(1, 21))
+    assert r.render() == (f"error: rep.txt: old text occurs 100 times (lines {numbers} and "
+                          "80 more); include more context to make it unique, or set "
+                          "replace_all")
+
+
+def test_binary_detection_reads_only_a_prefix(ws: ToolContext) -> None:
+    p = put(ws, "sparse.img", b"")
+    with open(p, "wb") as f:
+        f.truncate(1 << 30)
+    r = read_file(ws, "sparse.img")
+    assert r.render() == f"sparse.img: binary file ({1 << 30} bytes); not shown"
+    seen = ws.recorded("sparse.img")
+    assert seen is not None and not seen.whole and seen.length == 8192
+    # A write over it is checked against that record: allowed while unchanged ...
+    assert write_file(ws, "sparse.img", "now text\n").ok
+    assert p.read_text() == "now text\n"
+
+
+def test_binary_record_refuses_a_write_after_a_change(ws: ToolContext) -> None:
+    p = put(ws, "blob.bin", b"\0\1\2" * 10_000)
+    assert read_file(ws, "blob.bin").data["kind"] == "binary"
+    with open(p, "r+b") as f:                     # past the prefix that was read
+        f.seek(20_000)
+        f.write(b"\7")
+    assert write_file(ws, "blob.bin", "x").render() == (
+        "error: blob.bin: changed since it was last read; read it again with ReadFile "
+        "before changing it")
+
+
+PNG = (b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\1\0\0\0\1\x08\x06\0\0\0\x1f\x15\xc4\x89"
+       b"\0\0\0\rIDATx\x9cc\xf8\xff\xff?\0\x05\xfe\x02\xfe\xa7\x35\x81\x84\0\0\0\0IEND"
+       b"\xaeB`\x82")
+
+
+@pytest.mark.parametrize("name,data,mime", [
+    ("p.png", PNG, "image/png"),
+    ("j.jpg", b"\xff\xd8\xff\xe0\0\x10JFIF\0" + b"\0" * 100, "image/jpeg"),
+    ("g.gif", b"GIF89a\1\0\1\0" + b"\0" * 30, "image/gif"),
+    ("w.webp", b"RIFF\x24\0\0\0WEBPVP8 " + b"\0" * 30, "image/webp"),
+])
+def test_images_are_returned_as_images(ws: ToolContext, name: str, data: bytes,
+                                       mime: str) -> None:
+    put(ws, name, data)
+    r = read_file(ws, name)
+    assert r.ok and r.images == ((mime, data),)
+    assert r.data["kind"] == "image" and r.data["mime_type"] == mime
+    seen = ws.recorded(name)
+    assert seen is not None and seen.whole
+
+
+# --- CRLF, xattrs, hard links (issue 11, point 9) -----------------------------------------
+
+def test_edit_of_a_crlf_file_matches_lf_text_and_keeps_crlf(ws: ToolContext) -> None:
+    p = put(ws, "win.txt", b"")
+    p.write_bytes(b"one\r\ntwo\r\nthree\r\n")
+    read_file(ws, "win.txt")
+    r = edit_file(ws, "win.txt", "one\ntwo\n", "one\nzwei\nand more\n")
+    assert r.ok, r.render()
+    assert p.read_bytes() == b"one\r\nzwei\r\nand more\r\nthree\r\n"
+    assert edit_file(ws, "win.txt", "three", "drei\nvier").ok
+    assert p.read_bytes() == b"one\r\nzwei\r\nand more\r\ndrei\r\nvier\r\n"
+    r = write_file(ws, "win.txt", "a\nb\n")
+    assert r.ok and r.data["crlf"] is True
+    assert p.read_bytes() == b"a\r\nb\r\n"
+    assert read_file(ws, "win.txt").text == "     1\ta\n     2\tb"
+
+
+def test_edit_keeps_xattrs_mode_and_owner(ws: ToolContext) -> None:
+    p = put(ws, "x.txt", "hello\n")
+    try:
+        os.setxattr(p, "user.origin", b"agent-test")
+    except OSError as e:
+        pytest.skip(f"no user xattrs here: {e}")
+    os.chmod(p, 0o640)
+    st = p.stat()
+    read_file(ws, "x.txt")
+    assert edit_file(ws, "x.txt", "hello", "bye").ok
+    assert os.getxattr(p, "user.origin") == b"agent-test"
+    assert write_file(ws, "x.txt", "again\n").ok
+    after = p.stat()
+    assert os.getxattr(p, "user.origin") == b"agent-test"
+    assert (after.st_mode, after.st_uid, after.st_gid) == (st.st_mode, st.st_uid, st.st_gid)
+
+
+def test_edit_of_a_hard_linked_file_keeps_one_file(ws: ToolContext) -> None:
+    p = put(ws, "a.txt", "shared line\nlonger tail that will shrink\n")
+    other = Path(ws.root.path) / "b.txt"
+    os.link(p, other)
+    ino = p.stat().st_ino
+    read_file(ws, "a.txt")
+    assert edit_file(ws, "a.txt", "longer tail that will shrink", "tail").ok
+    assert other.read_text() == "shared line\ntail\n"
+    assert p.stat().st_ino == ino and p.stat().st_nlink == 2
+    assert write_file(ws, "a.txt", "whole\n").ok
+    assert other.read_text() == "whole\n" and other.stat().st_ino == ino
+
+
+# --- '~' (issue 11, point 12) -------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["~", "~/x.txt", "~root/x.txt", "~nobody"])
+def test_tilde_paths_are_refused(ws: ToolContext, path: str) -> None:
+    want = (f"error: {path}: '~' is not expanded here (no home directory); use a path "
+            "relative to the workspace root")
+    assert write_file(ws, path, "x\n").render() == want
+    assert read_file(ws, path).render() == want
+    assert edit_file(ws, path, "a", "b").render() == want
+    assert os.listdir(ws.root.path) == []

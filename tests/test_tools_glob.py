@@ -128,3 +128,36 @@ def test_directory_swapped_for_outside_link_during_glob(tmp_path: Path) -> None:
         stop.set()
         proc.join(30)
     assert listed > 0
+
+
+def test_gitignore_is_honoured_like_grep(tmp_path: Path) -> None:
+    import shutil
+
+    from tools.grep import grep
+
+    root = tmp_path / "r"
+    make(root, {"keep.py": 5, "build/out.py": 5, "gen.py": 5, "sub/local.py": 5,
+                "sub/x.tmp.py": 5, "sub/deeper/again.py": 5, "docs/a.py": 5})
+    (root / ".gitignore").write_text("build/\ngen.py\n*.tmp.py\n")
+    (root / "sub" / ".gitignore").write_text("deeper/\n")
+    (root / "docs" / ".ignore").write_text("*\n!a.py\n")
+    w = ToolContext(DirBinding(root))
+    shown = sorted(glob(w, "**/*.py").text.split("\n"))
+    assert shown == ["docs/a.py", "keep.py", "sub/local.py"]
+    assert sorted(glob(w, "*.py", path="sub").text.split("\n")) == ["sub/local.py"]
+    every = sorted(glob(w, "**/*.py", include_ignored=True).text.split("\n"))
+    assert every == ["build/out.py", "docs/a.py", "gen.py", "keep.py", "sub/deeper/again.py",
+                     "sub/local.py", "sub/x.tmp.py"]
+    if shutil.which("rg"):
+        for p in every:
+            (root / p).write_text("needle\n")
+        assert sorted(grep(w, "needle").text.split("\n")) == shown
+
+
+@pytest.mark.parametrize("arg", [{"pattern": "~/*.py"}, {"pattern": "*.py", "path": "~"},
+                                 {"pattern": "*", "path": "~root"}])
+def test_tilde_is_refused(ws: ToolContext, arg: dict[str, str]) -> None:
+    r = glob(ws, **arg)
+    shown = arg.get("path", arg["pattern"])
+    assert r.render() == (f"error: {shown}: '~' is not expanded here (no home directory); "
+                          "use a path relative to the workspace root")

@@ -1,4 +1,5 @@
-"""Grep: modes, caps, messages, ignore rules, containment; ripgrep and Python agree."""
+"""Grep: modes, caps, messages, ignore rules, containment, binary files, multiline, types
+(ripgrep is the one engine)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,7 @@ from tools.binding import DirBinding
 from tools.context import ToolContext
 from tools.grep import grep
 
-ENGINES = ["python"]
-if shutil.which("rg") and sandbox.bwrap():
-    ENGINES.insert(0, "rg")
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("REWINDFS_GREP_ENGINE", str(request.param))
-    return str(request.param)
+pytestmark = pytest.mark.skipif(shutil.which("rg") is None, reason="ripgrep is required")
 
 
 def make(root: Path, files: dict[str, str | bytes]) -> None:
@@ -55,18 +48,18 @@ def ws(tmp_path: Path) -> ToolContext:
     return ToolContext(DirBinding(root))
 
 
-def test_files_with_matches_sorted_by_path(ws: ToolContext, engine: str) -> None:
+def test_files_with_matches_sorted_by_path(ws: ToolContext) -> None:
     r = grep(ws, "main")
     assert r.text.split("\n") == [".hidden/h.py", "a.py", "b.txt", "src/c.py"]
-    assert r.data["engine"] == engine
+    assert (r.data["total"], r.data["shown"], r.data["files"]) == (4, 4, 4)
 
 
-def test_count_mode(ws: ToolContext, engine: str) -> None:
+def test_count_mode(ws: ToolContext) -> None:
     assert grep(ws, "o", output_mode="count").text.split("\n") == [
         ".gitignore:2", "a.py:2", "b.txt:3"]
 
 
-def test_content_mode_line_numbers_and_context(ws: ToolContext, engine: str) -> None:
+def test_content_mode_line_numbers_and_context(ws: ToolContext) -> None:
     assert grep(ws, "main", path="src", output_mode="content").text == "src/c.py:1:def main():"
     r = grep(ws, "^(two|six)$", path="b.txt", output_mode="content", context=1)
     assert r.text.split("\n") == ["b.txt-1-one", "b.txt:2:two", "b.txt-3-three", "--",
@@ -79,26 +72,33 @@ def test_content_mode_line_numbers_and_context(ws: ToolContext, engine: str) -> 
                                   "src/c.py:1:def main():", "src/c.py-2-    pass"]
 
 
-def test_ignore_case_and_glob(ws: ToolContext, engine: str) -> None:
+def test_ignore_case_and_glob(ws: ToolContext) -> None:
     assert grep(ws, "main", ignore_case=True, path="src").text.split("\n") == [
         "src/c.py", "src/deep/d.md"]
     assert grep(ws, "main", glob="*.txt").text == "b.txt"
     assert grep(ws, "main", glob="!*.py").text == "b.txt"
 
 
-def test_head_limit_cap_and_notice(tmp_path: Path, engine: str) -> None:
+def test_head_limit_cap_and_notice(tmp_path: Path) -> None:
     make(tmp_path / "r", {f"f{i:03d}.txt": "hit\nhit\n" for i in range(250)})
     w = ToolContext(DirBinding(tmp_path / "r"))
     lines = grep(w, "hit").text.split("\n")
     assert len(lines) == 201
     assert lines[199] == "f199.txt"
-    assert lines[200] == "[showing 200 of 250 files; narrow the search or raise head_limit]"
+    assert lines[200] == ("[showing 200 of 250 files; narrow the search, raise head_limit, "
+                          "or continue with offset=200]")
     lines = grep(w, "hit", output_mode="content", head_limit=3).text.split("\n")
     assert lines == ["f000.txt:1:hit", "f000.txt:2:hit", "f001.txt:1:hit",
-                     "[showing 3 of 500 lines; narrow the search or raise head_limit]"]
+                     "[showing 3 of 500 lines; narrow the search, raise head_limit, or "
+                     "continue with offset=3]"]
+    lines = grep(w, "hit", output_mode="content", head_limit=3, offset=3).text.split("\n")
+    assert lines[:3] == ["f001.txt:2:hit", "f002.txt:1:hit", "f002.txt:2:hit"]
+    assert grep(w, "hit", offset=248).text.split("\n") == ["f248.txt", "f249.txt"]
+    r = grep(w, "hit", offset=250)
+    assert r.render() == "offset 250 is past the end of the answer (250 entries)"
 
 
-def test_long_lines_cut_at_64k(tmp_path: Path, engine: str) -> None:
+def test_long_lines_cut_at_64k(tmp_path: Path) -> None:
     make(tmp_path / "r", {"long.txt": "needle" + "x" * 70000 + "\n"})
     w = ToolContext(DirBinding(tmp_path / "r"))
     text = grep(w, "needle", output_mode="content").text
@@ -106,7 +106,7 @@ def test_long_lines_cut_at_64k(tmp_path: Path, engine: str) -> None:
                     + " [... line cut at 65536 characters]")
 
 
-def test_messages(ws: ToolContext, engine: str) -> None:
+def test_messages(ws: ToolContext) -> None:
     assert grep(ws, "zzz").render() == "no matches for 'zzz' under ."
     assert grep(ws, "x", output_mode="lines").render() == (
         "error: output_mode must be one of files_with_matches, content, count "
@@ -121,14 +121,13 @@ def test_messages(ws: ToolContext, engine: str) -> None:
 
 
 def test_timeout_notice(ws: ToolContext, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("REWINDFS_GREP_ENGINE", "python")
     monkeypatch.setattr(grep_mod.M, "GREP_TIMEOUT_S", 0.0)
     r = grep(ws, "main")
     assert r.text.split("\n")[-1] == "[search stopped after 0 s; results are incomplete]"
     assert r.data["timed_out"] is True
 
 
-def test_links_are_not_followed_out(tmp_path: Path, engine: str) -> None:
+def test_links_are_not_followed_out(tmp_path: Path) -> None:
     root = tmp_path / "r"
     make(root, {"in.txt": "secret? no\n"})
     make(tmp_path / "out", {"s.txt": "SECRET-OUTSIDE\n"})
@@ -148,7 +147,7 @@ def _swapper(root: str, stop: multiprocessing.synchronize.Event) -> None:  # typ
         libc.renameat2(-100, a.encode(), -100, alt.encode(), 2)   # RENAME_EXCHANGE
 
 
-def test_directory_swapped_for_outside_link_during_search(tmp_path: Path, engine: str) -> None:
+def test_directory_swapped_for_outside_link_during_search(tmp_path: Path) -> None:
     root = tmp_path / "root"
     outside = tmp_path / "outside"
     make(root, {f"a/sub/f{i}.txt": "needle inside\n" for i in range(20)})
@@ -161,7 +160,7 @@ def test_directory_swapped_for_outside_link_during_search(tmp_path: Path, engine
     proc.start()
     found = 0
     try:
-        for _ in range(200 if engine == "python" else 80):
+        for _ in range(80):
             for path in (".", "a", "a/sub"):
                 r = grep(w, "needle", path=path, output_mode="content")
                 assert "SECRET" not in r.text
@@ -172,26 +171,83 @@ def test_directory_swapped_for_outside_link_during_search(tmp_path: Path, engine
     assert found > 0
 
 
-@pytest.mark.skipif(len(ENGINES) < 2, reason="ripgrep cannot run confined here")
-@pytest.mark.parametrize("kwargs", [
-    {"output_mode": "content", "context": 2},
-    {"output_mode": "content", "before": 1, "head_limit": 7},
-    {"output_mode": "content", "after": 3, "line_numbers": False},
-    {"output_mode": "count", "ignore_case": True},
-    {"glob": "d*/**"},
-])
-def test_engines_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                       kwargs: dict[str, object]) -> None:
-    files = {}
-    for i in range(12):
-        body = "".join(("Hit" if (j * 7 + i) % 5 == 0 else "miss") + f" {j}\n"
-                       for j in range(30))
-        files[f"d{i % 3}/f{i}.txt"] = body
-    make(tmp_path / "r", files)
+def test_offset_with_context_groups(tmp_path: Path) -> None:
+    make(tmp_path / "r", {"a.txt": "x\nhit\ny\n", "b.txt": "hit\nz\n"})
     w = ToolContext(DirBinding(tmp_path / "r"))
-    answers = []
-    for eng in ("rg", "python"):
-        monkeypatch.setenv("REWINDFS_GREP_ENGINE", eng)
-        r = grep(w, "hit", **kwargs) if kwargs.get("ignore_case") else grep(w, "Hit", **kwargs)
-        answers.append((r.text, r.data["total"]))
-    assert answers[0] == answers[1]
+    whole = grep(w, "hit", output_mode="content", context=1).text.split("\n")
+    assert whole == ["a.txt-1-x", "a.txt:2:hit", "a.txt-3-y", "--", "b.txt:1:hit",
+                     "b.txt-2-z"]
+    for skip in range(len(whole)):
+        r = grep(w, "hit", output_mode="content", context=1, offset=skip, head_limit=2)
+        assert r.text.split("\n")[:2] == whole[skip:skip + 2], skip
+
+
+def test_binary_files_are_skipped_walked_or_named(ws: ToolContext) -> None:
+    assert "bin.dat" not in grep(ws, "main").text
+    assert grep(ws, "main", path="bin.dat").render() == "no matches for 'main' under bin.dat"
+    r = grep(ws, "main", path="bin.dat", output_mode="content")
+    assert r.render() == "no matches for 'main' under bin.dat" and "\0" not in r.text
+
+
+def test_multiline_and_line_breaks(tmp_path: Path) -> None:
+    make(tmp_path / "r", {"m.py": "def f(\n    x,\n):\n    pass\n", "o.txt": "one\n"})
+    w = ToolContext(DirBinding(tmp_path / "r"))
+    for pattern in ("f\\(\\n    x", "f\\(\n    x"):
+        r = grep(w, pattern, output_mode="content")
+        assert not r.ok and r.render() == (
+            f"error: pattern {pattern!r} matches a line break: set multiline to true to let "
+            "matches span lines")
+        r = grep(w, pattern, output_mode="content", multiline=True)
+        assert r.text.split("\n") == ["m.py:1:def f(", "m.py:2:    x,"]
+    r = grep(w, "f\\(.*\\):", multiline=True, output_mode="count")
+    assert r.text == "m.py:1"                  # one match (ripgrep counts matches here)
+    assert grep(w, "f\\(.*\\):").render() == "no matches for 'f\\\\(.*\\\\):' under ."
+
+
+def test_look_around_and_backreferences(tmp_path: Path) -> None:
+    make(tmp_path / "r", {"a.txt": "foobar\nbazbar\nabab\n"})
+    w = ToolContext(DirBinding(tmp_path / "r"))
+    assert grep(w, "(?<=foo)bar", output_mode="content").text == "a.txt:1:foobar"
+    assert grep(w, "(?<!o)bar", output_mode="content").text == "a.txt:2:bazbar"
+    assert grep(w, "ba(?!r)", output_mode="content").text == "a.txt:2:bazbar\na.txt:3:abab"
+    assert grep(w, "(ab)\\1", output_mode="content").text == "a.txt:3:abab"
+
+
+def test_type_filter(ws: ToolContext) -> None:
+    assert grep(ws, "main", type="py").text.split("\n") == [".hidden/h.py", "a.py",
+                                                             "src/c.py"]
+    assert grep(ws, "main", type="markdown", ignore_case=True).text == "src/deep/d.md"
+    r = grep(ws, "main", type="nosuchtype")
+    assert not r.ok and r.render().startswith("error: unknown file type 'nosuchtype': ")
+
+
+def test_output_is_capped_in_bytes(tmp_path: Path) -> None:
+    make(tmp_path / "r", {"big.txt": ("needle " + "y" * 1000 + "\n") * 500})
+    w = ToolContext(DirBinding(tmp_path / "r"))
+    r = grep(w, "needle", output_mode="content", head_limit=500)
+    lines = r.text.split("\n")
+    assert len(r.text.encode()) <= grep_mod.M.GREP_OUTPUT_CAP + 200
+    assert lines[-1] == ("[showing 98 of 500 lines: the answer is capped at 100000 bytes; "
+                         "narrow the search or continue with offset=98]")
+    assert r.data["capped"] is True and r.data["shown"] == 98
+    nxt = grep(w, "needle", output_mode="content", head_limit=500, offset=98)
+    assert nxt.text.split("\n")[0] == "big.txt:99:needle " + "y" * 1000
+
+
+def test_without_ripgrep_grep_fails_clearly(ws: ToolContext,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    r = grep(ws, "main")
+    assert not r.ok and r.render() == (
+        "error: ripgrep (rg) is not installed: Grep needs it (scripts/setup.sh installs the "
+        "Debian package ripgrep)")
+
+
+@pytest.mark.skipif(sandbox.bwrap() is None, reason="bubblewrap cannot run here")
+def test_confined_and_unconfined_ripgrep_agree(ws: ToolContext,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [("main", {}), ("main", {"output_mode": "content", "context": 1}),
+             ("o", {"output_mode": "count"}), ("MAIN", {"ignore_case": True, "glob": "*.md"})]
+    confined = [grep(ws, p, **kw).text for p, kw in calls]      # type: ignore[arg-type]
+    monkeypatch.setenv("REWINDFS_NO_SANDBOX", "1")
+    assert [grep(ws, p, **kw).text for p, kw in calls] == confined  # type: ignore[arg-type]

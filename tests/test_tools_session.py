@@ -25,6 +25,7 @@ import pytest
 from fusefs.session.control import control_path, hold_write_permit, request, socket_dir
 from fusefs.session.errors import SessionClosedError, SessionNotFoundError
 from fusefs.session.journal import Journal
+from store.browse import cat
 from store.errors import InvalidRefError
 from store.snapshot import compute_ref
 from tools import sandbox
@@ -77,8 +78,10 @@ class Sessions:
         (d / "test_calc.py").write_text(TEST)
         return d
 
-    def new(self, seed: Path | None = None) -> tuple[str, Path]:
-        args = ["session", "new", "--no-fuse", "--base", str(self.base), "--json"]
+    def new(self, seed: Path | None = None, fuse: bool = False) -> tuple[str, Path]:
+        args = ["session", "new", "--base", str(self.base), "--json"]
+        if not fuse:
+            args.append("--no-fuse")
         if seed is not None:
             args += ["--seed", str(seed)]
         out = json.loads(self.cli(*args).stdout)
@@ -244,8 +247,9 @@ def test_session_calls_as_text(sessions: Sessions) -> None:
     cp = binding.checkpoint()
     a = cp.removeprefix("checkpointed the workspace as ")
     assert a == str(compute_ref(root))
-    assert binding.checkpoint("named").endswith(
-        "\n[note: the session keeps no labels; refer to this checkpoint by its ref]")
+    assert binding.checkpoint("named") == (f"checkpointed the workspace as {a} "
+                                           "(label 'named')")
+    assert [i.label for i in binding.store.list_snapshots() if str(i.ref) == a] == ["named"]
     assert binding.diff(str(seed), a) == text.replace("the live workspace", a)
 
     undo = binding.restore(str(seed))
@@ -255,9 +259,11 @@ def test_session_calls_as_text(sessions: Sessions) -> None:
     assert (root / "calc.py").read_text() == CALC and not (root / "pkg").exists()
     log = binding.log().split("\n")
     assert [line.strip().split("  ")[2:] for line in log] == [
-        ["checkpoint (seed)", str(seed)], ["checkpoint (manual)", a],
-        ["checkpoint (manual)", a], ["checkpoint (pre_restore)", pre],
+        ["checkpoint (seed)", str(seed)], ["checkpoint (manual)", a, "'named'"],
+        ["checkpoint (manual)", a, "'named'"],
+        ["checkpoint (pre_restore)", pre, "'named'"],   # the same tree: a label is per Ref
         ["restored to", str(seed)]]
+    assert pre == a
     with pytest.raises(InvalidRefError):
         binding.restore("not-a-ref")
 
@@ -278,3 +284,40 @@ def test_unknown_and_stopped_sessions_are_typed_errors(sessions: Sessions) -> No
     for r in (write_file(ctx, "new.txt", "x\n"), run_bash(ctx, "touch x")):
         assert not r.ok and r.render() == (f"error: the workspace cannot be changed now: "
                                            f"session {sid} is closed")
+
+
+def _wait_path(p: Path, job_done: threading.Event | None = None) -> None:
+    deadline = time.monotonic() + 60
+    while not p.exists():
+        assert time.monotonic() < deadline, f"{p} did not appear"
+        assert job_done is None or not job_done.is_set(), "the job ended early"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["fallback", "fuse"])
+def test_background_command_holds_no_permit_and_fallback_checkpoints_are_fuzzy(
+        sessions: Sessions, fuse: bool) -> None:
+    if fuse and not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse")
+    sid, root = sessions.new(sessions.project(), fuse=fuse)
+    binding = SessionToolBinding(sessions.store, sid)
+    ctx = ToolContext(binding)
+    try:
+        r = run_bash(ctx, "echo from-the-job > job.txt; touch started; sleep 300",
+                     run_in_background=True)
+        assert r.ok, r.render()
+        job = ctx.jobs.get(r.data["bash_id"])
+        assert job is not None
+        _wait_path(root / "started", job.done)
+        # The checkpoint does not wait for the job (it would wait 300 s for a permit).
+        ref = binding.checkpoint().removeprefix("checkpointed the workspace as ")
+        last = Journal(binding.store, sid).events()[-1]
+        assert str(last.ref) == ref
+        assert last.consistency == ("quiescent" if fuse else "fuzzy")
+        assert b"".join(cat(binding.store, ref, "job.txt")) == b"from-the-job\n"
+    finally:
+        ctx.close()
+    assert job.done.is_set()
+    (root / "after.txt").write_text("x\n")
+    binding.checkpoint()
+    assert Journal(binding.store, sid).events()[-1].consistency == "quiescent"

@@ -67,6 +67,23 @@ class CanRestore(Protocol):
     def restore(self, ref: str) -> str: ...
 
 
+@runtime_checkable
+class CanMarkBackground(Protocol):
+    """Optional: a context manager held while a background command runs, which holds no
+    write permit. A session that cannot see such writes request by request (the no-FUSE
+    fallback) marks checkpoints taken meanwhile ``fuzzy``. Raises PermitError when the
+    session refuses (closed, faulted)."""
+
+    def background_writer(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+def background_writer(binding: object) -> contextlib.AbstractContextManager[None]:
+    """The binding's background-writer mark, or a no-op where it has none."""
+    if isinstance(binding, CanMarkBackground):
+        return binding.background_writer()
+    return contextlib.nullcontext()
+
+
 def capabilities(binding: object) -> frozenset[str]:
     """Names of the optional calls ``binding`` provides: subset of checkpoint/log/diff/restore."""
     found = set()

@@ -3,7 +3,10 @@
 The file must have been read (its ledger digest must still match); ``old`` must occur
 exactly once unless ``replace_all``. Zero matches answers with the lines most like the first
 line of ``old``; several answers with their line numbers. The answer shows a short unified
-diff. The file is replaced atomically with its mode kept (see tools.writefile).
+diff. In a file whose line breaks are CRLF, ``old`` and ``new`` written with LF breaks
+are taken with CRLF ones, so the file keeps its endings. The file is replaced as
+tools.writefile.replace_existing does (atomically, or in place for several hard links;
+mode, owner and extended attributes kept).
 """
 
 from __future__ import annotations
@@ -12,10 +15,17 @@ import difflib
 
 from tools import messages as M
 from tools.binding import PermitError
-from tools.context import ToolContext, digest
+from tools.context import Seen, ToolContext
 from tools.paths import PathError, locate
 from tools.result import ToolResult, error, ok
-from tools.writefile import Refusal, check_fresh, read_current, replace_existing
+from tools.writefile import (
+    Refusal,
+    check_fresh,
+    read_current,
+    replace_existing,
+    to_crlf,
+    uses_crlf,
+)
 
 NAME = "EditFile"
 _CLOSEST = 3            # lines shown when ``old`` is not found
@@ -83,12 +93,18 @@ def edit_file(ctx: ToolContext, path: str, old: str, new: str,
                     raise PathError("not_found", loc.rel)
                 rel = loc.rel
                 data, st = read_current(loc)
-                check_fresh(ctx, rel, data)
+                check_fresh(ctx, rel, data, st)
                 try:
                     text = data.decode("utf-8")
                 except UnicodeDecodeError:
                     raise Refusal("not_text", M.EDIT_NOT_TEXT.format(path=rel)) from None
-                where = _occurrences(text, old)
+                where: list[int] = []
+                if uses_crlf(data):
+                    where = _occurrences(text, to_crlf(old))
+                    if where:
+                        old, new = to_crlf(old), to_crlf(new)
+                if not where:
+                    where = _occurrences(text, old)
                 if not where:
                     closest = closest_lines(text, old)
                     if closest:
@@ -97,7 +113,10 @@ def edit_file(ctx: ToolContext, path: str, old: str, new: str,
                         msg = M.EDIT_NO_MATCH_NONE.format(path=rel)
                     raise Refusal("no_match", msg)
                 if len(where) > 1 and not replace_all:
-                    numbers = ", ".join(str(_line_of(text, i)) for i in where)
+                    listed = where[:M.EDIT_LINES_LISTED]
+                    numbers = ", ".join(str(_line_of(text, i)) for i in listed)
+                    if len(where) > len(listed):
+                        numbers += M.EDIT_LINES_MORE.format(more=len(where) - len(listed))
                     raise Refusal("multiple", M.EDIT_MULTIPLE.format(
                         path=rel, count=len(where), lines=numbers))
                 after = text.replace(old, new) if replace_all else text.replace(old, new, 1)
@@ -111,7 +130,8 @@ def edit_file(ctx: ToolContext, path: str, old: str, new: str,
         return error(NAME, e.text, kind=e.kind)
     except OSError as e:
         return error(NAME, PathError.from_os(path, e).text, kind="os")
-    ctx.record_read(rel, digest(out))
+    ctx.record_read(rel, Seen.whole_of(out))
     count = len(where)
     head = M.EDIT_DONE.format(path=rel, count=count, s="" if count == 1 else "s")
-    return ok(NAME, head + "\n" + short_diff(rel, text, after), path=rel, replacements=count)
+    return ok(NAME, head + "\n" + short_diff(rel, text, after), path=rel, replacements=count,
+              size=len(out))

@@ -1,10 +1,13 @@
-"""Glob(pattern, path='.'): files whose path matches a glob, newest first (CONTRACT 5).
+"""Glob(pattern, path='.', include_ignored=False): files whose path matches a glob, newest
+first (CONTRACT 5).
 
 Pattern syntax: ``*``, ``?`` and ``[...]`` match within one path component, ``**`` matches
 any number of components (zero included), ``{a,b}`` alternatives are expanded. Patterns are
 relative to ``path`` (or absolute under the root); dotfiles match like any other name.
 Directories are descended, never listed; noise directories (tools.walk.NOISE_DIRS) are
-pruned unless the pattern names them literally. The walk matches components as it goes, so
+pruned unless the pattern names them literally; files and directories the ignore files
+(.gitignore, .ignore, .rgignore, as Grep honours them: tools.walk.Ignores) exclude are left
+out unless ``include_ignored``. The walk matches components as it goes, so
 it only opens directories some pattern can still match below. Results are sorted newest
 first, then by path, and capped at GLOB_MAX_RESULTS with a notice. Paths in the answer are
 relative to the workspace root.
@@ -24,7 +27,7 @@ from tools import messages as M
 from tools.context import ToolContext
 from tools.paths import PathError, locate
 from tools.result import ToolResult, error, ok
-from tools.walk import NOISE_DIRS, list_dir, open_subdir
+from tools.walk import NOISE_DIRS, Ignores, ancestor_ignores, list_dir, open_subdir
 
 NAME = "Glob"
 _MAX_EXPANSIONS = 256
@@ -172,9 +175,12 @@ def compile_patterns(pattern: str) -> Matcher:
     return Matcher(expanded)
 
 
-def find(ctx: ToolContext, pattern: str, path: str = ".") -> tuple[list[tuple[int, str]], str]:
+def find(ctx: ToolContext, pattern: str, path: str = ".",
+         include_ignored: bool = False) -> tuple[list[tuple[int, str]], str]:
     """All matches as (-mtime_ns, workspace-relative path), unsorted, and the base's rel.
     Raises PathError or PatternError."""
+    if pattern.startswith("~"):
+        raise PathError("tilde", pattern)
     if pattern.startswith("/"):
         rel_parts = ctx.root.parts(pattern, pattern)
         pattern = "/".join(rel_parts)
@@ -189,21 +195,33 @@ def find(ctx: ToolContext, pattern: str, path: str = ".") -> tuple[list[tuple[in
         base = loc.rel
     out: list[tuple[int, str]] = []
     try:
-        _walk(matcher, fd, "" if base == "." else base + "/", matcher.start, out)
+        ign: Ignores | None = None
+        if not include_ignored:
+            root_fd = os.open(ctx.root.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                ign = ancestor_ignores(root_fd, [] if base == "." else base.split("/"))
+            finally:
+                os.close(root_fd)
+        _walk(matcher, fd, "" if base == "." else base + "/", matcher.start, out, ign)
     finally:
         os.close(fd)
     return out, base
 
 
 def _walk(m: Matcher, fd: int, prefix: str, state: State,
-          out: list[tuple[int, str]]) -> None:
+          out: list[tuple[int, str]], ign: Ignores | None) -> None:
     """Collect (-mtime_ns, path) of matches under ``fd``; ``prefix`` ends with "/" or is
-    empty (the root)."""
+    empty (the root); ``ign``: the ignore rules in force (None: ignore nothing)."""
     one = state.one
     if one is not None:                     # one wildcard: two possible next states
         yes, no = m.step_hit(state, True), m.step_hit(state, False)
         always = yes if one is _any else None
-    for entry in list_dir(fd):
+    entries = list_dir(fd)
+    check: Ignores | None = None            # the rules to apply here, when there are any
+    if ign is not None:
+        ign = ign.with_dir(fd, prefix, {e.name for e in entries})
+        check = ign if ign.rules else None
+    for entry in entries:
         name = entry.name
         if one is None:
             nxt = m.step(state, name)
@@ -220,34 +238,41 @@ def _walk(m: Matcher, fd: int, prefix: str, state: State,
         if is_dir:
             if not nxt.alive or (name in NOISE_DIRS and name not in state.literals):
                 continue
+            if check is not None and check.ignored(prefix + name, True):
+                continue
             sub = open_subdir(fd, name)
             if sub is None:
                 continue
             try:
-                _walk(m, sub, prefix + name + "/", nxt, out)
+                _walk(m, sub, prefix + name + "/", nxt, out, ign)
             finally:
                 os.close(sub)
         elif nxt.accepts:
+            if check is not None and check.ignored(prefix + name, False):
+                continue
             try:
                 out.append((-entry.stat(follow_symlinks=False).st_mtime_ns, prefix + name))
             except OSError:
                 continue
 
 
-def glob(ctx: ToolContext, pattern: str, path: str = ".") -> ToolResult:
-    """Files under ``path`` matching ``pattern``, newest first, at most GLOB_MAX_RESULTS."""
+def glob(ctx: ToolContext, pattern: str, path: str = ".",
+         include_ignored: bool = False) -> ToolResult:
+    """Files under ``path`` matching ``pattern``, newest first, at most GLOB_MAX_RESULTS;
+    ``include_ignored`` lists files the ignore files exclude too."""
     try:
-        found, base = find(ctx, pattern, path)
+        found, base = find(ctx, pattern, path, include_ignored)
     except PatternError as e:
         return error(NAME, M.GLOB_BAD_PATTERN.format(pattern=pattern, reason=e), kind="pattern")
     except PathError as e:
         return error(NAME, e.text, kind=e.kind)
     if not found:
-        return ok(NAME, M.GLOB_NONE.format(pattern=pattern, path=base), paths=[], total=0)
+        return ok(NAME, M.GLOB_NONE.format(pattern=pattern, path=base), paths=[], total=0,
+                  shown=0)
     found.sort()                                    # newest first, then by path
     total = len(found)
     paths = [p for _, p in found[:M.GLOB_MAX_RESULTS]]
     text = "\n".join(paths)
     if total > M.GLOB_MAX_RESULTS:
         text += "\n" + M.GLOB_CAPPED.format(shown=M.GLOB_MAX_RESULTS, total=total)
-    return ok(NAME, text, paths=paths, total=total)
+    return ok(NAME, text, paths=paths, total=total, shown=len(paths))

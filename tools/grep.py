@@ -1,25 +1,30 @@
-"""Grep(pattern, path='.', ...): search file contents (CONTRACT 5).
+"""Grep(pattern, path='.', ...): search file contents with ripgrep (CONTRACT 5).
 
-Two engines give the same answer. ripgrep runs when it is installed and bubblewrap works:
-it is confined so that it sees only the workspace (see tools.sandbox.confined_reader), which
-keeps a directory swapped for a link to the outside from leading it there. Otherwise a Python
-engine walks the tree by descriptors (tools.walk) with the same rules: hidden files are
-searched, symbolic links are not followed, noise directories are pruned, .gitignore, .ignore
-and .rgignore files (from the root down) are honoured, binary files (a NUL byte) are skipped,
-``glob`` filters like ripgrep's ``-g``. The Python engine uses Python ``re`` syntax.
+ripgrep (``rg``) is the one engine: a required dependency (scripts/setup.sh installs it),
+so the answer has one semantics everywhere: ripgrep's regex syntax, with look-around and
+backreferences handed to PCRE2 (``--engine auto``); ``multiline`` lets a match span lines
+(``.`` matches a newline too); without it a pattern naming ``\n`` is an error. Where
+bubblewrap works, ripgrep is confined so that it sees only the workspace (see
+tools.sandbox.confined_reader), which keeps a directory swapped for a link to the outside
+from leading it there. Rules: hidden files are searched, symbolic links are not followed,
+noise directories are pruned, .gitignore, .ignore and .rgignore files (from the root down)
+are honoured, binary files (a NUL byte) are skipped, also when named as ``path``; ``glob``
+filters like ripgrep's ``-g``, ``type`` like its ``--type`` (``py``, ``js``, ``rust``...).
 
 Answers, sorted by path: ``files_with_matches`` lists paths; ``count`` lists ``path:N``
 (matching lines); ``content`` lists ``path:line:text`` for matches and ``path-line-text`` for
 context lines (line numbers dropped when ``line_numbers`` is False), with ``--`` between
 non-adjacent groups when context is asked for. Lines are cut at GREP_LINE_CHARS characters;
-at most ``head_limit`` lines are shown, with a notice; the search stops after GREP_TIMEOUT_S.
-Paths are relative to the workspace root.
+``offset`` output lines are skipped, then at most ``head_limit`` lines and GREP_OUTPUT_CAP
+bytes are shown, with a notice; the search stops after GREP_TIMEOUT_S or once ripgrep has
+written GREP_RAW_CAP bytes. Paths are relative to the workspace root.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import selectors
 import shutil
 import signal
 import stat
@@ -27,19 +32,17 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-import pathspec
-
 from tools import messages as M
 from tools import sandbox
 from tools.context import ToolContext
 from tools.paths import PathError, locate
-from tools.readfile import read_all
 from tools.result import ToolResult, error, ok
-from tools.walk import NOISE_DIRS, list_dir, open_subdir
+from tools.walk import NOISE_DIRS
 
 NAME = "Grep"
 MODES = ("files_with_matches", "content", "count")
-IGNORE_FILES = (".gitignore", ".ignore", ".rgignore")   # later ones take precedence
+_ESCAPED_NEWLINE = re.compile(r"(?<!\\)(?:\\\\)*\\n")   # a regex's \n, not \\n
+_BINARY_PROBE = 64 * 1024   # bytes of a named file inspected for a NUL (ripgrep's buffer)
 
 
 @dataclass
@@ -85,6 +88,8 @@ class Query:
     before: int
     after: int
     glob: str | None
+    type: str | None = None
+    multiline: bool = False
 
 
 # --- rendering ---------------------------------------------------------------------------
@@ -96,30 +101,40 @@ def _cut(text: str) -> str:
 
 
 def render(hits: list[FileHits], q: Query, line_numbers: bool,
-           limit: int) -> tuple[list[str], int]:
-    """The first ``limit`` output lines for ``hits`` (sorted here by path) and the number
-    of lines the whole answer has."""
+           limit: int, skip: int = 0) -> tuple[list[str], int]:
+    """Output lines ``skip`` to ``skip + limit`` for ``hits`` (sorted here by path) and the
+    number of lines the whole answer has."""
     hits = sorted(hits, key=lambda h: h.path)
     if q.mode == "files_with_matches":
-        return [h.path for h in hits[:limit]], len(hits)
+        return [h.path for h in hits[skip:skip + limit]], len(hits)
     if q.mode == "count":
-        return [f"{h.path}:{h.count}" for h in hits[:limit]], len(hits)
+        return [f"{h.path}:{h.count}" for h in hits[skip:skip + limit]], len(hits)
     grouped = q.before > 0 or q.after > 0
     total = sum(h.n_lines for h in hits) + (len(hits) - 1 if grouped and hits else 0)
     out: list[str] = []
-    for h in hits:
-        if len(out) >= limit:
-            break
+    pos = 0                     # index in the whole answer of the next line produced
+    for i, h in enumerate(hits):
+        lead = 1 if grouped and i > 0 else 0     # the "--" before this file's lines
+        if pos + lead + h.n_lines <= skip:
+            pos += lead + h.n_lines              # skipped whole, without parsing it
+            continue
+        produced: list[str] = ["--"] if lead else []
         prev = None
         for number, is_match, text in h.content():
-            if grouped and out and (prev is None or number != prev + 1):
-                out.append("--")
+            if grouped and prev is not None and number != prev + 1:
+                produced.append("--")
             sep = ":" if is_match else "-"
             if line_numbers:
-                out.append(f"{h.path}{sep}{number}{sep}{_cut(text)}")
+                produced.append(f"{h.path}{sep}{number}{sep}{_cut(text)}")
             else:
-                out.append(f"{h.path}{sep}{_cut(text)}")
+                produced.append(f"{h.path}{sep}{_cut(text)}")
             prev = number
+        for line in produced:
+            if pos >= skip:
+                out.append(line)
+            pos += 1
+        if len(out) >= limit:
+            break
     return out[:limit], total
 
 
@@ -132,6 +147,11 @@ def _rg_argv(rg: str, q: Query, target: str) -> list[str]:
         argv += ["-g", f"!{noise}/"]
     if q.glob:
         argv += ["-g", q.glob]
+    if q.type:
+        argv += ["--type", q.type]
+    if q.multiline:
+        argv += ["--multiline", "--multiline-dotall"]
+    argv += ["--engine", "auto"]      # PCRE2 only for what the default engine cannot do
     if q.ignore_case:
         argv.append("-i")
     if q.mode == "files_with_matches":
@@ -175,9 +195,77 @@ def _rg_parse(out: bytes, q: Query, prefix: str) -> list[FileHits]:
     return hits
 
 
-def _search_rg(rg: str, bw: str, ctx: ToolContext, q: Query, base_rel: str, is_dir: bool,
-               deadline: float) -> tuple[list[FileHits], bool, str | None]:
-    """Run ripgrep confined; returns (hits, timed out, error text)."""
+def _read_bounded(proc: subprocess.Popen[bytes], deadline: float, cap: int,
+                  end: bytes) -> tuple[bytes, bytes, str | None]:
+    """ripgrep's stdout (at most ``cap`` bytes, cut after the last ``end`` byte when reading
+    stops early) and stderr; the third value says why reading stopped early ("timeout",
+    "output") or is None."""
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+    stopped: str | None = None
+    sel = selectors.DefaultSelector()
+    for f in (proc.stdout, proc.stderr):
+        os.set_blocking(f.fileno(), False)
+        sel.register(f.fileno(), selectors.EVENT_READ)
+    open_fds = 2
+    try:
+        while open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stopped = "timeout"
+                break
+            for key, _ in sel.select(left):
+                fd = key.fd
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    sel.unregister(fd)
+                    open_fds -= 1
+                elif fd == proc.stdout.fileno():
+                    out += data
+                else:
+                    err += data[:max(0, 65536 - len(err))]
+            if len(out) > cap:
+                stopped = "output"
+                break
+    finally:
+        sel.close()
+    if stopped is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        del out[cap:]
+        cut = out.rfind(end)
+        del out[cut + 1 if cut >= 0 else 0:]
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    return bytes(out), bytes(err), stopped
+
+
+def _named_file_is_binary(ctx: ToolContext, rel: str) -> bool:
+    """Whether the file named as ``path`` has a NUL byte in its first _BINARY_PROBE bytes
+    (ripgrep skips such files when it finds them by walking; named ones it would search)."""
+    with locate(ctx.root, rel) as loc:
+        try:
+            fd = loc.open(os.O_RDONLY | os.O_NONBLOCK)
+        except PathError:
+            return False
+    try:
+        return b"\0" in os.pread(fd, _BINARY_PROBE, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _search_rg(rg: str, bw: str | None, ctx: ToolContext, q: Query, base_rel: str,
+               is_dir: bool, deadline: float) -> tuple[list[FileHits], str | None, str | None]:
+    """Run ripgrep (confined when ``bw``); returns (hits, why it stopped early or None,
+    error text or None)."""
     root = ctx.root.real
     if is_dir:
         cwd_rel, target = base_rel, "."
@@ -186,228 +274,61 @@ def _search_rg(rg: str, bw: str, ctx: ToolContext, q: Query, base_rel: str, is_d
         cwd_rel, target = (parent or "."), name
     cwd = root if cwd_rel == "." else f"{root}/{cwd_rel}"
     prefix = "" if cwd_rel == "." else cwd_rel + "/"
-    argv = sandbox.confined_reader(bw, root, cwd, _rg_argv(rg, q, target))
+    argv = _rg_argv(rg, q, target)
+    if bw is not None:
+        argv = sandbox.confined_reader(bw, root, cwd, argv)
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
     except OSError as e:
-        return [], False, M.GREP_FAILED.format(reason=e.strerror or e)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
-        cut = out.rfind(b"\n")
-        out = out[:cut + 1] if cut >= 0 else b""
-    if proc.returncode == 2 and not timed_out and not out:
+        return [], None, M.GREP_FAILED.format(reason=e.strerror or e)
+    end = b"\0" if q.mode == "files_with_matches" else b"\n"
+    out, err, stopped = _read_bounded(proc, deadline, M.GREP_RAW_CAP, end)
+    if proc.returncode == 2 and stopped is None and not out:
         reason = err.decode("utf-8", errors="replace").strip().splitlines()
-        text = "\n".join(reason[-6:]) or "ripgrep failed"
-        if "regex" in text.lower():
-            return [], False, M.GREP_BAD_PATTERN.format(pattern=q.pattern, reason=text)
-        return [], False, M.GREP_FAILED.format(reason=text)
-    return _rg_parse(out, q, prefix), timed_out, None
-
-
-# --- Python engine -----------------------------------------------------------------------
-
-class _Ignores:
-    """Ignore rules in force at one directory: a list of (directory prefix, spec)."""
-
-    def __init__(self, rules: tuple[tuple[str, pathspec.PathSpec], ...] = ()) -> None:
-        self.rules = rules
-
-    def with_dir(self, fd: int, prefix: str, names: set[str]) -> _Ignores:
-        added = []
-        for fname in IGNORE_FILES:
-            if fname not in names:
-                continue
-            try:
-                f = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                            dir_fd=fd)
-            except OSError:
-                continue
-            try:
-                if not stat.S_ISREG(os.fstat(f).st_mode):
-                    continue
-                lines = read_all(f).decode("utf-8", errors="replace").splitlines()
-            finally:
-                os.close(f)
-            added.append((prefix, pathspec.GitIgnoreSpec.from_lines(lines)))
-        return _Ignores(self.rules + tuple(added)) if added else self
-
-    def ignored(self, path: str, is_dir: bool) -> bool:
-        verdict = False
-        for prefix, spec in self.rules:
-            if prefix and not path.startswith(prefix):
-                continue
-            sub = path[len(prefix):] + ("/" if is_dir else "")
-            res = spec.check_file(sub)
-            if res.include is not None:
-                verdict = res.include
-        return verdict
-
-
-class _Glob:
-    """ripgrep's ``-g``: a gitignore-style glob; ``!glob`` excludes, else whitelists files."""
-
-    def __init__(self, glob: str) -> None:
-        self.negated = glob.startswith("!")
-        self.spec = pathspec.GitIgnoreSpec.from_lines([glob[1:] if self.negated else glob])
-
-    def excludes(self, path: str, is_dir: bool) -> bool:
-        hit = self.spec.match_file(path + ("/" if is_dir else ""))
-        if self.negated:
-            return hit
-        return not is_dir and not hit
-
-
-def _scan_file(fd: int, name: str, path: str, rx: re.Pattern[str], q: Query,
-               explicit: bool) -> FileHits | None:
-    try:
-        f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                    dir_fd=fd)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(f).st_mode):
-            return None
-        data = read_all(f)
-    except OSError:
-        return None
-    finally:
-        os.close(f)
-    if b"\0" in data and not explicit:
-        return None
-    text = data.decode("utf-8", errors="replace")
-    if rx.search(text) is None:
-        return None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    matched = [i for i, ln in enumerate(lines) if rx.search(ln)]
-    if not matched:
-        return None
-    h = FileHits(path, len(matched))
-    if q.mode == "content":
-        keep: dict[int, bool] = {}
-        for i in matched:
-            for j in range(max(0, i - q.before), min(len(lines), i + q.after + 1)):
-                keep.setdefault(j, False)
-            keep[i] = True
-        h.lines = [(j + 1, keep[j], lines[j]) for j in sorted(keep)]
-        gaps = sum(1 for a, b in zip(h.lines, h.lines[1:], strict=False) if b[0] != a[0] + 1)
-        h.n_lines = len(h.lines) + (gaps if q.before or q.after else 0)
-    return h
-
-
-def _search_py(ctx: ToolContext, q: Query, base_rel: str, is_dir: bool,
-               deadline: float) -> tuple[list[FileHits], bool, str | None]:
-    flags = re.MULTILINE | (re.IGNORECASE if q.ignore_case else 0)
-    try:
-        rx = re.compile(q.pattern, flags)
-    except re.error as e:
-        return [], False, M.GREP_BAD_PATTERN.format(pattern=q.pattern, reason=e)
-    hits: list[FileHits] = []
-    root_fd = os.open(ctx.root.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    parts = [] if base_rel == "." else base_rel.split("/")
-    if not is_dir:
-        parts, fname = parts[:-1], parts[-1]
-    ign = _Ignores()
-    fd = root_fd
-    prefix = ""
-    try:
-        for part in parts:                  # ignore files of the base's ancestors
-            ign = ign.with_dir(fd, prefix, {e.name for e in list_dir(fd)})
-            sub = open_subdir(fd, part)
-            os.close(fd)
-            fd = -1
-            if sub is None:
-                return [], False, M.PATH_CHANGED.format(path=base_rel)
-            fd = sub
-            prefix += part + "/"
-        if not is_dir:
-            h = _scan_file(fd, fname, prefix + fname, rx, q, explicit=True)
-            return ([h] if h else []), False, None
-        glob = _Glob(q.glob) if q.glob else None
-        timed_out = _walk_py(fd, prefix, "", ign, glob, rx, q, deadline, hits)
-        return hits, timed_out, None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-def _walk_py(fd: int, prefix: str, sub: str, ign: _Ignores, glob: _Glob | None,
-             rx: re.Pattern[str], q: Query, deadline: float, hits: list[FileHits]) -> bool:
-    """Search the directory at ``fd``; ``prefix`` is its workspace path with a trailing "/"
-    (or empty), ``sub`` its path relative to the search base. Returns True on timeout."""
-    entries = list_dir(fd)
-    ign = ign.with_dir(fd, prefix, {e.name for e in entries})
-    for entry in sorted(entries, key=lambda e: e.name):
-        if time.monotonic() > deadline:
-            return True
-        name = entry.name
-        try:
-            is_dir = entry.is_dir(follow_symlinks=False)
-            is_file = entry.is_file(follow_symlinks=False)
-        except OSError:
-            continue
-        if not is_dir and not is_file:
-            continue                         # links, fifos, sockets, devices
-        if is_dir and name in NOISE_DIRS:
-            continue
-        path = prefix + name
-        if ign.ignored(path, is_dir):
-            continue
-        if glob is not None and glob.excludes(sub + name, is_dir):
-            continue
-        if is_dir:
-            child = open_subdir(fd, name)
-            if child is None:
-                continue
-            try:
-                if _walk_py(child, path + "/", sub + name + "/", ign, glob, rx, q, deadline,
-                            hits):
-                    return True
-            finally:
-                os.close(child)
-        else:
-            h = _scan_file(fd, name, path, rx, q, explicit=False)
-            if h is not None:
-                hits.append(h)
-    return False
+        text = "\n".join(reason[-8:]) or "ripgrep failed"
+        low = text.lower()
+        if "literal" in low and "not allowed" in low:
+            return [], None, M.GREP_NEEDS_MULTILINE.format(pattern=q.pattern)
+        if "regex" in low or "not allowed" in low or "look-around" in low:
+            return [], None, M.GREP_BAD_PATTERN.format(pattern=q.pattern, reason=text)
+        if "file type" in low:
+            return [], None, M.GREP_BAD_TYPE.format(type=q.type, reason=text)
+        return [], None, M.GREP_FAILED.format(reason=text)
+    return _rg_parse(out, q, prefix), stopped, None
 
 
 # --- the tool ----------------------------------------------------------------------------
 
-def engine() -> str:
-    """``"rg"`` when ripgrep can run confined here, else ``"python"``."""
-    if os.environ.get("REWINDFS_GREP_ENGINE") == "python":
-        return "python"
-    return "rg" if shutil.which("rg") and sandbox.bwrap() else "python"
-
-
 def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: str | None = None,
          output_mode: str = "files_with_matches", ignore_case: bool = False,
          line_numbers: bool = True, before: int = 0, after: int = 0, context: int = 0,
-         head_limit: int = M.GREP_HEAD_LIMIT) -> ToolResult:
-    """Search ``path`` for ``pattern``; see the module docstring for the answer's shape."""
+         head_limit: int = M.GREP_HEAD_LIMIT, offset: int = 0, type: str | None = None,
+         multiline: bool = False) -> ToolResult:
+    """Search ``path`` for ``pattern``; see the module docstring for the answer's shape.
+    ``offset``: output lines (entries in files/count modes) skipped before ``head_limit``;
+    ``type``: a ripgrep file type; ``multiline``: matches may span lines. The data holds
+    ``total`` (lines or entries of the whole answer), ``shown``, ``files``, ``timed_out``
+    and ``capped`` (the output cap cut the answer)."""
     if output_mode not in MODES:
         return error(NAME, M.GREP_BAD_MODE.format(mode=output_mode), kind="mode")
     for name, value, minimum in (("before", before, 0), ("after", after, 0),
-                                 ("context", context, 0), ("head_limit", head_limit, 1)):
+                                 ("context", context, 0), ("head_limit", head_limit, 1),
+                                 ("offset", offset, 0)):
         if value < minimum:
             return error(NAME, M.GREP_BAD_NUMBER.format(name=name, minimum=minimum,
                                                         value=value), kind="argument")
     if not pattern:
         return error(NAME, M.GREP_BAD_PATTERN.format(pattern=pattern, reason="empty pattern"),
                      kind="pattern")
+    if not multiline and ("\n" in pattern or _ESCAPED_NEWLINE.search(pattern)):
+        return error(NAME, M.GREP_NEEDS_MULTILINE.format(pattern=pattern), kind="pattern")
+    rg = shutil.which("rg")
+    if rg is None:
+        return error(NAME, M.GREP_NO_RG, kind="no_rg")
     q = Query(pattern, output_mode, ignore_case, before or context, after or context,
-              glob or None)
+              glob or None, type or None, multiline)
     try:
         with locate(ctx.root, path) as loc:
             if loc.st is None:
@@ -417,24 +338,39 @@ def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: str | None = Non
                 raise PathError("not_regular", loc.rel)
     except PathError as e:
         return error(NAME, e.text, kind=e.kind)
+    none = ok(NAME, M.GREP_NONE.format(pattern=pattern, path=base_rel), total=0, shown=0,
+              files=0, timed_out=False, capped=False)
+    if not is_dir and _named_file_is_binary(ctx, base_rel):
+        return none
     deadline = time.monotonic() + M.GREP_TIMEOUT_S
-    used = engine()
-    if used == "rg":
-        rg, bw = shutil.which("rg"), sandbox.bwrap()
-        assert rg is not None and bw is not None
-        hits, timed_out, err = _search_rg(rg, bw, ctx, q, base_rel, is_dir, deadline)
-    else:
-        hits, timed_out, err = _search_py(ctx, q, base_rel, is_dir, deadline)
+    hits, stopped, err = _search_rg(rg, sandbox.bwrap(), ctx, q, base_rel, is_dir, deadline)
     if err is not None:
-        return error(NAME, err, kind="search", engine=used)
-    shown, total = render(hits, q, line_numbers, head_limit)
-    if not shown and not timed_out:
-        return ok(NAME, M.GREP_NONE.format(pattern=pattern, path=base_rel), engine=used,
-                  total=0, files=0)
-    if total > head_limit:
-        unit = "lines" if output_mode == "content" else "files"
-        shown.append(M.GREP_CAPPED.format(shown=head_limit, total=total, unit=unit))
-    if timed_out:
+        return error(NAME, err, kind="search")
+    shown, total = render(hits, q, line_numbers, head_limit, offset)
+    if not shown and stopped is None:
+        if total:
+            return ok(NAME, M.GREP_PAST_OFFSET.format(offset=offset, total=total),
+                      total=total, shown=0, files=len(hits), timed_out=False, capped=False)
+        return none
+    size = 0
+    for i, line in enumerate(shown):
+        size += len(line.encode("utf-8", errors="surrogateescape")) + 1
+        if size > M.GREP_OUTPUT_CAP and i > 0:
+            shown = shown[:i]
+            break
+    n_shown = len(shown)
+    capped = n_shown < min(head_limit, max(0, total - offset))
+    unit = "lines" if output_mode == "content" else "files"
+    if capped:
+        shown.append(M.GREP_BYTES_CAPPED.format(shown=n_shown, total=total, unit=unit,
+                                                cap=M.GREP_OUTPUT_CAP,
+                                                next=offset + n_shown))
+    elif offset + n_shown < total:
+        shown.append(M.GREP_CAPPED.format(shown=n_shown, total=total, unit=unit,
+                                          next=offset + n_shown))
+    if stopped == "timeout":
         shown.append(M.GREP_TIMEOUT.format(seconds=M.GREP_TIMEOUT_S))
-    return ok(NAME, "\n".join(shown), engine=used, total=total, files=len(hits),
-              timed_out=timed_out)
+    elif stopped == "output":
+        shown.append(M.GREP_RAW_STOPPED.format(cap=M.GREP_RAW_CAP))
+    return ok(NAME, "\n".join(shown), total=total, shown=n_shown, files=len(hits),
+              timed_out=stopped == "timeout", capped=capped or stopped == "output")

@@ -1,21 +1,43 @@
-"""The MCP server: the six agent tools (and the session's optional calls) over stdio.
+"""The MCP server: the agent tools (and the session's optional calls) over stdio.
 
-Serves ReadFile, WriteFile, EditFile, Glob, Grep and Bash for one binding; checkpoint, log
-and diff when the binding provides them (tools.binding.capabilities), and restore only when
-started with ``allow_restore``. Each call answers with the tool's text rendering; errors are
+Serves ReadFile, WriteFile, EditFile, Glob, Grep, Bash, BashOutput and KillShell for one
+binding; checkpoint, log and diff when the binding provides them (tools.binding.capabilities),
+and restore only when started with ``allow_restore``. Each tool's arguments, their aliases
+(Claude Code's names) and descriptions, and its annotations come from tools.arguments;
+an unknown or ill-typed argument is an error answer listing what the tool accepts. Each call
+answers with the tool's text rendering (plus image content for an image read) and its
+structured data (``ok`` and the tool's data: exit code, timed out, counts); errors are
 answers flagged ``is_error``, never protocol failures. Tools run in worker threads.
+
+State per connection (the MCP server's lifespan, entered once per client connection): one
+ToolContext, so the read ledger, Bash's working directory and background commands belong
+to that connection; its background commands are killed when it ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import base64
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from mcp.server.mcpserver import MCPServer
-from mcp.types import CallToolResult, TextContent
+import anyio
+from mcp.server import Server
+from mcp.server.stdio import stdio_server
+from mcp.types import (
+    CallToolRequestParams,
+    CallToolResult,
+    ImageContent,
+    ListToolsResult,
+    PaginatedRequestParams,
+    TextContent,
+    Tool,
+    ToolAnnotations,
+)
 
+from tools import arguments as A
 from tools import messages as M
-from tools.bash import run_bash
+from tools.bash import bash_output, kill_shell, run_bash
 from tools.binding import SessionBinding, capabilities
 from tools.context import ToolContext
 from tools.editfile import edit_file
@@ -26,82 +48,118 @@ from tools.result import ToolResult
 from tools.sandbox import SandboxPolicy
 from tools.writefile import write_file
 
-TOOL_NAMES = ("ReadFile", "WriteFile", "EditFile", "Glob", "Grep", "Bash")
+TOOL_NAMES = tuple(spec.name for spec in A.TOOLS)
 
 
-def _answer(r: ToolResult) -> CallToolResult:
-    return CallToolResult(content=[TextContent(type="text", text=r.render())],
+
+def _bash(ctx: ToolContext, command: str, timeout: float = M.BASH_DEFAULT_TIMEOUT_S,
+          run_in_background: bool = False, description: str | None = None) -> ToolResult:
+    return run_bash(ctx, command, timeout, run_in_background)
+
+
+# Native tool function per tool name: (context, **native arguments) -> ToolResult.
+_RUN: dict[str, Callable[..., ToolResult]] = {
+    "ReadFile": read_file, "WriteFile": write_file, "EditFile": edit_file, "Glob": glob,
+    "Grep": grep, "Bash": _bash, "BashOutput": bash_output, "KillShell": kill_shell,
+}
+
+
+def answer(r: ToolResult) -> CallToolResult:
+    """The MCP answer for a tool result: its text, its images, its data as structured
+    content."""
+    content: list[Any] = [TextContent(type="text", text=r.render())]
+    for mime, data in r.images:
+        content.append(ImageContent(type="image", data=base64.b64encode(data).decode(),
+                                    mime_type=mime))
+    return CallToolResult(content=content, structured_content={"ok": r.ok, **r.data},
                           is_error=not r.ok)
+
+
+def _text_answer(text: str, is_error: bool = False) -> CallToolResult:
+    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=is_error)
 
 
 def _session_call(call: str, fn: Callable[[], str]) -> CallToolResult:
     try:
         text = fn()
     except Exception as e:  # a failed session call is an answer the model can read
-        return CallToolResult(content=[TextContent(type="text", text=M.ERROR_PREFIX +
-                                                    M.SESSION_FAILED.format(call=call,
-                                                                            reason=e))],
-                              is_error=True)
-    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=False)
+        return _text_answer(M.ERROR_PREFIX + M.SESSION_FAILED.format(call=call, reason=e),
+                            is_error=True)
+    return _text_answer(text)
+
+
+def _as_tool(spec: A.ToolSpec) -> Tool:
+    return Tool(name=spec.name, description=spec.description,
+                input_schema=spec.input_schema(),
+                annotations=ToolAnnotations(title=spec.title, read_only_hint=spec.read_only,
+                                            destructive_hint=spec.destructive,
+                                            idempotent_hint=spec.idempotent,
+                                            open_world_hint=False))
 
 
 def build_server(binding: SessionBinding, allow_restore: bool = False,
                  name: str = "rewindfs", sandbox: SandboxPolicy | None = None) \
-        -> MCPServer[Any]:
-    """An MCPServer serving the tools for ``binding``; Bash confined by ``sandbox``."""
-    ctx = ToolContext(binding, sandbox)
-    server: MCPServer[Any] = MCPServer(name=name, instructions=M.SERVER_INSTRUCTIONS)
-
-    def ReadFile(path: str, offset: int = 1, limit: int = M.READ_DEFAULT_LIMIT) \
-            -> CallToolResult:
-        return _answer(read_file(ctx, path, offset, limit))
-
-    def WriteFile(path: str, content: str) -> CallToolResult:
-        return _answer(write_file(ctx, path, content))
-
-    def EditFile(path: str, old: str, new: str, replace_all: bool = False) -> CallToolResult:
-        return _answer(edit_file(ctx, path, old, new, replace_all))
-
-    def Glob(pattern: str, path: str = ".") -> CallToolResult:
-        return _answer(glob(ctx, pattern, path))
-
-    def Grep(pattern: str, path: str = ".", glob: str | None = None,
-             output_mode: str = "files_with_matches", ignore_case: bool = False,
-             line_numbers: bool = True, before: int = 0, after: int = 0, context: int = 0,
-             head_limit: int = M.GREP_HEAD_LIMIT) -> CallToolResult:
-        return _answer(grep(ctx, pattern, path, glob, output_mode, ignore_case, line_numbers,
-                            before, after, context, head_limit))
-
-    def Bash(command: str, timeout: float = M.BASH_DEFAULT_TIMEOUT_S) -> CallToolResult:
-        return _answer(run_bash(ctx, command, timeout))
-
-    for fn, text in ((ReadFile, M.DESCRIBE_READFILE), (WriteFile, M.DESCRIBE_WRITEFILE),
-                     (EditFile, M.DESCRIBE_EDITFILE), (Glob, M.DESCRIBE_GLOB),
-                     (Grep, M.DESCRIBE_GREP), (Bash, M.DESCRIBE_BASH)):
-        server.add_tool(fn, name=fn.__name__, description=text)
-
+        -> Server[ToolContext]:
+    """A low-level MCP Server serving the tools for ``binding``, one ToolContext per
+    connection; Bash confined by ``sandbox``."""
     caps = capabilities(binding)
     b: Any = binding
+    session_calls: dict[str, Callable[[dict[str, Any]], str]] = {}
     if "checkpoint" in caps:
-        def checkpoint(label: str | None = None) -> CallToolResult:
-            return _session_call("checkpoint", lambda: b.checkpoint(label))
-        server.add_tool(checkpoint, name="checkpoint", description=M.DESCRIBE_CHECKPOINT)
+        session_calls["checkpoint"] = lambda a: b.checkpoint(a.get("label"))
     if "log" in caps:
-        def log() -> CallToolResult:
-            return _session_call("log", lambda: b.log())
-        server.add_tool(log, name="log", description=M.DESCRIBE_LOG)
+        session_calls["log"] = lambda a: b.log()
     if "diff" in caps:
-        def diff(ref_a: str | None = None, ref_b: str | None = None) -> CallToolResult:
-            return _session_call("diff", lambda: b.diff(ref_a, ref_b))
-        server.add_tool(diff, name="diff", description=M.DESCRIBE_DIFF)
+        session_calls["diff"] = lambda a: b.diff(a.get("ref_a"), a.get("ref_b"))
     if "restore" in caps and allow_restore:
-        def restore(ref: str) -> CallToolResult:
-            return _session_call("restore", lambda: b.restore(ref))
-        server.add_tool(restore, name="restore", description=M.DESCRIBE_RESTORE)
-    return server
+        session_calls["restore"] = lambda a: b.restore(a["ref"])
+    specs = {s.name: s for s in A.TOOLS}
+    for call in session_calls:
+        specs[call] = A.SESSION_TOOLS[call]
+    listed = ListToolsResult(tools=[_as_tool(s) for s in specs.values()])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Server[ToolContext]) -> AsyncIterator[ToolContext]:
+        ctx = ToolContext(binding, sandbox)
+        try:
+            yield ctx
+        finally:
+            await anyio.to_thread.run_sync(ctx.close)
+
+    async def list_tools(rc: Any, params: PaginatedRequestParams | None) -> ListToolsResult:
+        return listed
+
+    async def call_tool(rc: Any, params: CallToolRequestParams) -> CallToolResult:
+        spec = specs.get(params.name)
+        if spec is None:
+            return _text_answer(M.ERROR_PREFIX + M.ARG_UNKNOWN_TOOL.format(
+                tool=params.name, tools=", ".join(specs)), is_error=True)
+        try:
+            kwargs = spec.bind(params.arguments)
+        except A.ArgumentError as e:
+            return _text_answer(M.ERROR_PREFIX + str(e), is_error=True)
+        if spec.name in session_calls:
+            fn = session_calls[spec.name]
+            return await anyio.to_thread.run_sync(
+                lambda: _session_call(spec.name, lambda: fn(kwargs)))
+        ctx: ToolContext = rc.lifespan_context
+        run = _RUN[spec.name]
+        result = await anyio.to_thread.run_sync(lambda: run(ctx, **kwargs))
+        return answer(result)
+
+    return Server(name, instructions=M.SERVER_INSTRUCTIONS, lifespan=lifespan,
+                  on_list_tools=list_tools, on_call_tool=call_tool,
+                  get_tool_input_schema=lambda n: specs[n].input_schema() if n in specs
+                  else None)
 
 
 def serve_stdio(binding: SessionBinding, allow_restore: bool = False,
                 sandbox: SandboxPolicy | None = None) -> None:
     """Serve the tools for ``binding`` on stdin/stdout until the client closes."""
-    build_server(binding, allow_restore, sandbox=sandbox).run("stdio")
+    server = build_server(binding, allow_restore, sandbox=sandbox)
+
+    async def main() -> None:
+        async with stdio_server() as (read_stream, write_stream):
+            await server.run(read_stream, write_stream, server.create_initialization_options())
+
+    anyio.run(main)

@@ -27,13 +27,14 @@ _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 class PathError(Exception):
     """A path argument cannot be used. ``kind`` is one of: escape, not_found, not_dir,
-    is_dir, not_regular, loop, invalid, changed, os. ``path`` is the text the caller gave
-    (or the part resolved so far); ``text`` is the message from :mod:`tools.messages`."""
+    is_dir, not_regular, loop, invalid, tilde, changed, os. ``path`` is the text the caller
+    gave (or the part resolved so far); ``text`` is the message from :mod:`tools.messages`."""
 
     _TEMPLATES = {
         "escape": M.PATH_ESCAPE, "not_found": M.PATH_NOT_FOUND, "not_dir": M.PATH_NOT_DIR,
         "is_dir": M.PATH_IS_DIR, "not_regular": M.PATH_NOT_REGULAR, "loop": M.PATH_LOOP,
-        "invalid": M.PATH_INVALID, "changed": M.PATH_CHANGED, "os": M.PATH_OS_ERROR,
+        "invalid": M.PATH_INVALID, "tilde": M.PATH_TILDE, "changed": M.PATH_CHANGED,
+        "os": M.PATH_OS_ERROR,
     }
 
     def __init__(self, kind: str, path: str, reason: str = "") -> None:
@@ -66,9 +67,14 @@ class Root:
         return os.open(self.real, _DIR_FLAGS)
 
     def parts(self, text: str, shown: str) -> list[str]:
-        """Components of ``text`` relative to the root; raises PathError(escape/invalid)."""
+        """Components of ``text`` relative to the root; raises PathError(escape/invalid/
+        tilde). A first component starting with ``~`` (``~``, ``~/x``, ``~user/x``) is
+        refused: a shell would expand it to a home directory, so taking it literally would
+        create a directory named ``~`` in the root."""
         if "\0" in text:
             raise PathError("invalid", shown, "contains a NUL byte")
+        if text.startswith("~"):
+            raise PathError("tilde", shown)
         if text.startswith("/"):
             given = _split(text)
             for base in (self.real, self.path):

@@ -16,12 +16,14 @@ from tools import messages as M
 class ToolResult:
     """``tool``: tool name (e.g. ``"ReadFile"``); ``ok``: False for an error;
     ``text``: the message or output, without the error prefix; ``data``: structured
-    extras for programs (exit code, paths, counts), JSON-serialisable."""
+    extras for programs (exit code, paths, counts), JSON-serialisable; ``images``: (MIME
+    type, bytes) of images the answer carries (ReadFile of an image)."""
 
     tool: str
     ok: bool
     text: str
     data: dict[str, Any] = field(default_factory=dict)
+    images: tuple[tuple[str, bytes], ...] = ()
 
     def render(self) -> str:
         """The text a model sees: errors start with ``error: ``."""
@@ -31,8 +33,9 @@ class ToolResult:
         return self.render()
 
 
-def ok(tool: str, text: str, **data: Any) -> ToolResult:
-    return ToolResult(tool, True, text, data)
+def ok(tool: str, text: str, images: tuple[tuple[str, bytes], ...] = (),
+       **data: Any) -> ToolResult:
+    return ToolResult(tool, True, text, data, images)
 
 
 def error(tool: str, text: str, **data: Any) -> ToolResult:

@@ -696,10 +696,11 @@ def _stop_network(net: subprocess.Popen[bytes]) -> None:
 
 
 def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str],
-                command: str, **popen_kw: Any) -> ShellRun:
+                command: str, pass_fds: Sequence[int] = (), **popen_kw: Any) -> ShellRun:
     """Start ``bash -c command`` in the sandbox (module docstring) with working directory
-    ``cwd``; ``popen_kw`` go to subprocess.Popen (stdio, start_new_session). Where no sandbox
-    can be built, runs it unconfined under the subreaper helper if
+    ``cwd``; ``pass_fds``: the caller's descriptors the command inherits (the caller keeps
+    and closes them); ``popen_kw`` go to subprocess.Popen (stdio, start_new_session). Where
+    no sandbox can be built, runs it unconfined under the subreaper helper if
     ``policy.unsafe_no_sandbox``, else raises SandboxUnavailable naming the cause. Raises
     OSError when the command cannot be started."""
     reason = unavailable_reason()
@@ -707,7 +708,8 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
         if not policy.unsafe_no_sandbox:
             raise SandboxUnavailable(reason)
         proc = subprocess.Popen(reaped_shell(command), cwd=cwd,
-                                env=sandbox_env(policy, confined=False), **popen_kw)
+                                env=sandbox_env(policy, confined=False),
+                                pass_fds=tuple(pass_fds), **popen_kw)
         return ShellRun(proc, confined=False)
     bw = shutil.which("bwrap")
     assert bw is not None
@@ -750,8 +752,8 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
         env = sandbox_env(policy)
 
         def popen() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(argv, cwd=root, env=env, pass_fds=tuple(child_fds),
-                                    **popen_kw)
+            return subprocess.Popen(argv, cwd=root, env=env,
+                                    pass_fds=tuple(child_fds) + tuple(pass_fds), **popen_kw)
 
         proc = spawner.call(popen) if spawner is not None else popen()
     except BaseException:

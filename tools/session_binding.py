@@ -22,6 +22,7 @@ from typing import Any
 
 from fusefs.session.control import (
     control_path,
+    hold_background_writer,
     hold_write_permit,
     raise_reply,
     request,
@@ -127,6 +128,24 @@ class SessionToolBinding:
                 raise PermitError(e) from e
             yield
 
+    @contextlib.contextmanager
+    def background_writer(self) -> Iterator[None]:
+        """Held while a background command runs (it holds no write permit). A FUSE mount
+        captures its writes in the file system: nothing to do. A no-FUSE session is told,
+        so that checkpoints taken meanwhile are journaled fuzzy. Raises PermitError when
+        the session is stopped, closing or faulted."""
+        if self.record.backend != "fallback":
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(hold_background_writer(self._socket()))
+            except (ConnectionRefusedError, FileNotFoundError):
+                raise PermitError(SessionClosedError(self.id)) from None
+            except (SessionError, OSError) as e:
+                raise PermitError(e) from e
+            yield
+
     def hidden_paths(self) -> Sequence[str]:
         """What a confined command must not see: the store (index, packs, journals), the
         session state directories, the control sockets, and for per-session placement the
@@ -146,11 +165,16 @@ class SessionToolBinding:
 
     def checkpoint(self, label: str | None = None) -> str:
         """Checkpoint (trigger manual) through the session process; the answer names the
-        Ref. Raises the session's typed error (as HostError) on failure."""
+        Ref. ``label`` is kept with the Ref in the store's snapshot list (CONTRACT 1.6; a
+        label belongs to a Ref, so an unchanged workspace relabels its last checkpoint) and
+        shown by ``log``. Raises the session's typed error (as HostError) on failure."""
         ref = self._ask({"op": "checkpoint", "trigger": "manual"})["ref"]
         text = M.SESSION_CHECKPOINTED.format(ref=ref)
         if label:
-            text += "\n" + M.SESSION_LABEL_NOT_KEPT
+            listed = {str(i.ref): i for i in self.store.list_snapshots()}
+            info = listed.get(str(ref))
+            self.store.add_snapshot(ref, info.origin if info else "checkpoint", label)
+            text = M.SESSION_CHECKPOINTED_LABEL.format(ref=ref, label=label)
         return text
 
     def restore(self, ref: str) -> str:
@@ -164,17 +188,23 @@ class SessionToolBinding:
         return M.SESSION_RESTORED.format(ref=target)
 
     def log(self) -> str:
-        """The session's journal, oldest first, one line per event (times in UTC)."""
+        """The session's journal, oldest first, one line per event (times in UTC); a
+        checkpoint whose Ref carries a label in the snapshot list shows it."""
         events = Journal(self.store, self.id).events()
         if not events:
             return M.SESSION_LOG_EMPTY
+        labels = {str(i.ref): i.label for i in self.store.list_snapshots() if i.label}
         lines = []
         for e in events:
             when = datetime.datetime.fromtimestamp(e.time_ns / 1e9, datetime.UTC)
             t = when.strftime("%Y-%m-%dT%H:%M:%SZ")
             if e.event == CHECKPOINTED:
-                lines.append(M.SESSION_LOG_CHECKPOINT.format(seq=e.seq, time=t,
-                                                             trigger=e.trigger, ref=e.ref))
+                line = M.SESSION_LOG_CHECKPOINT.format(seq=e.seq, time=t, trigger=e.trigger,
+                                                       ref=e.ref)
+                label = labels.get(str(e.ref))
+                if label:
+                    line += M.SESSION_LOG_LABEL.format(label=label)
+                lines.append(line)
             else:
                 lines.append(M.SESSION_LOG_RESTORE.format(seq=e.seq, time=t, ref=e.ref))
         return "\n".join(lines)

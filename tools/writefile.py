@@ -1,10 +1,14 @@
-"""WriteFile(path, content): create or replace a whole file (CONTRACT 5).
+"""WriteFile(path, content): create or replace a whole file (CONTRACT 5, amended by 5 edits).
 
 A new file is written to a temporary name and hard-linked into place, so a concurrent
 creation of the same name is never clobbered (exactly one creator wins). Replacing an
-existing file requires a ledger digest that still matches the file (see tools.context);
-the new content goes to a temporary file in the same directory, is fsynced, gets the old
-file's mode (and owner when permitted) and is renamed over the old name. Missing parent
+existing file requires a ledger record that the file still matches (see tools.context).
+A file with one link is replaced atomically: the new content goes to a temporary file in
+the same directory, is fsynced, gets the old file's mode, owner (when permitted) and
+extended attributes, and is renamed over the old name. A file with several hard links is
+rewritten in place (whole content, truncated to its length, then fsync), so its names stay
+one file; that rewrite is not atomic. An existing file whose lines end with CRLF keeps
+CRLF: new content written with bare LF line breaks gets CRLF ones. Missing parent
 directories are created. Also home of the write primitives EditFile shares.
 """
 
@@ -17,7 +21,7 @@ import stat
 
 from tools import messages as M
 from tools.binding import PermitError
-from tools.context import ToolContext, digest
+from tools.context import Seen, ToolContext
 from tools.paths import Located, PathError, locate
 from tools.readfile import read_all, split_lines
 from tools.result import ToolResult, error, ok
@@ -123,18 +127,83 @@ def read_current(loc: Located) -> tuple[bytes, os.stat_result]:
         os.close(fd)
 
 
-def check_fresh(ctx: ToolContext, rel: str, current: bytes) -> None:
-    """Refusal unless the ledger holds the digest of ``current`` for ``rel``."""
+def check_fresh(ctx: ToolContext, rel: str, current: bytes, st: os.stat_result) -> None:
+    """Refusal unless the ledger holds a record for ``rel`` that the file (``current``,
+    ``st``) still matches."""
     seen = ctx.recorded(rel)
     if seen is None:
         raise Refusal("not_read", M.STALE_NOT_READ.format(path=rel))
-    if seen != digest(current):
+    if not seen.matches(current, st):
         raise Refusal("stale", M.STALE_CHANGED.format(path=rel))
 
 
+def uses_crlf(data: bytes) -> bool:
+    """Whether most line breaks of ``data`` are CRLF."""
+    crlf = data.count(b"\r\n")
+    return crlf > 0 and crlf >= data.count(b"\n") - crlf
+
+
+def to_crlf(text: str) -> str:
+    """``text`` with every line break as CRLF."""
+    return text.replace("\r\n", "\n").replace("\n", "\r\n")
+
+
+def _copy_xattrs(src_fd: int, dst_fd: int) -> None:
+    """Copy the extended attributes of ``src_fd`` to ``dst_fd``. A ``user.`` attribute that
+    cannot be set raises; others (``security.``, ``trusted.``: not ours to set) are
+    skipped when refused."""
+    try:
+        names = os.listxattr(src_fd)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return
+        raise
+    for name in names:
+        try:
+            value = os.getxattr(src_fd, name)
+            os.setxattr(dst_fd, name, value)
+        except OSError:
+            if name.startswith("user."):
+                raise
+
+
+def _rewrite_in_place(loc: Located, data: bytes) -> None:
+    """Write ``data`` over the file at ``loc`` (all its hard links see it), truncate it to
+    that length and fsync it."""
+    fd = loc.open(os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        view = memoryview(data)
+        pos = 0
+        while pos < len(data):
+            pos += os.pwrite(fd, view[pos:], pos)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_existing(loc: Located, data: bytes, old: os.stat_result) -> None:
-    """Atomically replace the file at ``loc``, keeping its mode (and owner if allowed)."""
+    """Replace the content of the file at ``loc`` (whose stat was ``old``): in place when it
+    has several hard links, else atomically, keeping mode, owner (if allowed) and extended
+    attributes."""
+    if old.st_nlink > 1:
+        _rewrite_in_place(loc, data)
+        return
     tmp = _write_temp(loc, data, 0o600)
+    try:
+        src = loc.open(os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            dst = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=loc.parent_fd)
+            try:
+                _copy_xattrs(src, dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+    except BaseException:
+        _unlink_quiet(loc, tmp)
+        raise
     try:
         os.chmod(tmp, stat.S_IMODE(old.st_mode), dir_fd=loc.parent_fd, follow_symlinks=False)
     except (NotImplementedError, OSError):
@@ -160,8 +229,10 @@ def count_lines(data: bytes) -> int:
 
 
 def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
-    """Create ``path`` or replace it with ``content`` (UTF-8)."""
+    """Create ``path`` or replace it with ``content`` (UTF-8). The data holds ``path``,
+    ``created``, ``size`` (bytes written), ``lines`` and ``crlf`` (CRLF line breaks kept)."""
     data = content.encode("utf-8", errors="surrogateescape")
+    crlf = False
     try:
         with ctx.binding.write_permit():
             with locate(ctx.root, path, make_parents=True) as loc:
@@ -170,7 +241,10 @@ def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
                     created = True
                 else:
                     current, st = read_current(loc)
-                    check_fresh(ctx, loc.rel, current)
+                    check_fresh(ctx, loc.rel, current, st)
+                    if uses_crlf(current) and "\n" in content and "\r\n" not in content:
+                        crlf = True
+                        data = to_crlf(content).encode("utf-8", errors="surrogateescape")
                     replace_existing(loc, data, st)
                     created = False
                 rel = loc.rel
@@ -182,7 +256,10 @@ def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
         return error(NAME, e.text, kind=e.kind)
     except OSError as e:
         return error(NAME, PathError.from_os(path, e).text, kind="os")
-    ctx.record_read(rel, digest(data))
+    ctx.record_read(rel, Seen.whole_of(data))
     template = M.WRITE_CREATED if created else M.WRITE_UPDATED
-    return ok(NAME, template.format(path=rel, lines=count_lines(data), size=len(data)),
-              path=rel, created=created, size=len(data))
+    lines = count_lines(data)
+    text = template.format(path=rel, lines=lines, size=len(data))
+    if crlf:
+        text += " " + M.WRITE_CRLF_KEPT
+    return ok(NAME, text, path=rel, created=created, size=len(data), lines=lines, crlf=crlf)

@@ -216,6 +216,18 @@ class Session:
         with self._handle.write_permit():
             yield
 
+    @contextlib.contextmanager
+    def background_writer(self) -> Iterator[None]:
+        """Mark a command writing the root without a write permit while the block runs
+        (see SessionRuntime.background_writer); a no-op where the handle sees every write
+        itself (a FUSE mount)."""
+        mark = getattr(self._handle, "background_writer", None)
+        if mark is None:
+            yield
+            return
+        with mark():
+            yield
+
     def log(self) -> list[JournalEvent]:
         """The session's journal, oldest first."""
         return self.workspace.log(self.id)

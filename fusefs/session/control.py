@@ -6,14 +6,16 @@ in the runtime directory (``$XDG_RUNTIME_DIR/rewindfs/``, else ``/tmp/rewindfs-<
 ``<session id>.sock``; its path is recorded in the session's state directory as ``control``.
 Protocol: one JSON object per line each way. Requests ``{"op": ..., ...}``: ``status``,
 ``checkpoint {trigger}``, ``restore {ref, discard, timeout_s}``, ``turn_done``,
-``step_done``, ``shutdown``, ``write_permit``. Replies ``{"ok": true, ...}`` or ``{"ok":
+``step_done``, ``shutdown``, ``write_permit``, ``background_writer``. Replies ``{"ok": true, ...}`` or ``{"ok":
 false, "error": <class name>, "kind": <kind or null>, "message": ..., "exit_code": ...}``.
 
 ``write_permit`` is the one request that keeps its connection: the host takes the session's
 whole-workspace write permit (a checkpoint or restore waits for it; the request itself waits
 while one runs or is waiting), replies ``{"ok": true}`` and holds the permit until the client
 closes the connection (or sends anything more). A client that dies releases it with its
-socket. ``hold_write_permit`` is the client side.
+socket. ``hold_write_permit`` is the client side. ``background_writer`` (no-FUSE hosts
+only) keeps its connection the same way: it marks a command writing without a permit, so
+checkpoints taken meanwhile are journaled fuzzy (``hold_background_writer``).
 """
 
 from __future__ import annotations
@@ -110,6 +112,19 @@ def hold_write_permit(path: str, timeout_s: float | None = None) -> Iterator[Non
         s.settimeout(timeout_s)
         s.connect(path)
         raise_reply(_exchange(s, path, {"op": "write_permit"}))
+        yield
+
+
+@contextlib.contextmanager
+def hold_background_writer(path: str, timeout_s: float | None = 30.0) -> Iterator[None]:
+    """Mark a background writer on the session for the ``with`` block (the
+    ``background_writer`` request). Raises OSError if nobody serves ``path``, HostError if
+    the session refuses (closed or faulted)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        raise_reply(_exchange(s, path, {"op": "background_writer"}))
+        s.settimeout(None)
         yield
 
 

@@ -135,6 +135,7 @@ class _DirTree:
 
     root: str
     consistency: str
+    writes_unseen = True    # a plain directory: writes reach it without the session seeing
 
     def __init__(self, store: Any, root: str, session_id: str, consistency: str) -> None:
         self.store = store

@@ -76,6 +76,9 @@ class _Handler(socketserver.StreamRequestHandler):
             if isinstance(req, dict) and req.get("op") == "write_permit":
                 self.server.host.hold_write_permit(self._send, self.rfile.readline)
                 return
+            if isinstance(req, dict) and req.get("op") == "background_writer":
+                self.server.host.hold_background_writer(self._send, self.rfile.readline)
+                return
             reply = self.server.host.dispatch(req)
         except Exception as e:
             reply = error_reply(e)
@@ -145,6 +148,18 @@ class Host:
                 send({"ok": True})
             except OSError:
                 return  # the client gave up waiting: release at once
+            wait_closed()
+
+    def hold_background_writer(self, send: Callable[[dict[str, Any]], None],
+                               wait_closed: Callable[[], object]) -> None:
+        """The ``background_writer`` request: mark a background writer (checkpoints taken
+        meanwhile are fuzzy), ``send`` the ok reply, keep the mark until the client closes
+        the connection."""
+        with self.session.background_writer():
+            try:
+                send({"ok": True})
+            except OSError:
+                return
             wait_closed()
 
     def serve(self) -> None:

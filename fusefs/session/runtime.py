@@ -124,6 +124,8 @@ class SessionCore:
         self.store: Any = cfg.store if cfg.store is not None else cfg.placement.store
         self.journal = Journal(self.store, record.id)
         self.gate = PermitGate()
+        self._background = 0                  # background writers running (no permit)
+        self._background_lock = threading.Lock()
         self.policy = PolicyRunner(cfg.policy, self._policy_checkpoint, record.id)
         self.state = OPEN
         self.terminal_fault: str | None = None
@@ -269,6 +271,30 @@ class SessionCore:
             yield
         self.policy.mutated()
 
+    @contextlib.contextmanager
+    def background_writer(self) -> Iterator[None]:
+        """Mark a command that may write the root without a write permit (a background Bash
+        command) for as long as the block runs: checkpoints never wait for it, and those
+        of a tree whose writes bypass the session (``writes_unseen``: the no-FUSE
+        fallback's plain directory) taken meanwhile are journaled ``fuzzy``."""
+        self._check_usable()
+        with self._background_lock:
+            self._background += 1
+        try:
+            yield
+        finally:
+            with self._background_lock:
+                self._background -= 1
+            self.policy.mutated()
+
+    def _consistency(self) -> str:
+        """What a checkpoint taken now promises (CONTRACT 4.5)."""
+        with self._background_lock:
+            busy = self._background > 0
+        if busy and getattr(self.tree, "writes_unseen", False):
+            return "fuzzy"
+        return str(self.tree.consistency)
+
     def mutated(self) -> None:
         """A mutation happened outside any permit (restarts the idle timer)."""
         self.policy.mutated()
@@ -307,7 +333,7 @@ class SessionCore:
                 raise CheckpointError(trigger, e) from e
             if not self.leases_healthy():
                 raise CheckpointError(trigger, "the session lease is not held")
-            self.journal.checkpointed(ref, trigger, self.tree.consistency, self.epoch)
+            self.journal.checkpointed(ref, trigger, self._consistency(), self.epoch)
         if trigger == "manual":
             self.latched_fault = None
             self.policy.manual_succeeded()
@@ -375,7 +401,7 @@ class SessionCore:
             except Exception as e:
                 raise RestoreError(RestoreError.SWAP_FAILED, sref,
                                    f"pre-restore checkpoint failed: {e}") from e
-            self.journal.checkpointed(pre, "pre_restore", self.tree.consistency, self.epoch)
+            self.journal.checkpointed(pre, "pre_restore", self._consistency(), self.epoch)
         verify_complete(self.store, ref)
 
         def on_commit() -> None:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark: the Grep and Glob tools against ripgrep and find run directly; Bash latency.
+"""Benchmark: the Grep and Glob tools against ripgrep and find run directly; Bash latency;
+with ``--mcp`` the MCP server's own figures.
 
 Builds (or reuses) a tree of 20,000 source-like files, then times each workload in-process
 through the tools (as the MCP server calls them) and the equivalent ``rg``/``find`` command
@@ -10,8 +11,16 @@ The Bash rows time ``true`` through a real MCP client talking to ``rewindfs mcp`
 (sandboxed as the server would run it) against ``bash -c true`` run directly; their ratio
 has no goal of its own (the sandbox's cost), the latency is what to compare between runs.
 
+``--mcp`` starts ``rewindfs mcp --root`` (a real stdio server, driven by the ``mcp``
+client) on a scratch directory and measures: a Bash ``true`` call (median of ``--runs``
+x 10 calls) against spawning ``bash -c true`` directly; ReadFile of a 1 GiB sparse file
+(wall time, the server's peak RSS growth from /proc/PID/status VmHWM and the bytes it
+read from /proc/PID/io rchar) against ``head -c 8192`` of the same file. ``--server-repo
+DIR`` runs another checkout's server (e.g. ``git archive`` of an older commit) for a
+before/after comparison on the same machine.
+
     .venv/bin/python scripts/bench/bench_tools.py [--tree DIR] [--root DIR] [--runs N]
-                                                   [--engine rg|python] [--json]
+                                                   [--mcp [--server-repo DIR]] [--json]
 """
 
 from __future__ import annotations
@@ -125,14 +134,112 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+def _proc_field(pid: int, name: str, field: str) -> int:
+    """A number from /proc/PID/<name> (``status`` values in kB, ``io`` in bytes)."""
+    with open(f"/proc/{pid}/{name}") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _server_pid() -> int:
+    """The pid of this process's child running ``rewindfs ... mcp``."""
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                st = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(st[st.rfind(b")") + 2:].split()[1])
+        if ppid == me and b"mcp" in cmd:
+            return int(name)
+    raise RuntimeError("the MCP server process was not found")
+
+
+def bench_mcp(runs: int, as_json: bool, repo: str | None = None) -> int:
+    """The MCP server's figures (see the module docstring); prints a table or JSON.
+    ``repo``: the checkout whose server is started (default: this one)."""
+    import anyio
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    repo = repo or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    out: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="rewindfs-bench-mcp-") as tmp:
+        root = os.path.join(tmp, "root")
+        os.mkdir(root)
+        sparse = os.path.join(root, "disk.img")
+        with open(sparse, "wb") as f:
+            f.truncate(1 << 30)
+        params = StdioServerParameters(
+            command=sys.executable, cwd=repo,
+            args=["-m", "rewindfs.cli", "--store", os.path.join(tmp, "store"), "mcp",
+                  "--root", root])
+
+        async def session() -> None:
+            async with Client(params, read_timeout_seconds=120) as client:
+                pid = _server_pid()
+                await client.call_tool("Bash", {"command": "true"})       # warm up
+                bash = []
+                for _ in range(runs * 10):
+                    t = time.perf_counter()
+                    await client.call_tool("Bash", {"command": "true"})
+                    bash.append(time.perf_counter() - t)
+                hwm0 = _proc_field(pid, "status", "VmHWM")
+                rchar0 = _proc_field(pid, "io", "rchar")
+                t = time.perf_counter()
+                r = await client.call_tool("ReadFile", {"path": "disk.img"})
+                read_s = time.perf_counter() - t
+                assert not r.is_error
+                out["bash_true_ms"] = round(statistics.median(bash) * 1000, 2)
+                out["sparse_read_ms"] = round(read_s * 1000, 2)
+                out["sparse_read_rss_growth_mib"] = round(
+                    (_proc_field(pid, "status", "VmHWM") - hwm0) / 1024, 2)
+                out["sparse_read_bytes"] = _proc_field(pid, "io", "rchar") - rchar0
+
+        anyio.run(session)
+        direct = []
+        for _ in range(runs * 10):
+            direct.append(timed(lambda: subprocess.run(["bash", "-c", "true"], check=True)))
+        head = statistics.median(timed(lambda: subprocess.run(
+            ["head", "-c", "8192", sparse], capture_output=True, check=True))
+            for _ in range(runs))
+    out["direct_bash_true_ms"] = round(statistics.median(direct) * 1000, 2)
+    out["head_8k_ms"] = round(head * 1000, 2)
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return 0
+    b, d = float(out["bash_true_ms"]), float(out["direct_bash_true_ms"])  # type: ignore[arg-type]
+    rd, hd = float(out["sparse_read_ms"]), float(out["head_8k_ms"])  # type: ignore[arg-type]
+    print(f"{'figure':44} {'value':>10} {'baseline':>10} {'ratio':>7}")
+    print(f"{'Bash true through MCP (ms, median)':44} {b:10.2f} {d:10.2f} {b / d:7.2f}"
+          "   (baseline: bash -c true spawned directly)")
+    print(f"{'ReadFile 1 GiB sparse file (ms)':44} {rd:10.2f} {hd:10.2f} {rd / hd:7.2f}"
+          "   (baseline: head -c 8192 of it)")
+    print(f"{'  server peak RSS growth (MiB)':44} {out['sparse_read_rss_growth_mib']!s:>10}")
+    print(f"{'  bytes the server read (rchar)':44} {out['sparse_read_bytes']!s:>10}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tree", help="tree to use (built there if missing or empty)")
     ap.add_argument("--root", help="where the tools see the tree (default: --tree)")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--engine", choices=["rg", "python"], help="force a Grep engine")
+    ap.add_argument("--mcp", action="store_true",
+                    help="only the MCP server figures (Bash latency, sparse ReadFile)")
+    ap.add_argument("--server-repo", help="with --mcp: start the server of this checkout "
+                    "(e.g. an older commit, for a before/after figure)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.mcp:
+        return bench_mcp(args.runs, args.json, args.server_repo)
     tmp = None
     tree = args.tree
     if tree is None:
@@ -141,8 +248,6 @@ def main() -> int:
     if not os.path.isdir(tree) or not os.listdir(tree):
         print(f"building a 20,000-file tree in {tree} ...", file=sys.stderr)
         build_tree(tree)
-    if args.engine:
-        os.environ["REWINDFS_GREP_ENGINE"] = args.engine
     ws = ToolContext(DirBinding(args.root or tree))
     rows = []
     for name, tool_call, cmd in workloads(ws):
