@@ -346,6 +346,11 @@ def test_background_filter_and_unknown_ids(ws: ToolContext) -> None:
         "error: no background command 'bash_9' (known: bash_1)")
     assert bash_output(ws, job.id, filter="(").render().startswith(
         "error: invalid filter '(': ")
+    r = run_bash(ws, "sleep 0.3; echo late", run_in_background=True)
+    out = bash_output(ws, r.data["bash_id"], wait=60)
+    assert out.text == "late\n[exit code: 0]"
+    assert bash_output(ws, r.data["bash_id"], wait=-1).render() == (
+        "error: wait must be between 0 and 600 seconds (got -1)")
 
 
 def test_kill_shell_stops_the_whole_tree(ws: ToolContext, mode: str) -> None:

@@ -176,8 +176,8 @@ CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("Bash", {"command": "ls"}, {"command": "ls", "timeout": 30}),
     ("Bash", {"command": "echo bg", "run_in_background": True},
      {"command": "echo bg", "run_in_background": True, "description": "a job"}),
-    ("Bash", {"command": "sleep 0.5"}, {"command": "sleep 0.5"}),
-    ("BashOutput", {"bash_id": "bash_1"}, {"bash_id": "bash_1"}),
+    ("Bash", {"command": "true"}, {"command": "true"}),
+    ("BashOutput", {"bash_id": "bash_1", "wait": 60}, {"bash_id": "bash_1", "wait": 60}),
     ("KillShell", {"shell_id": "bash_1"}, {"shell_id": "bash_1"}),
 ]
 

@@ -18,6 +18,7 @@ GOLDEN = {
     'ARG_UNKNOWN_TOOL': 'no tool named {tool!r}; the tools are: {tools}',
     'BASH_BAD_FILTER': 'invalid filter {filter!r}: {reason}',
     'BASH_BAD_TIMEOUT': 'timeout must be between 1 and {maximum} seconds (got {value})',
+    'BASH_BAD_WAIT': 'wait must be between 0 and {maximum} seconds (got {value})',
     'BASH_CWD_GONE': '[note: the working directory {cwd} no longer exists; the command ran in the workspace root]',
     'BASH_CWD_OUTSIDE': '[note: the command ended in {cwd}, outside the workspace; the next command starts in the workspace root]',
     'BASH_DEFAULT_TIMEOUT_S': 120,

@@ -232,6 +232,8 @@ BASH_OUTPUT = ToolSpec("BashOutput", M.DESCRIBE_BASH_OUTPUT, (
         required=True),
     Arg("filter", "string", "Only show the new output lines matching this regular "
         "expression (the others are consumed)."),
+    Arg("wait", "number", "Seconds to wait for the command to end before answering "
+        "(default 0: answer at once).", default=0, minimum=0, maximum=M.BASH_MAX_TIMEOUT_S),
 ), read_only=True, destructive=False, idempotent=False)
 
 KILL_SHELL = ToolSpec("KillShell", M.DESCRIBE_KILL_SHELL, (

@@ -283,10 +283,12 @@ def _job_status(job: Job) -> str:
     return M.BASH_EXIT.format(code=code)
 
 
-def bash_output(ctx: ToolContext, bash_id: str, filter: str | None = None) -> ToolResult:
+def bash_output(ctx: ToolContext, bash_id: str, filter: str | None = None,
+                wait: float = 0) -> ToolResult:
     """The output background job ``bash_id`` wrote since the last call (head and tail of
     BASH_OUTPUT_CAP bytes kept), and its status; ``filter``: a Python regular expression,
-    only matching lines are shown (the others are consumed). The data holds ``bash_id``,
+    only matching lines are shown (the others are consumed); ``wait``: seconds to wait for
+    the job to end first (at most BASH_MAX_TIMEOUT_S). The data holds ``bash_id``,
     ``status`` (running, exited, killed), ``exit_code``, ``output_bytes`` (new bytes) and
     ``dropped_bytes`` (lost to the job's buffer cap)."""
     job = ctx.jobs.get(bash_id) if bash_id else None
@@ -294,6 +296,9 @@ def bash_output(ctx: ToolContext, bash_id: str, filter: str | None = None) -> To
         return error(OUTPUT_NAME, M.BASH_JOB_UNKNOWN.format(id=bash_id,
                                                             ids=", ".join(ctx.jobs.ids())
                                                             or "none"), kind="unknown_job")
+    if not (0 <= wait <= M.BASH_MAX_TIMEOUT_S):
+        return error(OUTPUT_NAME, M.BASH_BAD_WAIT.format(maximum=M.BASH_MAX_TIMEOUT_S,
+                                                         value=wait), kind="wait_arg")
     rx = None
     if filter:
         try:
@@ -301,6 +306,8 @@ def bash_output(ctx: ToolContext, bash_id: str, filter: str | None = None) -> To
         except re.error as e:
             return error(OUTPUT_NAME, M.BASH_BAD_FILTER.format(filter=filter, reason=e),
                          kind="filter")
+    if wait:
+        job.done.wait(wait)
     running = job.running                   # before the take: no output is lost between
     data, dropped = job.take()
     if rx is not None:

@@ -27,6 +27,7 @@ from tools.readfile import read_all, split_lines
 from tools.result import ToolResult, error, ok
 
 NAME = "WriteFile"
+_CRLF_PROBE = 64 * 1024  # bytes that decide a partially read file's line breaks
 
 
 class Refusal(Exception):
@@ -113,8 +114,9 @@ def _create_exclusive(loc: Located, data: bytes) -> None:
         os.close(fd)
 
 
-def read_current(loc: Located) -> tuple[bytes, os.stat_result]:
-    """Bytes and stat of the existing regular file at ``loc`` (opened no-follow)."""
+def read_current(loc: Located, limit: int | None = None) -> tuple[bytes, os.stat_result]:
+    """Bytes (all, or the first ``limit``) and stat of the existing regular file at ``loc``
+    (opened no-follow)."""
     fd = loc.open(os.O_RDONLY | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
@@ -122,7 +124,16 @@ def read_current(loc: Located) -> tuple[bytes, os.stat_result]:
             raise PathError("is_dir", loc.rel)
         if not stat.S_ISREG(st.st_mode):
             raise PathError("not_regular", loc.rel)
-        return read_all(fd), st
+        if limit is None:
+            return read_all(fd), st
+        chunks, left = [], limit
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        return b"".join(chunks), st
     finally:
         os.close(fd)
 
@@ -240,7 +251,12 @@ def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
                     create_new(loc, data)
                     created = True
                 else:
-                    current, st = read_current(loc)
+                    # A partial record is checked on its prefix and the file's identity:
+                    # no need to read a large or sparse file whole.
+                    seen = ctx.recorded(loc.rel)
+                    limit = None if seen is None or seen.whole else max(seen.length,
+                                                                        _CRLF_PROBE)
+                    current, st = read_current(loc, 0 if seen is None else limit)
                     check_fresh(ctx, loc.rel, current, st)
                     if uses_crlf(current) and "\n" in content and "\r\n" not in content:
                         crlf = True
