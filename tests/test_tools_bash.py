@@ -305,7 +305,26 @@ def test_each_connection_has_its_own_directory(tmp_path: Path) -> None:
     assert run_bash(a, "pwd").text.split("\n")[0] == str(tmp_path.resolve() / "d")
 
 
-def _wait_for(cond: object, seconds: float = 30) -> None:
+def _sleeper(marker: str) -> str:
+    """A command that lives 300 s as a process whose command line holds ``marker``."""
+    return f"bash -c 'sleep 300; :' {marker}"
+
+
+def _sleepers(marker: str) -> list[int]:
+    """The processes :func:`_sleeper` started (not the shell or helper whose command line
+    holds the marker too)."""
+    found = []
+    for pid in procs_with(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"bash\0-c\0sleep 300; :\0"):
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def _wait_for(cond: object, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while not cond():                                   # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not met in time"
@@ -355,9 +374,9 @@ def test_background_filter_and_unknown_ids(ws: ToolContext) -> None:
 
 def test_kill_shell_stops_the_whole_tree(ws: ToolContext, mode: str) -> None:
     marker = f"rewindfs-bg-{uuid.uuid4().hex}"
-    r = run_bash(ws, f"(setsid sleep 300 {marker} &); sleep 300 {marker}",
+    r = run_bash(ws, f"(setsid {_sleeper(marker)} &); {_sleeper(marker)}",
                  run_in_background=True)
-    _wait_for(lambda: len(procs_with(marker)) >= 2)
+    _wait_for(lambda: len(_sleepers(marker)) == 2)
     k = kill_shell(ws, r.data["bash_id"])
     assert k.text == f"stopped {r.data['bash_id']} and every process it started"
     _wait_for(lambda: not procs_with(marker))
@@ -366,8 +385,8 @@ def test_kill_shell_stops_the_whole_tree(ws: ToolContext, mode: str) -> None:
 
 def test_closing_the_connection_ends_its_background_commands(ws: ToolContext) -> None:
     marker = f"rewindfs-bg-{uuid.uuid4().hex}"
-    run_bash(ws, f"sleep 300 {marker}", run_in_background=True)
-    _wait_for(lambda: bool(procs_with(marker)))
+    run_bash(ws, _sleeper(marker), run_in_background=True)
+    _wait_for(lambda: bool(_sleepers(marker)))
     ws.close()
     _wait_for(lambda: not procs_with(marker))
 
