@@ -404,3 +404,30 @@ def test_tilde_paths_are_refused(ws: ToolContext, path: str) -> None:
     assert read_file(ws, path).render() == want
     assert edit_file(ws, path, "a", "b").render() == want
     assert os.listdir(ws.root.path) == []
+
+
+# --- the same edits on a session mount (the FUSE overlay) ---------------------------------
+
+def test_edits_on_a_session_mount_keep_crlf_xattrs_and_hard_links(
+        mounter: object, lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)                                # type: ignore[attr-defined]
+    mnt = Path(d.mnt)
+    ws = ToolContext(DirBinding(mnt))
+    (mnt / "win.txt").write_bytes(b"a\r\nb\r\n")
+    (mnt / "tagged.txt").write_text("v1\n")
+    os.setxattr(mnt / "tagged.txt", "user.tag", b"kept")
+    (mnt / "one.txt").write_text("shared\n")
+    os.link(mnt / "one.txt", mnt / "two.txt")
+    for rel in ("win.txt", "tagged.txt", "one.txt"):
+        assert read_file(ws, rel).ok
+    assert edit_file(ws, "win.txt", "a\nb", "x\ny\nz").ok
+    assert (mnt / "win.txt").read_bytes() == b"x\r\ny\r\nz\r\n"
+    assert edit_file(ws, "tagged.txt", "v1", "v2").ok
+    assert os.getxattr(mnt / "tagged.txt", "user.tag") == b"kept"
+    assert edit_file(ws, "one.txt", "shared", "changed through one name").ok
+    assert (mnt / "two.txt").read_text() == "changed through one name\n"
+    assert os.stat(mnt / "one.txt").st_ino == os.stat(mnt / "two.txt").st_ino
+    with open(mnt / "sparse.img", "wb") as f:
+        f.truncate(1 << 30)
+    r = read_file(ws, "sparse.img")
+    assert r.render() == f"sparse.img: binary file ({1 << 30} bytes); not shown"
