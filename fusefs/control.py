@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from store.errors import RefNotFoundError
 from store.ref import Ref
+from store.tree import Kind
 
 from . import binding
 from .session.control import CONTROL_FILE, error_reply, raise_reply, request, socket_dir
@@ -148,6 +149,9 @@ class Live:
 
         ref, packs, nbytes = await trio.to_thread.run_sync(work)
         lap("build_commit_list")
+        # Directories with upper entries: their entries become lower ones, under other
+        # readdir cookies, behind the kernel's back (see ``folded`` below).
+        folded = [n.ino for n in p.uppers if n.kind is Kind.DIR]
         rb = ck.prepare(ov, p, ref)
         upper = ov.upper
         assert upper is not None
@@ -160,7 +164,7 @@ class Live:
         await trio.to_thread.run_sync(ck.drop_data, rb.drop_data)
         lap("drop_data")
         return {"ref": ref, "unchanged": ref == p.base, "packs": packs, "bytes": nbytes,
-                "uppers": p.uppers}
+                "uppers": p.uppers, "folded": folded}
 
     def _lap(self, name: str) -> None:
         """Record the time since the previous lap under ``name`` (ms, in ``phases``)."""
@@ -211,12 +215,26 @@ class Live:
                         except Exception as e:
                             log.error("checkpoint failed: %s: %s", type(e).__name__, e)
                             raise CheckpointError(trigger, e) from e
+                await self._drop_folded_listings(done)
         ms = (time.perf_counter() - t0) * 1000
         log.info("checkpoint (%s) -> %s in %.1f ms%s", trigger, done["ref"], ms,
                  " (unchanged)" if done["unchanged"] else "")
         return {"ref": str(done["ref"]), "elapsed_ms": ms, "unchanged": done["unchanged"],
                 "packs": done["packs"], "bytes": done["bytes"], "trigger": trigger,
                 "phases": dict(self.phases)}
+
+    async def _drop_folded_listings(self, done: dict[str, Any]) -> None:
+        """After a freeze: drop the kernel's cached listing of every directory whose
+        entries moved from the upper into the new lower (their readdir cookies changed, so
+        a listing the kernel had only partly cached would go on at a wrong position)."""
+        import trio
+
+        from . import restore as rs
+
+        inv = rs.known_to_kernel(self.ov, rs.Invalidation(listings=done.get("folded", [])))
+        if inv:
+            await trio.to_thread.run_sync(invalidate, inv)
+        self._lap("invalidate")
 
     async def _admit_restore(self, target: Ref, permits_s: float,
                              writers_s: float | None) -> None:
@@ -350,6 +368,10 @@ class Live:
                 ck.crash_point("restore.appended")
             finally:
                 self.gate.resume(opens=True)  # release the parked requests on every path
+            # Directories whose upper entries the pre-restore freeze folded into the lower
+            # changed their readdir cookies too (see _drop_folded_listings).
+            folded = {n.ino for n in uppers or () if n.kind is Kind.DIR}
+            sp.invalidation.listings.extend(sorted(folded - set(sp.invalidation.listings)))
             inv = rs.known_to_kernel(ov, sp.invalidation)
             await trio.to_thread.run_sync(invalidate, inv)
             self._lap("invalidate")
