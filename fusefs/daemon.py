@@ -199,6 +199,7 @@ def _raise_readahead(mountpoint: str) -> None:
 
 def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
     """Open store, upper and overlay; raises FuseFSError or a store error."""
+    from store.config import is_store_dir
     from store.errors import ObjectNotFoundError
     from store.objects import Store
     from store.ref import Ref
@@ -207,8 +208,7 @@ def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
     from .overlay import Overlay
     from .upper import Upper
 
-    if not os.path.isdir(cfg.store_root) or not os.path.exists(
-            os.path.join(cfg.store_root, "index.sqlite")):
+    if not os.path.isdir(cfg.store_root) or not is_store_dir(cfg.store_root):
         raise MountError(cfg.mountpoint, f"no store at {cfg.store_root}")
     store = Store(cfg.store_root)
     ref = Ref.parse(cfg.ref) if cfg.ref is not None else None

@@ -98,8 +98,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     ref, mnt = _parse_targets(args)
     if ref is not None:
         from rewindfs.cmd_store import parse_ref
+        from store.config import is_store_dir
 
-        if os.path.exists(os.path.join(args.store, "index.sqlite")):
+        if is_store_dir(args.store):
             # A prefix or @label resolved; RefNotFoundError (exit 4, as for sessions and
             # restore) before anything starts
             ref = str(parse_ref(args, ref))

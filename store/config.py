@@ -78,6 +78,13 @@ class SharedConfig:
         return self
 
 
+def is_store_dir(root: str) -> bool:
+    """True if ``root`` holds a store: an embedded one (its index) or this host's local
+    directory of a shared one (its ``store.json``)."""
+    return os.path.exists(os.path.join(root, "index.sqlite")) or os.path.exists(
+        os.path.join(root, CONFIG_FILE))
+
+
 def default_local_dir() -> str:
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "rewindfs")

@@ -95,3 +95,25 @@ def test_postgres_restart_mid_session_reconnects(mounter: fh.Mounter, fuse_store
     assert _read(fuse_store, second, "a.txt") == b"two\n"
     assert [s["ref"] for s in json.loads(cli(fuse_store, "list", "--json").stdout)][-2:] == \
         [first, second]
+
+
+def test_ro_mount_on_a_new_host_reads_through_its_empty_cache(fuse_store: Path, lower_ref: str,
+                                                              tmp_path: Path) -> None:
+    import json
+
+    cfg = json.loads((fuse_store / "store.json").read_text())
+    host_b = tmp_path / "host-b"  # only store.json: no index, no cache yet
+    configure(str(host_b), SharedConfig(cfg["blobs"], cfg["catalog"], cfg["s3_endpoint"],
+                                        str(tmp_path / "cache-b")))
+    mnt = tmp_path / "ro-b"
+    mnt.mkdir()
+    cli(host_b, "mount", "--ro", lower_ref, str(mnt))
+    try:
+        src = tmp_path / "lower-src"  # what lower_ref was snapshotted from
+        files = [p for p in src.rglob("*") if p.is_file() and not p.is_symlink()]
+        assert files
+        for p in files:
+            assert (mnt / p.relative_to(src)).read_bytes() == p.read_bytes()
+        assert any((tmp_path / "cache-b").rglob("*-*"))  # ranges were cached locally
+    finally:
+        cli(host_b, "umount", str(mnt))

@@ -18,7 +18,10 @@ that the whole run stays within about 15 minutes on a 2-core machine:
 - ``bench_sessions.py``: 100 FUSE sessions forked from one 20,000-file snapshot, against the
   no-FUSE fallback (a staged copy per session, the reference system's method; 3 sessions);
 - ``bench_tools.py``: the Grep and Glob tools over a session mount of a 20,000-file tree
-  against ``rg`` and ``find`` on a native copy.
+  against ``rg`` and ``find`` on a native copy;
+- ``bench_remote.py``: the shared store (SeaweedFS + PostgreSQL on loopback) against the
+  local store: snapshot, re-snapshot, materialize, checkpoint of 10 changes, cold and warm
+  256 MiB reads through a mount.
 
 ``--quick`` uses the smallest sizes and one run each (a smoke run, about 5 minutes).
 ``--wait-load L`` waits (up to 10 minutes) until the 1-minute load average is below L
@@ -260,6 +263,15 @@ def not_run(res: Result) -> str:
     return f"_Not available: the {res.name} benchmark: {res.status}._"
 
 
+def remote_section(res: Result) -> str:
+    d = res.data
+    if res.status != "ok" or not d:
+        return not_run(res)
+    from bench_remote import report
+
+    return report(d)
+
+
 def store_section(res: Result) -> str:
     d = res.data
     if res.status != "ok" or not d:
@@ -410,6 +422,8 @@ def summary(results: dict[str, Result], cmdline: str, total_s: float, day: str,
         "#### Sessions\n\n" + sessions_section(results["sessions"],
                                                 results["sessions-fallback"]),
         "#### Agent tools\n\n" + tools_section(results["tools"]),
+        "#### Shared store\n\n" + remote_section(results["remote"])
+        if "remote" in results else "#### Shared store\n\n(not in this run)",
     ]
     return "\n\n".join(parts) + "\n"
 
@@ -467,7 +481,7 @@ def main(argv: list[str]) -> int:
         wait_for_load(args.wait_load)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     q = args.quick
-    j = {n: OUT_DIR / f"{n}.json" for n in ("store", "fuse", "checkpoint")}
+    j = {n: OUT_DIR / f"{n}.json" for n in ("store", "fuse", "checkpoint", "remote")}
     for p in j.values():
         p.unlink(missing_ok=True)
     bench = [PY]
@@ -485,6 +499,8 @@ def main(argv: list[str]) -> int:
                         "--no-peers-above", "20000", "--json", str(j["checkpoint"])],
          480 if big_built else 900 if args.big else 300,
          lambda r: load_json(j["checkpoint"])),
+        ("remote", [*bench, str(HERE / "bench_remote.py"), "--runs", "1" if q else "3",
+                    "--json", str(j["remote"])], 2400, lambda r: load_json(j["remote"])),
         ("sessions", [*bench, str(HERE / "bench_sessions.py"), "--files", "20000",
                       "--sessions", "20" if q else "100", "--backend", "fuse"], 180,
          lambda r: parse_sessions(r.stdout)),
