@@ -3,8 +3,8 @@
 ``--session ID`` binds the tools to a running session of the store (``rewindfs session
 new``): its root, its write permit (held by Bash, WriteFile and EditFile so that a
 checkpoint waits for them), and its checkpoint, log and diff; restore only with
-``--allow-restore``. ``--root DIR`` serves a plain directory (the six tools only).
-Bash runs every command in the sandbox of ``tools.sandbox``: ``--network`` gives it
+``--allow-restore``. ``--root DIR`` serves a plain directory (the file, search and Bash
+tools, no session calls). Bash runs every command in the sandbox of ``tools.sandbox``: ``--network`` gives it
 outbound access in user mode (``--network-host-loopback`` also the host's loopback),
 ``--env NAME`` passes one of the server's variables on, ``--unsafe-no-sandbox`` runs
 commands unconfined where no sandbox can be built (else Bash refuses).

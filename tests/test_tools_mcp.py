@@ -127,7 +127,7 @@ def test_session_tools_only_when_the_binding_has_them(tmp_path: Path,
     anyio.run(session)
 
 
-def test_plain_directory_offers_only_the_six_tools(tmp_path: Path) -> None:
+def test_plain_directory_offers_only_the_workspace_tools(tmp_path: Path) -> None:
     server = build_server(DirBinding(tmp_path), allow_restore=True)
 
     async def session() -> None:
