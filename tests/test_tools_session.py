@@ -315,6 +315,10 @@ def test_background_command_holds_no_permit_and_fallback_checkpoints_are_fuzzy(
         assert str(last.ref) == ref
         assert last.consistency == ("quiescent" if fuse else "fuzzy")
         assert b"".join(cat(binding.store, ref, "job.txt")) == b"from-the-job\n"
+        # Nor does a restore (it would wait the job's 300 s for a permit).
+        seed = Journal(binding.store, sid).events()[0].ref
+        assert binding.restore(str(seed)).startswith(f"restored the workspace to {seed}")
+        assert not (root / "job.txt").exists() and job.running
     finally:
         ctx.close()
     assert job.done.is_set()
