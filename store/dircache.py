@@ -43,7 +43,7 @@ import os
 import sqlite3
 import stat
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
@@ -56,6 +56,8 @@ _ENT = struct.Struct("<HIQQIIqqq")  # name length, st_mode, ino, nlink, uid, gid
 _SUBDIR = struct.Struct("<HIIIqI")  # name length, mode, uid, gid, mtime_ns, xattr count
 _XATTR = struct.Struct("<HI")  # xattr name length, value length
 _BATCH = 500  # keys per lookup query
+Present = Callable[[list[bytes]], Iterable[bytes]]
+"""``present(ids)``: which of the object ``ids`` are indexed (a shared catalog's lookup)."""
 
 
 class Row(NamedTuple):
@@ -163,9 +165,25 @@ def _name(e: Entry) -> bytes:
     return e.name
 
 
-def load(conn: sqlite3.Connection, keys: list[bytes]) -> dict[bytes, Row]:
-    """The rows of ``keys`` whose tree is indexed, by key."""
+def _indexed_only(rows: dict[bytes, Row], present: Present) -> dict[bytes, Row]:
+    known = set(present(list({r.tree_id for r in rows.values()})))
+    return {k: r for k, r in rows.items() if r.tree_id in known}
+
+
+def load(conn: sqlite3.Connection, keys: list[bytes],
+         present: Present | None = None) -> dict[bytes, Row]:
+    """The rows of ``keys`` whose tree is indexed, by key. ``present(ids)`` says which tree
+    ids are indexed when the object index is not in ``conn`` (a shared catalog): the rows
+    are then read without the join and filtered by one call."""
     out: dict[bytes, Row] = {}
+    if present is not None:
+        for i in range(0, len(keys), _BATCH):
+            batch = keys[i:i + _BATCH]
+            q = ("SELECT path, own, subdirs, others, stat_digest, children_digest, tree_id "
+                 "FROM dirs_cache WHERE path IN (" + ",".join("?" * len(batch)) + ")")
+            for path, *rest in conn.execute(q, batch):
+                out[path] = Row(*rest)
+        return _indexed_only(out, present)
     for i in range(0, len(keys), _BATCH):
         batch = keys[i:i + _BATCH]
         q = ("SELECT d.path, d.own, d.subdirs, d.others, d.stat_digest, d.children_digest, "
@@ -177,13 +195,16 @@ def load(conn: sqlite3.Connection, keys: list[bytes]) -> dict[bytes, Row]:
     return out
 
 
-def load_under(conn: sqlite3.Connection, prefix: bytes, cap: int) -> dict[bytes, Row] | None:
+def load_under(conn: sqlite3.Connection, prefix: bytes, cap: int,
+               present: Present | None = None) -> dict[bytes, Row] | None:
     """Every row whose key starts with ``prefix`` and whose tree is indexed, by key, in
-    one query; None if there are more than ``cap`` rows (then ask per directory)."""
+    one query; None if there are more than ``cap`` rows (then ask per directory).
+    ``present`` as for ``load``."""
     end = prefix[:-1] + bytes((prefix[-1] + 1,)) if prefix and prefix[-1] < 255 else None
+    join = "" if present is not None else "JOIN objects o ON o.id = d.tree_id "
     q = ("SELECT d.path, d.own, d.subdirs, d.others, d.stat_digest, d.children_digest, "
          "d.tree_id "
-         "FROM dirs_cache d JOIN objects o ON o.id = d.tree_id "
+         "FROM dirs_cache d " + join +
          "WHERE d.path >= ?" + (" AND d.path < ?" if end is not None else "") + " LIMIT ?")
     args: list[object] = [prefix]
     if end is not None:
@@ -192,7 +213,8 @@ def load_under(conn: sqlite3.Connection, prefix: bytes, cap: int) -> dict[bytes,
     rows = conn.execute(q, args).fetchall()
     if len(rows) > cap:
         return None
-    return {path: Row(*rest) for path, *rest in rows if path.startswith(prefix)}
+    out = {path: Row(*rest) for path, *rest in rows if path.startswith(prefix)}
+    return out if present is None else _indexed_only(out, present)
 
 
 def write(conn: sqlite3.Connection, rows: list[tuple[bytes, Row, int]]) -> None:

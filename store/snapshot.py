@@ -274,6 +274,12 @@ class _Walker:
         self.cache_rows: list[tuple[bytes, int, int, int, int, bytes, int]] = []
         self.dir_rows: list[tuple[bytes, dircache.Row, int]] = []
         self.use_dirs_cache = store is not None and cache_prefix is not None
+        # On a shared catalog the object index is not in the local SQLite file that holds
+        # the files and dirs caches: presence is asked of the catalog, one query per batch.
+        self._present: dircache.Present | None = None
+        if store is not None and store.catalog.shared:
+            catalog = store.catalog
+            self._present = lambda ids: catalog.locate_many(list(ids)).keys()
         # every dirs cache row under the root, read in one query when there are few enough
         self.all_rows: dict[bytes, dircache.Row] | None = None
         self.result = SnapshotResult(Ref(ObjectId(bytes(DIGEST_SIZE))))
@@ -418,7 +424,7 @@ class _Walker:
             assert self.store is not None
             base = self._dir_key(parent.rel + b"/" if parent.rel else b"")
             rows = dircache.load(self.store.conn, [base + n for n, hint in parent.names
-                                                   if hint == _HINT_DIR])
+                                                   if hint == _HINT_DIR], self._present)
             parent.child_rows = {k[len(base):]: v for k, v in rows.items()}
         return parent.child_rows.get(name)
 
@@ -489,11 +495,12 @@ class _Walker:
         if self.use_dirs_cache:
             assert self.store is not None
             key = self._dir_key(b"")
-            self.all_rows = dircache.load_under(self.store.conn, key, _PREFETCH_ROWS)
+            self.all_rows = dircache.load_under(self.store.conn, key, _PREFETCH_ROWS,
+                                                self._present)
             if self.all_rows is not None:
                 row = self.all_rows.get(key)
             else:
-                row = dircache.load(self.store.conn, [key]).get(key)
+                row = dircache.load(self.store.conn, [key], self._present).get(key)
         root = self._listed(self.root_fd, b"", st, (), row)
         stack = [root]
         try:
@@ -672,15 +679,19 @@ class _Walker:
             "WHERE f.path > ? AND f.path < ? AND instr(substr(f.path, ?), x'2f') = 0",
             (base, base[:-1] + b"0", len(base) + 1)).fetchall()
         want: set[bytes] = set()
+        shared = self._present is not None  # the object index is not in ``conn``
         for path, size, mtime, ctime, ino, blob, horizon, single in rows:
             if mtime < horizon and ctime < horizon:
                 d.cache[path[len(base):]] = (size, mtime, ctime, ino, blob, horizon)
                 if single:
                     d.present.add(blob)
-                elif len(blob) > DIGEST_SIZE:
+                elif len(blob) > DIGEST_SIZE or shared:
                     want.update(blob[i:i + DIGEST_SIZE]
                                 for i in range(0, len(blob), DIGEST_SIZE))
         ids = list(want)
+        if self._present is not None:
+            d.present.update(self._present(ids))
+            return
         for i in range(0, len(ids), 500):
             batch = ids[i:i + 500]
             q = "SELECT id FROM objects WHERE id IN (" + ",".join("?" * len(batch)) + ")"

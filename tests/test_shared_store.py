@@ -174,3 +174,24 @@ def test_stats_verify_and_rebuild_index_on_the_shared_store(hosts: tuple[Host, H
     assert r.returncode == 8 and "not supported" in r.stderr  # refused, nothing deleted
     assert a.json("verify")["ok"] is True  # type: ignore[index]
     assert a.run("cat", ref, "README").stdout == "shared mode\n"
+
+
+def test_unchanged_resnapshot_on_a_shared_store_reads_nothing(s3_env: object, s3_bucket: str,
+                                                             pg_dsn: str,
+                                                             tmp_path: Path) -> None:
+    from store.objects import Store
+    from store.snapshot import run_snapshot
+
+    local = tmp_path / "host"
+    configure(str(local), SharedConfig(f"s3://{s3_bucket}/p", pg_dsn,
+                                       s3_env.endpoint, str(tmp_path / "cache")))  # type: ignore[attr-defined]
+    src = _tree(tmp_path)
+    st = Store(local)
+    first = run_snapshot(st, str(src))
+    assert first.files_read > 0
+    again = run_snapshot(st, str(src))
+    # The per-host files and dirs caches are trusted against the shared catalog.
+    assert again.ref == first.ref and again.files_read == 0 and again.bytes_read == 0
+    (src / "pkg" / "sub" / "x.py").write_text("changed\n")
+    third = run_snapshot(st, str(src))
+    assert third.ref != first.ref and third.files_read == 1
