@@ -794,8 +794,8 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     ov._dirty_dent = set()
     ov._dirty_xattr = {i for i in ov._dirty_xattr if i in kept}
     ov._dirty_data = {i for i in ov._dirty_data if i in kept}
-    for h in ov.dirs.values():
-        h.refresh()
+    # Open directory handles keep the trees and names their listing started with
+    # (``DirHandle``): a listing in progress goes on in its own cookies.
 
 
 def _forget_origins(ov: Overlay, candidates: Iterable[Node]) -> None:

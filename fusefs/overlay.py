@@ -82,15 +82,18 @@ class Handle:
 
 
 class DirHandle:
-    """An open directory; ``upper`` lists (cookie, name) of its upper entries, refreshed
-    when a listing starts over."""
+    """An open directory; ``cookies`` and ``names`` list its upper entries and
+    ``lower_tree`` is its lower tree, as they were when a listing last started over (a
+    checkpoint since then moved the upper entries into a new lower: the listing goes on
+    in the cookies it started with)."""
 
-    __slots__ = ("node", "cookies", "names")
+    __slots__ = ("node", "cookies", "names", "lower_tree")
 
     def __init__(self, node: Node) -> None:
         self.node = node
         self.cookies: list[int] = []
         self.names: list[bytes] = []
+        self.lower_tree: ObjectId | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -98,6 +101,7 @@ class DirHandle:
         pairs = [(c, name) for name, (ino, c) in ents.items() if ino]
         self.cookies = [c for c, _ in pairs]
         self.names = [name for _, name in pairs]
+        self.lower_tree = self.node.lower_tree
 
 
 class Overlay:
@@ -1192,25 +1196,40 @@ class Overlay:
             yield b".", d, 1
         if start < 2:
             yield b"..", self.nodes.get(d.parent, d), 2
-        if start < UPPER_BASE and d.lower_tree is not None:
-            entries = self.lower.tree(d.lower_tree).entries
+        # A checkpoint since the listing started moved the upper entries into a new lower
+        # tree: go on through the trees and names the listing started with, each name as
+        # it is now (so entries that exist throughout still come exactly once).
+        folded = h.lower_tree != d.lower_tree
+        if start < UPPER_BASE and h.lower_tree is not None:
+            entries = self.lower.tree(h.lower_tree).entries
+            listed_above = set(h.names) if folded else set()
             for i in range(max(0, start - 2), len(entries)):
                 e = entries[i]
+                if folded:
+                    if e.name in listed_above:
+                        continue
+                    now = self._child(d, e.name)
+                    if now is not None:
+                        yield e.name, now, i + 3
+                    continue
                 ents = d.entries
                 if ents is not None and e.name in ents:
                     continue
                 yield e.name, self._lower_node(d, e.name, e), i + 3
         ents = d.entries
-        if ents is None:
+        if ents is None and not folded:
             return
         k = bisect_right(h.cookies, start - UPPER_BASE) if start >= UPPER_BASE else 0
         for j in range(k, len(h.cookies)):
             c = h.cookies[j]
             name = h.names[j]
-            v = ents.get(name)
-            if v is None or v[1] != c or v[0] == 0:
-                continue
-            yield name, self.nodes[v[0]], UPPER_BASE + c
+            v = ents.get(name) if ents is not None else None
+            if v is not None and v[1] == c and v[0] != 0:
+                yield name, self.nodes[v[0]], UPPER_BASE + c
+            elif folded and v is None:
+                now = self._child(d, name)  # now in the new lower
+                if now is not None:
+                    yield name, now, UPPER_BASE + c
 
     def statfs(self) -> dict[str, int]:
         """statvfs(3) figures: the state directory's file system, or none for read-only."""
