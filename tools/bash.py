@@ -10,7 +10,8 @@ exits, every process it started dies, including those that left its session or p
 group. A foreground command holds the binding's write permit for the whole run, so a
 checkpoint requested meanwhile waits for it. ``run_in_background`` starts the command as a
 job (tools.jobs) without the permit and answers at once with its id; BashOutput reads its
-output, KillShell stops it.
+output, KillShell stops it. The session's path policy (hide, protect) applies inside the
+sandbox to the paths matching when the command starts (tools.policyview).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tools.binding import PermitError, background_writer
 from tools.context import ToolContext
 from tools.jobs import MAX_JOBS, Job
 from tools.paths import PathError, locate
+from tools.policyview import policy_view
 from tools.result import ToolResult, error, ok
 
 NAME = "Bash"
@@ -102,12 +104,18 @@ def _start_shell(ctx: ToolContext, script: str, cwd: str,
                  pass_fds: tuple[int, ...] = ()) -> sandbox.ShellRun:
     """Start ``script`` in ``cwd`` (canonical, inside the root), stdout and stderr into one
     pipe: the one place Bash asks tools.sandbox for a shell. ``pass_fds`` are inherited by
-    the shell. Raises SandboxUnavailable, OSError."""
+    the shell. The session's path policy (hide, protect) covers the paths matching now
+    (tools.policyview). Raises SandboxUnavailable, OSError."""
     hidden = [os.path.realpath(h) for h in ctx.binding.hidden_paths()]
-    return sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
-                               pass_fds=pass_fds, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True, close_fds=True)
+    view = policy_view(ctx.root)
+    try:
+        return sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
+                                   pass_fds=pass_fds + tuple(view.fds), view=view.argv,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                   close_fds=True)
+    finally:
+        view.close()
 
 
 def _start_dir(ctx: ToolContext) -> tuple[str, str, str | None]:
@@ -267,6 +275,8 @@ def _run_foreground(ctx: ToolContext, command: str, cwd: str, timeout: float, si
             parts.append(note)
     if not confined:
         parts.append(M.BASH_UNCONFINED)
+        if ctx.root.policy.hide or ctx.root.policy.protect:
+            parts.append(M.BASH_POLICY_UNENFORCED)
     return ok(NAME, "\n".join(parts), exit_code=None if timed_out else code,
               timed_out=timed_out, confined=confined, output_bytes=cap.total,
               elapsed_s=round(elapsed, 3), cwd=ctx.cwd)

@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
+from store.pathpolicy import PathPolicy
+
 
 class PermitError(Exception):
     """The session could not grant the write permit (it is closed, faulted or gone); the
@@ -68,6 +70,21 @@ class CanRestore(Protocol):
 
 
 @runtime_checkable
+class HasPathPolicy(Protocol):
+    """Optional: the session's path policy (hide, protect; ``store.pathpolicy``), applied
+    by every tool's path resolution (tools.paths) and by the Bash sandbox."""
+
+    def path_policy(self) -> PathPolicy: ...
+
+
+def path_policy(binding: object) -> PathPolicy:
+    """``binding``'s path policy, or an empty one when it has none."""
+    if isinstance(binding, HasPathPolicy):
+        return binding.path_policy()
+    return PathPolicy()
+
+
+@runtime_checkable
 class CanMarkBackground(Protocol):
     """Optional: a context manager held while a background command runs, which holds no
     write permit. A session that cannot see such writes request by request (the no-FUSE
@@ -95,18 +112,24 @@ def capabilities(binding: object) -> frozenset[str]:
 
 
 class DirBinding:
-    """A plain directory as a workspace: no checkpoints, a write permit that never waits."""
+    """A plain directory as a workspace: no checkpoints, a write permit that never waits.
+    ``hidden``: absolute paths a confined command must not see; ``policy``: path policy."""
 
-    def __init__(self, root: str | os.PathLike[str], hidden: Sequence[str] = ()) -> None:
+    def __init__(self, root: str | os.PathLike[str], hidden: Sequence[str] = (),
+                 policy: PathPolicy | None = None) -> None:
         path = os.path.abspath(os.fspath(root))
         if not os.path.isdir(path):
             raise NotADirectoryError(f"workspace root is not a directory: {path}")
         self._root = path
         self._hidden = tuple(os.path.abspath(h) for h in hidden)
+        self._policy = policy if policy is not None else PathPolicy()
 
     @property
     def root(self) -> str:
         return self._root
+
+    def path_policy(self) -> PathPolicy:
+        return self._policy
 
     @contextlib.contextmanager
     def write_permit(self) -> Iterator[None]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import blake3
 
-from tools.binding import SessionBinding
+from tools.binding import SessionBinding, path_policy
 from tools.paths import Root
 from tools.sandbox import SandboxPolicy
 
@@ -65,7 +65,7 @@ class ToolContext:
                  sandbox: SandboxPolicy | None = None) -> None:
         self.binding = binding
         self.sandbox = sandbox if sandbox is not None else SandboxPolicy()
-        self.root = Root(binding.root)
+        self.root = Root(binding.root, path_policy(binding))
         self._reads: dict[str, Seen] = {}
         self._lock = threading.Lock()
         self.cwd = "."

@@ -88,7 +88,7 @@ def edit_file(ctx: ToolContext, path: str, old: str, new: str,
         return error(NAME, M.EDIT_SAME, kind="same")
     try:
         with ctx.binding.write_permit():
-            with locate(ctx.root, path) as loc:
+            with locate(ctx.root, path, write=True) as loc:
                 if loc.st is None:
                     raise PathError("not_found", loc.rel)
                 rel = loc.rel

@@ -205,7 +205,7 @@ def find(ctx: ToolContext, pattern: str, path: str = ".",
         _walk(matcher, fd, "" if base == "." else base + "/", matcher.start, out, ign)
     finally:
         os.close(fd)
-    return out, base
+    return [f for f in out if not ctx.root.hides(f[1])], base
 
 
 def _walk(m: Matcher, fd: int, prefix: str, state: State,

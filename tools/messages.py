@@ -41,6 +41,8 @@ PATH_TILDE = ("{path}: '~' is not expanded here (no home directory); use a path 
               "to the workspace root")
 PATH_CHANGED = "{path}: changed while being opened; try again"
 PATH_OS_ERROR = "{path}: {reason}"
+PATH_PROTECTED = ("{path}: permission denied (EACCES): protected by the session's path policy; "
+                  "the agent may read it but not change it")
 
 # --- ReadFile -----------------------------------------------------------------------------
 READ_LINE_CUT = " [... line cut at {chars} characters]"
@@ -119,6 +121,8 @@ BASH_OMITTED = "\n[... {omitted} bytes of output omitted ...]\n"
 BASH_NO_OUTPUT = "(no output)"
 BASH_UNCONFINED = ("[note: ran unconfined (no sandbox available here): the command could "
                    "read and write outside the workspace]")
+BASH_POLICY_UNENFORCED = ("[note: unconfined, so the session's hidden and protected paths "
+                          "were not enforced for this command]")
 BASH_NO_SANDBOX = ("refused: no sandbox can be built here ({reason}); the operator may run "
                    "`rewindfs mcp` with --unsafe-no-sandbox to allow unconfined commands")
 BASH_BAD_TIMEOUT = "timeout must be between 1 and {maximum} seconds (got {value})"

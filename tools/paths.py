@@ -8,6 +8,11 @@ resolves symbolic links itself: a link's target is spliced into the remaining co
 for a symbolic link between check and use is caught by ``O_NOFOLLOW`` (``ELOOP``/``ENOTDIR``)
 and re-examined. It must never call ``realpath`` on an argument, open a multi-component path
 string, or follow a link the kernel resolves for it.
+
+The session's path policy (``store.pathpolicy``) is applied here too, on the canonical path
+of every component met: a ``hide`` match is answered as not found (so it is never read,
+written or listed through a path argument), and a ``protect`` match refuses a resolution
+made for a change (``write=True``) with EACCES.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import stat
 from dataclasses import dataclass
 
+from store.pathpolicy import PathPolicy
 from tools import messages as M
 
 MAX_LINKS = 40          # symbolic links followed per resolution (Linux's MAXSYMLINKS)
@@ -27,14 +33,14 @@ _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 class PathError(Exception):
     """A path argument cannot be used. ``kind`` is one of: escape, not_found, not_dir,
-    is_dir, not_regular, loop, invalid, tilde, changed, os. ``path`` is the text the caller
+    is_dir, not_regular, loop, invalid, tilde, changed, protected (EACCES), os. ``path`` is the text the caller
     gave (or the part resolved so far); ``text`` is the message from :mod:`tools.messages`."""
 
     _TEMPLATES = {
         "escape": M.PATH_ESCAPE, "not_found": M.PATH_NOT_FOUND, "not_dir": M.PATH_NOT_DIR,
         "is_dir": M.PATH_IS_DIR, "not_regular": M.PATH_NOT_REGULAR, "loop": M.PATH_LOOP,
         "invalid": M.PATH_INVALID, "tilde": M.PATH_TILDE, "changed": M.PATH_CHANGED,
-        "os": M.PATH_OS_ERROR,
+        "os": M.PATH_OS_ERROR, "protected": M.PATH_PROTECTED,
     }
 
     def __init__(self, kind: str, path: str, reason: str = "") -> None:
@@ -56,11 +62,25 @@ class PathError(Exception):
 class Root:
     """The workspace root: ``path`` as configured (absolute) and ``real``, its canonical
     form. Absolute arguments and absolute link targets are accepted when they lie under
-    either spelling."""
+    either spelling. ``policy``: the session's path policy (hide, protect)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, policy: PathPolicy | None = None) -> None:
         self.path = os.path.abspath(path)
         self.real = os.path.realpath(self.path)
+        self.policy = policy if policy is not None else PathPolicy()
+
+    def hides(self, rel: str, is_dir: bool = False) -> bool:
+        """True when the agent must not see workspace path ``rel``."""
+        return self.policy.hides(rel, is_dir)
+
+    def _check(self, rel: str, st: os.stat_result | None, write: bool) -> None:
+        """Refuse ``rel`` under the policy: hidden -> not_found, protected (for a change)
+        -> protected."""
+        is_dir = st is not None and stat.S_ISDIR(st.st_mode)
+        if self.policy.hides(rel, is_dir):
+            raise PathError("not_found", rel)
+        if write and self.policy.protects(rel, is_dir):
+            raise PathError("protected", rel)
 
     def open(self) -> int:
         """An ``O_PATH`` descriptor of the root directory (caller closes it)."""
@@ -138,13 +158,14 @@ class Located:
 
 
 def locate(root: Root, text: str, *, follow_final: bool = True,
-           make_parents: bool = False) -> Located:
+           make_parents: bool = False, write: bool = False) -> Located:
     """Resolve ``text`` (relative to the root, or absolute under it) to a Located.
 
     Symbolic links are followed, the final one too unless ``follow_final`` is False, but
     only while they stay inside the root. Missing intermediate directories raise
     PathError(not_found) unless ``make_parents`` creates them. A missing final component
-    is not an error (``st`` is None). Raises PathError for every refusal.
+    is not an error (``st`` is None). ``write``: the caller means to change the final path
+    (a protected one is refused). Raises PathError for every refusal.
     """
     shown = text if text else "."
     pending = root.parts(text, shown)
@@ -171,6 +192,10 @@ def locate(root: Root, text: str, *, follow_final: bool = True,
                 st = None
             except OSError as e:
                 raise PathError.from_os(rel, e) from None
+            # A change applies to the final path, and to a missing directory made on the
+            # way; a followed link's target is checked when it is reached.
+            root._check(rel, st, write and (st is None or (last and not (
+                stat.S_ISLNK(st.st_mode) and follow_final))))
             if st is None:
                 if last:
                     return _finish(stack, comp, rel, None)
@@ -237,6 +262,7 @@ def locate(root: Root, text: str, *, follow_final: bool = True,
             raise PathError.from_os(rel, e) from None
         if stat.S_ISLNK(st.st_mode):
             raise PathError("changed", rel)
+        root._check(rel, st, write)
         return _finish(stack, name, rel, st)
     except BaseException:
         for _, fd in stack:

@@ -305,7 +305,7 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
                    command: str, policy: SandboxPolicy = SandboxPolicy(),
                    seccomp_fd: int | None = None, info_fd: int | None = None,
                    block_fd: int | None = None, net_fds: tuple[int, int] | None = None,
-                   resolv_fd: int | None = None) -> list[str]:
+                   resolv_fd: int | None = None, view: Sequence[str] = ()) -> list[str]:
     """argv running ``bash -c command`` in the sandbox described in the module docstring.
 
     ``root``, ``cwd`` and ``hidden`` are canonical absolute paths; ``hidden`` paths inside
@@ -316,7 +316,8 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
     end, go read end): once the sandbox is set up, a byte is written to the first, and the
     command runs after a byte arrived on the second (meanwhile its network is configured:
     bwrap's own loopback setup and slirp4netns's must not overlap). ``resolv_fd``: contents
-    for /etc/resolv.conf."""
+    for /etc/resolv.conf. ``view``: further bwrap arguments applied after the root and its
+    masks (the session's path policy, see tools.policyview)."""
     argv = [bwrap_path, *_namespaces(), *_system_view(), *_etc_view()]
     if resolv_fd is not None and os.path.isfile("/etc/resolv.conf") \
             and not os.path.islink("/etc/resolv.conf"):
@@ -325,6 +326,7 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
     for h in hidden:
         if _under(h, root) and h != root:
             argv += _mask(h)
+    argv += view
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     if info_fd is not None:
@@ -696,13 +698,15 @@ def _stop_network(net: subprocess.Popen[bytes]) -> None:
 
 
 def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str],
-                command: str, pass_fds: Sequence[int] = (), **popen_kw: Any) -> ShellRun:
+                command: str, pass_fds: Sequence[int] = (), view: Sequence[str] = (),
+                **popen_kw: Any) -> ShellRun:
     """Start ``bash -c command`` in the sandbox (module docstring) with working directory
     ``cwd``; ``pass_fds``: the caller's descriptors the command inherits (the caller keeps
     and closes them); ``popen_kw`` go to subprocess.Popen (stdio, start_new_session). Where
     no sandbox can be built, runs it unconfined under the subreaper helper if
     ``policy.unsafe_no_sandbox``, else raises SandboxUnavailable naming the cause. Raises
-    OSError when the command cannot be started."""
+    OSError when the command cannot be started. ``view``: further bwrap arguments
+    (:func:`confined_shell`; descriptors they name go in ``pass_fds``)."""
     reason = unavailable_reason()
     if reason is not None:
         if not policy.unsafe_no_sandbox:
@@ -748,7 +752,7 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
         if cg_parent is not None:
             cgroup = _PidsCgroup(cg_parent, policy.max_processes)
         argv = confined_shell(bw, root, cwd, hidden, command, policy, seccomp_fd, info_fd,
-                              block_fd, net_fds, resolv_fd)
+                              block_fd, net_fds, resolv_fd, view)
         env = sandbox_env(policy)
 
         def popen() -> subprocess.Popen[bytes]:

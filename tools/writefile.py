@@ -246,7 +246,7 @@ def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
     crlf = False
     try:
         with ctx.binding.write_permit():
-            with locate(ctx.root, path, make_parents=True) as loc:
+            with locate(ctx.root, path, make_parents=True, write=True) as loc:
                 if loc.st is None:
                     create_new(loc, data)
                     created = True

@@ -1,0 +1,143 @@
+"""Path policies (hide, protect) in the agent tools and the Bash sandbox, on a directory.
+
+The session-level tests (spec recorded for resume, ``.rewindfs.toml``, the mount showing a
+hidden file to the user) are in tests/test_path_policy_session.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from store.pathpolicy import PathPolicy, PathPolicyError, parse_policy_file
+from tools import sandbox
+from tools.bash import run_bash
+from tools.binding import DirBinding
+from tools.context import ToolContext
+from tools.editfile import edit_file
+from tools.glob import glob
+from tools.grep import grep
+from tools.readfile import read_file
+from tools.writefile import write_file
+
+HAS_BWRAP = sandbox.unavailable_reason() is None
+needs_sandbox = pytest.mark.skipif(not HAS_BWRAP, reason="no bubblewrap sandbox here")
+SECRET = "TOKEN=hunter2-secret"
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> ToolContext:
+    root = tmp_path / "root"
+    (root / "secrets").mkdir(parents=True)
+    (root / "src").mkdir()
+    (root / "vault").mkdir()
+    (root / ".env").write_text(SECRET + "\n")
+    (root / "src" / ".env").write_text(SECRET + "\n")
+    (root / "vault" / "key.txt").write_text(SECRET + "\n")
+    (root / "secrets" / "prod.txt").write_text("prod credentials\n")
+    (root / "src" / "main.py").write_text("print('hello')  # TOKEN here too\n")
+    (root / "link-to-env").symlink_to(".env")
+    policy = PathPolicy(hide=(".env", "vault/"), protect=("secrets/**", "/README"))
+    (root / "README").write_text("read me\n")
+    return ToolContext(DirBinding(root, policy=policy))
+
+
+def test_patterns_follow_gitignore() -> None:
+    p = PathPolicy(hide=(".env", "build/"), protect=("/top.txt", "docs/**/*.md"),
+                   exclude=("node_modules/", "*.pyc", "!keep.pyc"))
+    assert p.hides(".env") and p.hides("a/b/.env") and p.hides(".env/inner")
+    assert p.hides("build", is_dir=True) and p.hides("build/x.o")
+    assert not p.hides("build")                # a file named build: dir-only pattern
+    assert p.protects("top.txt") and not p.protects("sub/top.txt")
+    assert p.protects("docs/a/b/c.md") and not p.protects("docs/a/b/c.txt")
+    assert p.excludes("x/node_modules/pkg/index.js") and p.excludes("m/a.pyc")
+    assert not p.excludes("keep.pyc")
+    assert not p.hides(".") and not p.hides("")
+
+
+def test_policy_file_and_bad_input() -> None:
+    p = parse_policy_file(b'[policy]\nhide = [".env"]\nprotect = ["secrets/**"]\n'
+                          b'exclude = ["node_modules/"]\n[other]\nx = 1\n')
+    assert (p.hide, p.protect, p.exclude) == ((".env",), ("secrets/**",), ("node_modules/",))
+    with pytest.raises(PathPolicyError, match="not valid TOML"):
+        parse_policy_file(b"[policy\n")
+    with pytest.raises(PathPolicyError, match="hide is not a list of strings"):
+        parse_policy_file(b'[policy]\nhide = ".env"\n')
+    with pytest.raises(PathPolicyError, match="unknown key 'hidden'"):
+        PathPolicy.from_spec({"hidden": [".env"]})
+    with pytest.raises(PathPolicyError, match="not a non-empty line"):
+        PathPolicy(protect=("",))
+
+
+def test_hidden_is_absent_for_the_file_tools(ws: ToolContext) -> None:
+    for path in (".env", "src/.env", "vault/key.txt", "vault", "link-to-env",
+                 "src/../.env", str(Path(ws.root.path) / ".env")):
+        r = read_file(ws, path)
+        assert not r.ok and "no such file or directory" in r.text, (path, r.text)
+        assert SECRET not in r.text
+    assert read_file(ws, "src/main.py").ok
+    found = glob(ws, "**/*")
+    assert found.data["paths"], found.text
+    assert not [p for p in found.data["paths"] if ".env" in p or p.startswith("vault")]
+    assert "src/main.py" in found.data["paths"]
+    r = glob(ws, "*", path="vault")
+    assert not r.ok and "no such file" in r.text
+    g = grep(ws, "TOKEN", output_mode="content")
+    assert "src/main.py" in g.text and SECRET not in g.text, g.text
+    assert not grep(ws, "TOKEN", path=".env").ok
+    # Writing a hidden path is refused the same way: the agent cannot plant or probe one.
+    w = write_file(ws, "vault/new.txt", "x")
+    assert not w.ok and "no such file" in w.text
+    assert not (Path(ws.root.path) / "vault" / "new.txt").exists()
+
+
+def test_protected_refuses_tool_changes(ws: ToolContext) -> None:
+    root = Path(ws.root.path)
+    assert read_file(ws, "secrets/prod.txt").ok      # readable
+    for path in ("secrets/prod.txt", "secrets/new.txt", "secrets/deep/new.txt", "README"):
+        r = write_file(ws, path, "overwritten\n")
+        assert not r.ok and r.data["kind"] == "protected", (path, r.text)
+        assert "EACCES" in r.text and "protected" in r.text
+    e = edit_file(ws, "secrets/prod.txt", "prod", "test")
+    assert not e.ok and e.data["kind"] == "protected"
+    assert (root / "secrets" / "prod.txt").read_text() == "prod credentials\n"
+    assert not (root / "secrets" / "new.txt").exists()
+    assert not (root / "secrets" / "deep").exists()
+    assert (root / "README").read_text() == "read me\n"
+    # Elsewhere the tools write as usual.
+    assert write_file(ws, "src/new.py", "x = 1\n").ok
+
+
+@needs_sandbox
+def test_hidden_and_protected_inside_bash(ws: ToolContext) -> None:
+    root = Path(ws.root.path)
+    r = run_bash(ws, "cat .env; echo rc=$?; cat src/.env; echo rc=$?; cat vault/key.txt; "
+                     "echo rc=$?; cat link-to-env; echo rc=$?; grep -r hunter2 . ; "
+                     "echo grep=$?; cat src/main.py")
+    assert SECRET not in r.text and "hunter2" not in r.text, r.text
+    assert r.text.count("rc=1") == 4, r.text
+    assert "print('hello')" in r.text
+    w = run_bash(ws, "echo x > secrets/prod.txt; echo a=$?; echo x > secrets/new.txt; "
+                     "echo b=$?; rm -f secrets/prod.txt; echo c=$?; echo x >> README; "
+                     "echo d=$?; echo ok > src/out.txt; echo e=$?")
+    for k in "abcd":
+        assert f"{k}=0" not in w.text, w.text
+    assert "e=0" in w.text and "Read-only file system" in w.text
+    assert (root / "secrets" / "prod.txt").read_text() == "prod credentials\n"
+    assert (root / "README").read_text() == "read me\n"
+    assert (root / "src" / "out.txt").read_text() == "ok\n"
+    # The user still has every file; nothing of the masks is left behind.
+    assert (root / ".env").read_text() == SECRET + "\n"
+    assert sorted(os.listdir(root / "vault")) == ["key.txt"]
+
+
+@needs_sandbox
+def test_paths_matching_at_call_start(ws: ToolContext) -> None:
+    """A hidden path that appears after one call is hidden from the next."""
+    root = Path(ws.root.path)
+    (root / "src" / "late").mkdir()
+    (root / "src" / "late" / ".env").write_text(SECRET)
+    r = run_bash(ws, "cat src/late/.env")
+    assert SECRET not in r.text and r.data["exit_code"] != 0
