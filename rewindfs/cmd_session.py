@@ -53,6 +53,12 @@ def _placement_args(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="lease time to live in seconds (default 30)")
     p.add_argument("--no-fuse", action="store_true",
                    help="run on a plain directory even where FUSE is available")
+    for kind, what in (("hide", "invisible to the agent's tools and Bash"),
+                       ("protect", "the agent's tools and Bash cannot change it"),
+                       ("exclude", "derived data kept out of every checkpoint")):
+        p.add_argument(f"--{kind}", action="append", default=[], metavar="GLOB",
+                       help=f"path policy, gitignore syntax: {what} (repeatable; recorded "
+                            "in the session spec, added to .rewindfs.toml's)")
 
 
 def register(sub: Any) -> None:
@@ -174,7 +180,33 @@ def _spec_from_args(args: argparse.Namespace, base: dict[str, Any] | None) -> di
     if args.no_fuse:
         spec["backend"] = "fallback"
     spec.setdefault("backend", "auto")
+    from store.pathpolicy import PathPolicy
+
+    given = PathPolicy(tuple(args.hide), tuple(args.protect), tuple(args.exclude),
+                       source="the command line")
+    paths = PathPolicy.from_spec(spec.get("paths")).merged(given)
+    if paths.empty:
+        spec.pop("paths", None)
+    else:
+        spec["paths"] = paths.to_spec()
     return spec
+
+
+def _with_seed_policy(args: argparse.Namespace, spec: dict[str, Any],
+                      seed: str | None) -> dict[str, Any]:
+    """``spec`` with the policy of the seed's ``.rewindfs.toml`` added (its patterns first)."""
+    from store.objects import Store
+    from store.pathpolicy import PathPolicy, seed_policy
+
+    if not seed:
+        return spec
+    found = seed_policy(None if os.path.isdir(seed) else Store(os.path.abspath(args.store)),
+                        seed)
+    if found.empty:
+        return spec
+    out = dict(spec)
+    out["paths"] = found.merged(PathPolicy.from_spec(spec.get("paths"))).to_spec()
+    return out
 
 
 def _recorded_spec(state_dir: str) -> dict[str, Any] | None:
@@ -255,6 +287,7 @@ def cmd_new(args: argparse.Namespace) -> int:
         from rewindfs.cmd_store import parse_ref
 
         seed = str(parse_ref(args, seed))  # a prefix or @label of a snapshot
+    spec = _with_seed_policy(args, spec, seed)
     mode = ["--new"] + (["--seed", seed] if seed else [])
     return _show(args, _spawn(spec, mode))
 
@@ -295,7 +328,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
     src = args.source
     if looks_like_ref(src) and not _registry(args).exists(src):
         src = str(parse_ref(args, src))
-        spec = _spec_from_args(args, None)
+        spec = _with_seed_policy(args, _spec_from_args(args, None), src)
         return _show(args, _spawn(spec, ["--new", "--seed", src, "--parent", src]))
     rec = _registry(args).load(src)
     spec = _spec_from_args(args, _recorded_spec(rec.state_dir))

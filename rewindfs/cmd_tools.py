@@ -7,7 +7,9 @@ checkpoint waits for them), and its checkpoint, log and diff; restore only with
 tools, no session calls). Bash runs every command in the sandbox of ``tools.sandbox``: ``--network`` gives it
 outbound access in user mode (``--network-host-loopback`` also the host's loopback),
 ``--env NAME`` passes one of the server's variables on, ``--unsafe-no-sandbox`` runs
-commands unconfined where no sandbox can be built (else Bash refuses).
+commands unconfined where no sandbox can be built (else Bash refuses). Path policies: the
+session's (its spec), or for ``--root`` the directory's ``.rewindfs.toml``, plus
+``--hide-glob GLOB`` and ``--protect GLOB`` (store.pathpolicy).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ def register(sub: Any) -> None:
     g.add_argument("--root", help="a plain workspace directory (no checkpoints)")
     p.add_argument("--hide", action="append", default=[], metavar="PATH",
                    help="path Bash must not see (repeatable; the store is always hidden)")
+    p.add_argument("--hide-glob", action="append", default=[], metavar="GLOB",
+                   help="path policy: workspace paths (gitignore syntax) invisible to the "
+                        "tools and Bash (repeatable; added to the session's)")
+    p.add_argument("--protect", action="append", default=[], metavar="GLOB",
+                   help="path policy: workspace paths (gitignore syntax) the tools and Bash "
+                        "cannot change (repeatable; added to the session's)")
     p.add_argument("--allow-restore", action="store_true",
                    help="also offer the restore tool (when the workspace supports it)")
     p.add_argument("--network", action="store_true",
@@ -42,17 +50,24 @@ def register(sub: Any) -> None:
 
 
 def run_mcp(args: argparse.Namespace) -> int:
+    from store.pathpolicy import PathPolicy, seed_policy
+
     hidden = [os.path.abspath(h) for h in args.hide]
+    given = PathPolicy(hide=tuple(args.hide_glob), protect=tuple(args.protect),
+                       source="the command line")
     binding: Any
     if args.session is not None:
         from tools.session_binding import SessionToolBinding
 
-        binding = SessionToolBinding(args.store, args.session, hidden=hidden)
+        binding = SessionToolBinding(args.store, args.session, hidden=hidden, policy=given)
     else:
         from tools.binding import DirBinding
 
         hidden.append(os.path.abspath(args.store))
-        binding = DirBinding(args.root, hidden=hidden)
+        # A plain directory is its own seed: its .rewindfs.toml (then protected) applies.
+        paths = seed_policy(None, args.root).merged(given) if os.path.isdir(args.root) \
+            else given
+        binding = DirBinding(args.root, hidden=hidden, policy=paths)
     from tools.mcp_server import serve_stdio  # the mcp library loads slowly: after the checks
     from tools.sandbox import SandboxPolicy
 

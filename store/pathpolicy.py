@@ -43,6 +43,8 @@ class PathPolicyError(ValueError):
     """A policy cannot be used: ``source`` names where it came from (an option, a file),
     ``reason`` says what is wrong (not a list of strings, a bad pattern, bad TOML)."""
 
+    exit_code = 10            # a configuration error, like the session layer's
+
     def __init__(self, source: str, reason: str) -> None:
         self.source = source
         self.reason = reason

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -29,11 +30,13 @@ from fusefs.session.control import (
     socket_dir,
 )
 from fusefs.session.errors import SessionClosedError, SessionError
+from fusefs.session.host import SPEC_FILE
 from fusefs.session.journal import CHECKPOINTED, Journal
 from fusefs.session.placement import canonical_path
 from fusefs.session.registry import Registry, SessionRecord
 from store.diff import Change, diff_trees
 from store.objects import Store
+from store.pathpolicy import PathPolicy
 from store.ref import ObjectId, Ref
 from store.snapshot import compute_ref
 from store.tree import Kind, Tree, decode_tree
@@ -67,7 +70,8 @@ class _LiveTrees:
 class SessionToolBinding:
     """The tools' binding for session ``session_id`` of the store at ``store``.
 
-    ``hidden``: further paths confined commands must not see. ``permit_timeout_s``: how
+    ``hidden``: further paths confined commands must not see. ``policy``: further path
+    policy patterns, added to those of the session spec. ``permit_timeout_s``: how
     long ``write_permit`` waits for a running checkpoint or restore (None: as long as it
     takes; the session bounds its own operations by its policy timeout). Raises
     SessionNotFoundError for an unknown id and SessionClosedError when no host serves the
@@ -75,7 +79,8 @@ class SessionToolBinding:
     """
 
     def __init__(self, store: Store | str | os.PathLike[str], session_id: str, *,
-                 hidden: Sequence[str] = (), permit_timeout_s: float | None = None) -> None:
+                 hidden: Sequence[str] = (), policy: PathPolicy | None = None,
+                 permit_timeout_s: float | None = None) -> None:
         root = store.root if isinstance(store, Store) else os.path.abspath(os.fspath(store))
         # The record first: an unknown id or store is refused before a store is created.
         self.record: SessionRecord = Registry(state_base(root)).load(session_id)
@@ -83,6 +88,7 @@ class SessionToolBinding:
         self.id = session_id
         self.permit_timeout_s = permit_timeout_s
         self._hidden = tuple(os.path.abspath(h) for h in hidden)
+        self._policy = recorded_policy(self.record.state_dir).merged(policy or PathPolicy())
         status = self._ask({"op": "status"}, _STATUS_TIMEOUT_S)
         # A session host answers "root"; a FUSE mount daemon "mountpoint".
         live_root = status.get("root") or status.get("mountpoint") or self.record.root
@@ -145,6 +151,10 @@ class SessionToolBinding:
             except (SessionError, OSError) as e:
                 raise PermitError(e) from e
             yield
+
+    def path_policy(self) -> PathPolicy:
+        """The session's path policy (its spec's, plus what this binding was given)."""
+        return self._policy
 
     def hidden_paths(self) -> Sequence[str]:
         """What a confined command must not see: the store (index, packs, journals), the
@@ -234,6 +244,17 @@ class SessionToolBinding:
             changes = diff_trees(source, a.tree_id, live.tree_id)
             shown_b = M.SESSION_DIFF_LIVE
         return render_changes(changes, str(a), shown_b)
+
+
+def recorded_policy(state_dir: str) -> PathPolicy:
+    """The path policy recorded in a session's spec (``host.json`` of its state directory);
+    empty when there is none. Raises PathPolicyError for a malformed one."""
+    try:
+        with open(os.path.join(state_dir, SPEC_FILE), "rb") as f:
+            spec = json.load(f)
+    except FileNotFoundError:
+        return PathPolicy()
+    return PathPolicy.from_spec(spec.get("paths") if isinstance(spec, dict) else None)
 
 
 def render_changes(changes: list[Change], a: str, b: str) -> str:

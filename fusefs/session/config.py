@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from store.pathpolicy import PathPolicy
 
 from .errors import (
     PersistenceOverlapError,
@@ -39,6 +41,7 @@ class WorkspaceConfig:
     sessions refuse checkpoint and restore). ``state_base`` holds one state directory per
     session; ``lease_ttl_s`` is the lease time to live in seconds (renewed at a third of it);
     ``backend`` chooses FUSE mounts or the no-FUSE fallback (``auto``: FUSE when available).
+    ``paths``: the session's path policy (hide, protect, exclude; ``store.pathpolicy``).
     """
 
     store: Any
@@ -48,6 +51,7 @@ class WorkspaceConfig:
     leaser: Any
     lease_ttl_s: float
     backend: str
+    paths: PathPolicy = field(default_factory=PathPolicy)
 
     @property
     def configured(self) -> bool:
@@ -57,7 +61,8 @@ class WorkspaceConfig:
 def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
            requires_workspace: bool = False, persistence_paths: Iterable[str] = (),
            state_base: str | os.PathLike[str] | None = None, leaser: Any = None,
-           lease_ttl_s: float = DEFAULT_LEASE_TTL_S, backend: str = "auto") -> WorkspaceConfig:
+           lease_ttl_s: float = DEFAULT_LEASE_TTL_S, backend: str = "auto",
+           path_policy: PathPolicy | None = None) -> WorkspaceConfig:
     """Validate and return a workspace configuration.
 
     ``placements``: zero or one of ``session_workspaces``, ``exclusive_workspace``,
@@ -65,6 +70,7 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
     ``persistence_paths``: further paths (spools, session stores) that must stay outside the
     managed root. ``state_base`` defaults to ``<store root>/sessions``. ``leaser`` guards the
     session leases (default: the exclusive placement's leaser, else one over the store).
+    ``path_policy``: the path policy (default: none).
 
     Raises SnapshotPolicyError, WorkspacePlacementError or PersistenceOverlapError, in the
     order given in the module docstring; ValueError for a bad ``backend`` or ``lease_ttl_s``.
@@ -119,7 +125,7 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
     if leaser is None and placement is not None:
         leaser = placement.leaser or _default_leaser(store)
     return WorkspaceConfig(store, placement, resolved_policy, base, leaser, float(lease_ttl_s),
-                           backend)
+                           backend, path_policy if path_policy is not None else PathPolicy())
 
 
 def _default_leaser(store: Any) -> Any:

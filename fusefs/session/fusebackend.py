@@ -63,7 +63,7 @@ def spec_of(cfg: WorkspaceConfig) -> dict[str, Any]:
     return {"store": p.store.root, "placement": p.mode.value, "path": p.path,
             "policy": pol.trigger, "required": pol.priority == "required",
             "timeout_s": pol.timeout_s, "idle_s": pol.idle_s, "ttl": cfg.lease_ttl_s,
-            "state_base": cfg.state_base, "backend": "fuse"}
+            "state_base": cfg.state_base, "backend": "fuse", "paths": cfg.paths.to_spec()}
 
 
 # -- errors across the socket ------------------------------------------------------------------

@@ -12,8 +12,9 @@ that ``resume`` can start a host with the same configuration::
 
     {"store", "placement", "path", "policy", "required", "ttl", "idle_s"}
 
-and optionally ``timeout_s`` (policy timeout), ``state_base`` and ``backend`` (``fallback``
-when absent; ``auto`` or ``fuse`` open the session on the FUSE backend, whose own session
+and optionally ``paths`` (the path policy, ``{"hide": [...], "protect": [...], "exclude":
+[...]}``, see ``store.pathpolicy``), ``timeout_s`` (policy timeout), ``state_base`` and
+``backend`` (``fallback`` when absent; ``auto`` or ``fuse`` open the session on the FUSE backend, whose own session
 process then serves it: this host reports it ready and exits).
 """
 
@@ -46,6 +47,7 @@ def config_from_spec(spec: dict[str, Any]) -> WorkspaceConfig:
     """Build and validate the workspace configuration a spec describes."""
     from store.lease import Leaser
     from store.objects import Store
+    from store.pathpolicy import PathPolicy
 
     st = Store(spec["store"])
     mode = spec["placement"]
@@ -62,7 +64,8 @@ def config_from_spec(spec: dict[str, Any]) -> WorkspaceConfig:
                             timeout_s=float(spec.get("timeout_s", 0)),
                             idle_s=float(spec.get("idle_s", 5.0)))
     return define(p, policy=policy, backend=spec.get("backend") or "fallback",
-                  lease_ttl_s=float(spec.get("ttl", 30)), state_base=spec.get("state_base"))
+                  lease_ttl_s=float(spec.get("ttl", 30)), state_base=spec.get("state_base"),
+                  path_policy=PathPolicy.from_spec(spec.get("paths")))
 
 
 class _Handler(socketserver.StreamRequestHandler):

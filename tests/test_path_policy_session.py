@@ -1,0 +1,99 @@
+"""Path policies of a real session: given on ``session new`` and in the seed's
+``.rewindfs.toml``, recorded in the session spec (kept by resume), reaching the tools through
+the session binding; hidden files stay in the user's view of the live root (the FUSE mount
+where FUSE is available).
+
+Sessions are started and stopped through the CLI (tests/test_tools_session.py's Sessions),
+outside /tmp because confined Bash gets a private /tmp.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_tools_session import Sessions, outside_tmp_sessions
+
+from fusefs.session.fallback import fuse_available
+from tools import sandbox
+from tools.bash import run_bash
+from tools.context import ToolContext
+from tools.glob import glob
+from tools.grep import grep
+from tools.readfile import read_file
+from tools.session_binding import SessionToolBinding
+from tools.writefile import write_file
+
+SECRET = "API_KEY=very-secret-value"
+BACKENDS = ["fallback"] + (["fuse"] if fuse_available() else [])
+HAS_BWRAP = sandbox.unavailable_reason() is None
+
+
+@pytest.fixture
+def sessions() -> Iterator[Sessions]:
+    yield from outside_tmp_sessions()
+
+
+def _seed(s: Sessions) -> Path:
+    d = s.place / "seed"
+    (d / "secrets").mkdir(parents=True)
+    (d / "src").mkdir()
+    (d / ".env").write_text(SECRET + "\n")
+    (d / "secrets" / "prod.key").write_text("prod\n")
+    (d / "src" / "app.py").write_text("print('app')\n")
+    (d / ".rewindfs.toml").write_text('[policy]\nprotect = ["secrets/**"]\n')
+    return d
+
+
+def _new(s: Sessions, backend: str, *args: str) -> tuple[str, Path]:
+    cmd = ["session", "new", "--base", str(s.base), "--json", *args]
+    if backend == "fallback":
+        cmd.append("--no-fuse")
+    out = json.loads(s.cli(*cmd).stdout)
+    return out["id"], Path(out["root"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_session_policy_reaches_tools_and_survives_resume(sessions: Sessions,
+                                                          backend: str) -> None:
+    sid, root = _new(sessions, backend, "--seed", str(_seed(sessions)), "--hide", ".env")
+    spec = json.loads((sessions.store / "sessions" / sid / "host.json").read_text())
+    assert spec["paths"]["hide"] == [".env"]
+    assert "secrets/**" in spec["paths"]["protect"]      # from the seed's .rewindfs.toml
+    for attempt in ("first", "resumed"):
+        ctx = ToolContext(SessionToolBinding(sessions.store, sid))
+        r = read_file(ctx, ".env")
+        assert not r.ok and "no such file" in r.text and SECRET not in r.text, attempt
+        assert ".env" not in glob(ctx, "**/*", path=".").data.get("paths", [])
+        assert "very-secret" not in grep(ctx, "secret", output_mode="content").text
+        w = write_file(ctx, "secrets/prod.key", "stolen\n")
+        assert not w.ok and w.data["kind"] == "protected", w.text
+        t = write_file(ctx, ".rewindfs.toml", "[policy]\n")
+        assert not t.ok and t.data["kind"] == "protected", t.text
+        assert write_file(ctx, f"src/new_{attempt}.py", "x = 1\n").ok
+        if HAS_BWRAP:
+            b = run_bash(ctx, "cat .env; echo cat=$?; echo x > secrets/prod.key; "
+                              "echo write=$?; cat src/app.py")
+            assert SECRET not in b.text and "cat=1" in b.text and "write=1" in b.text, b.text
+            assert "print('app')" in b.text
+        # The user sees everything in the live root (the mount for a FUSE session).
+        assert (root / ".env").read_text() == SECRET + "\n"
+        assert (root / "secrets" / "prod.key").read_text() == "prod\n"
+        if attempt == "first":
+            sessions.cli("session", "shutdown", sid)
+            out = json.loads(sessions.cli("session", "resume", sid, "--json").stdout)
+            root = Path(out["root"])
+
+
+def test_bad_policy_is_refused_before_anything_starts(sessions: Sessions) -> None:
+    seed = sessions.place / "seed"
+    seed.mkdir()
+    (seed / ".rewindfs.toml").write_text('[policy]\nhide = ".env"\n')
+    p = sessions.cli("session", "new", "--no-fuse", "--base", str(sessions.base), "--seed",
+                     str(seed), check=False)
+    assert p.returncode == 10, p.stderr
+    assert "hide is not a list of strings" in p.stderr
+    assert not (sessions.store / "sessions").exists() or \
+        not list((sessions.store / "sessions").iterdir())
