@@ -55,7 +55,8 @@ def _placement_args(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="run on a plain directory even where FUSE is available")
     for kind, what in (("hide", "invisible to the agent's tools and Bash"),
                        ("protect", "the agent's tools and Bash cannot change it"),
-                       ("exclude", "derived data kept out of every checkpoint")):
+                       ("exclude", "derived data kept out of every checkpoint (not "
+                                   "supported yet: refused, exit 10)")):
         p.add_argument(f"--{kind}", action="append", default=[], metavar="GLOB",
                        help=f"path policy, gitignore syntax: {what} (repeatable; recorded "
                             "in the session spec, added to .rewindfs.toml's)")
@@ -195,13 +196,17 @@ def _spec_from_args(args: argparse.Namespace, base: dict[str, Any] | None) -> di
 def _with_seed_policy(args: argparse.Namespace, spec: dict[str, Any],
                       seed: str | None) -> dict[str, Any]:
     """``spec`` with the policy of the seed's ``.rewindfs.toml`` added (its patterns first)."""
+    from store.errors import InvalidRefError, ObjectNotFoundError
     from store.objects import Store
     from store.pathpolicy import PathPolicy, seed_policy
 
     if not seed:
         return spec
-    found = seed_policy(None if os.path.isdir(seed) else Store(os.path.abspath(args.store)),
-                        seed)
+    try:
+        found = seed_policy(None if os.path.isdir(seed) else
+                            Store(os.path.abspath(args.store)), seed)
+    except (InvalidRefError, ObjectNotFoundError):
+        return spec      # not a usable seed: the session host reports it with its cause
     if found.empty:
         return spec
     out = dict(spec)

@@ -97,3 +97,14 @@ def test_bad_policy_is_refused_before_anything_starts(sessions: Sessions) -> Non
     assert "hide is not a list of strings" in p.stderr
     assert not (sessions.store / "sessions").exists() or \
         not list((sessions.store / "sessions").iterdir())
+
+
+def test_exclude_is_refused_until_checkpoints_keep_it_out(sessions: Sessions) -> None:
+    """exclude is not built yet: asking for it fails (exit 10) instead of freezing the
+    excluded paths into every Ref anyway."""
+    p = sessions.cli("session", "new", "--no-fuse", "--base", str(sessions.base),
+                     "--exclude", "node_modules/", check=False)
+    assert p.returncode == 10, p.stderr
+    assert "exclude is not supported yet" in p.stderr
+    assert not (sessions.store / "sessions").exists() or \
+        not list((sessions.store / "sessions").iterdir())

@@ -6,7 +6,8 @@ up front (CONTRACT 4.1, 4.3) in the reference system's order:
 3. tool requirements (tools that need a workspace need a placement),
 4. policy/placement pairing (each needs the other),
 5. shared placement with a required policy,
-6. persistence overlap (store, index, state and spool paths outside the managed root).
+6. persistence overlap (store, index, state and spool paths outside the managed root),
+7. path policy (``exclude`` is refused: not supported yet).
 
 The first failing step raises its typed error; a returned ``WorkspaceConfig`` is immutable
 and complete. Nothing here creates a file.
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from store.pathpolicy import PathPolicy
+from store.pathpolicy import PathPolicy, PathPolicyError
 
 from .errors import (
     PersistenceOverlapError,
@@ -72,8 +73,8 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
     session leases (default: the exclusive placement's leaser, else one over the store).
     ``path_policy``: the path policy (default: none).
 
-    Raises SnapshotPolicyError, WorkspacePlacementError or PersistenceOverlapError, in the
-    order given in the module docstring; ValueError for a bad ``backend`` or ``lease_ttl_s``.
+    Raises SnapshotPolicyError, WorkspacePlacementError, PersistenceOverlapError or
+    PathPolicyError, in the order given in the module docstring; ValueError for a bad ``backend`` or ``lease_ttl_s``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -122,6 +123,12 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
         store_root = canonical_path(placement.store.root)
         if is_within(placement.path, store_root):
             raise PersistenceOverlapError(store_root, placement.path, root_inside=True)
+    # 7. path policy: exclude needs a checkpoint that keeps excluded paths in the upper,
+    # which is not built yet; refusing beats freezing them silently into every Ref.
+    if path_policy is not None and path_policy.exclude:
+        raise PathPolicyError(path_policy.source, "exclude is not supported yet (excluded "
+                              "paths would still be checkpointed); remove the exclude "
+                              "patterns")
     if leaser is None and placement is not None:
         leaser = placement.leaser or _default_leaser(store)
     return WorkspaceConfig(store, placement, resolved_policy, base, leaser, float(lease_ttl_s),
