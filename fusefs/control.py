@@ -101,6 +101,9 @@ class Live:
         # there, before the swap); if it raises, the restore fails and nothing is swapped.
         self.on_pre_restore: Callable[[Ref], None] | None = None
         self.closing = False
+        from .steps import StepTracker
+
+        self.steps = StepTracker(ops.ov)  # the step change log's state (fusefs/steps.py)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -128,6 +131,8 @@ class Live:
         ov = self.ov
         store = self.store
         lap = self._lap
+        pending = self.steps.pending() if ov.upper is not None else {}
+        lap("steps")
         p = ck.plan(ov)
         lap("plan")
         if p.unchanged:
@@ -159,6 +164,7 @@ class Live:
         lap("reset_upper")
         ck.crash_point("checkpoint.reset")
         ck.apply(ov, p, rb)
+        self.steps.reset(pending)  # carried into the next step: nothing lost
         self._forget_pending_batches()
         lap("apply")
         await trio.to_thread.run_sync(ck.drop_data, rb.drop_data)
@@ -308,6 +314,7 @@ class Live:
         wait = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         ov = self.ov
         append_error: BaseException | None = None
+        discarded: dict[str, str] = {}
         async with self._busy, self.gate.exclusive():
             self._start_laps()
             await self._admit_restore(target, wait, wait_writers_s)
@@ -333,6 +340,7 @@ class Live:
                         rb0 = ck.Rebase(ov.lower.ref)
                         uppers = done["uppers"]
                     else:
+                        discarded = self.steps.pending()
                         rb0, uppers = await self._clean_discard()
                     ck.crash_point("restore.checkpointed")
                     try:
@@ -354,6 +362,9 @@ class Live:
                     detached = -len(ov.unlinked)
                     rs.apply_swap(ov, sp)
                     detached += len(ov.unlinked)  # inodes the kernel holds on paths that went
+                    # The restore's own changes are journaled as the restore, not as a step:
+                    # the next step starts from the restored tree (plus what was carried).
+                    self.steps.reset(discarded if discard else self.steps.carry)
                     self._forget_pending_batches()
                     self._lap("apply_swap")
                     # Before any request is admitted again: a detached writer's next write
@@ -477,6 +488,20 @@ class Live:
             out["text"] = render(mw, changes)
         return out
 
+    async def step(self) -> dict[str, Any]:
+        """Close a step of the step change log (``fusefs/steps.py``): the paths changed since
+        the previous step, ``{"changes": [{"path", "status", "kind"}...], "fingerprints":
+        {...}, "base": Ref text, "elapsed_ms": float}``. Event-loop thread; reads only.
+        Raises CheckpointError on a read-only mount."""
+        t0 = time.perf_counter()
+        if self.ov.upper is None:
+            raise CheckpointError("step_done", "a read-only mount has no steps")
+        async with self._busy:  # never between a checkpoint's pending and its reset
+            out = self.steps.step()
+        out["base"] = str(self.ov.lower.ref)
+        out["elapsed_ms"] = (time.perf_counter() - t0) * 1000
+        return out
+
     async def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
         if op == "status":
@@ -492,6 +517,8 @@ class Live:
             return dict(out, ok=True)
         if op == "diff":
             return dict(self.diff(bool(req.get("unified"))), ok=True)
+        if op == "step":
+            return dict(await self.step(), ok=True)
         raise ValueError(f"unknown control request {op!r}")
 
 

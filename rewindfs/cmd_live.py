@@ -23,6 +23,13 @@ from rewindfs.cli import add_json, emit, open_store
 _STATUS_CHAR = {"added": "A", "removed": "D", "modified": "M", "type_changed": "T"}
 
 
+def step_lines(changes: list[dict[str, Any]]) -> list[str]:
+    """One ``<status letter>\t<path>`` line per change (the format of ``diff MNT``)."""
+    from rewindfs.cmd_store import text_path
+
+    return [f"{_STATUS_CHAR.get(c['status'], '?')}\t{text_path(c['path'])}" for c in changes]
+
+
 def seconds(text: str) -> float:
     """An argparse type: a duration in seconds, >= 0 (else a usage error, exit 2)."""
     try:
@@ -144,11 +151,32 @@ def is_mount_arg(arg: str) -> bool:
     return not arg.startswith("v1:") and os.path.isdir(arg)
 
 
+def _diff_step(args: argparse.Namespace) -> int:
+    """``diff ID --step N``: what step N of session ID changed (from its journal)."""
+    from fusefs.session.errors import SessionError
+    from fusefs.session.journal import Journal
+    from fusefs.session.registry import Registry
+    from rewindfs.cmd_session import _state_base
+
+    if args.b is not None or args.unified:
+        raise SessionError("diff --step takes one session id and no --unified")
+    Registry(_state_base(args.store)).load(args.a)  # SessionNotFoundError for an unknown id
+    try:
+        st = Journal(open_store(args), args.a).step_record(args.step)
+    except KeyError as e:
+        raise SessionError(str(e.args[0])) from None
+    emit(args, {"id": args.a, "step": st["step"], "seq": st["seq"], "label": st["label"],
+                "ref": st["ref"], "changes": st["changes"]}, "\n".join(step_lines(st["changes"])))
+    return 0
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     """``diff MNT`` (changes since the last checkpoint) and ``diff --unified A B``."""
     import time
 
 
+    if getattr(args, "step", None) is not None:
+        return _diff_step(args)
     if args.b is None:
         from rewindfs.cmd_store import text_path
 

@@ -111,6 +111,13 @@ def register(sub: Any) -> None:
     add_json(c)
     c.set_defaults(handler=cmd_checkpoint)
 
+    st = ss.add_parser("step", help="record a step of a running session: journal the paths "
+                                    "changed since the previous step")
+    st.add_argument("id")
+    st.add_argument("--label", default=None, help="what the step was (e.g. the tool call)")
+    add_json(st)
+    st.set_defaults(handler=cmd_step)
+
     rs = ss.add_parser("restore", help="restore a running session to a Ref")
     rs.add_argument("id")
     rs.add_argument("ref")
@@ -127,6 +134,8 @@ def register(sub: Any) -> None:
 
     lg = sub.add_parser("log", help="a session's journal, oldest first")
     lg.add_argument("id")
+    lg.add_argument("--changes", action="store_true",
+                    help="also the paths each step changed (one line per path)")
     add_json(lg)
     lg.set_defaults(handler=cmd_log)
 
@@ -426,6 +435,20 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_step(args: argparse.Namespace) -> int:
+    from fusefs.session.errors import SessionError
+    from rewindfs.cmd_live import step_lines
+
+    step = _ask(args, args.id, {"op": "step_done", "label": args.label}).get("step")
+    if step is None:
+        raise SessionError(f"session {args.id} keeps no step log (the no-FUSE backend has "
+                           "no dirty set to take it from)")
+    emit(args, dict(step, id=args.id),
+         "\n".join([f"step {step['step']} (seq {step['seq']}): "
+                    f"{len(step['changes'])} path(s)"] + step_lines(step["changes"])))
+    return 0
+
+
 def cmd_restore(args: argparse.Namespace) -> int:
     from rewindfs.cmd_store import parse_ref
 
@@ -440,17 +463,32 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_log(args: argparse.Namespace) -> int:
-    from fusefs.session.journal import Journal, event_dict
+    from fusefs.session.journal import STEP, Journal, event_dict, step_dict
+    from rewindfs.cmd_live import step_lines
     from store.objects import Store
 
     _registry(args).load(args.id)  # SessionNotFoundError for an unknown id
-    events = Journal(Store(args.store), args.id).events()
+    store = Store(args.store)
+    events = Journal(store, args.id).events()
+    steps: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e.event == STEP:
+            steps[e.seq] = step_dict(e, store.journal_record(args.id, e.seq))
+            if not args.changes:
+                del steps[e.seq]["changes"]
     if getattr(args, "json", False):
-        emit(args, [event_dict(e) for e in events])
+        emit(args, [steps.get(e.seq) or event_dict(e) for e in events])
         return 0
     for e in events:
         when = datetime.datetime.fromtimestamp(e.time_ns / 1e9).isoformat(timespec="seconds")
-        what = ("checkpoint " + f"{e.trigger}/{e.consistency}"
-                if e.event == "WorkspaceCheckpointed" else "restore")
+        st = steps.get(e.seq)
+        if st is not None:
+            what = f"step {st['step']}" + (f" {st['label']}" if st["label"] else "")
+        else:
+            what = ("checkpoint " + f"{e.trigger}/{e.consistency}"
+                    if e.event == "WorkspaceCheckpointed" else "restore")
         print(f"{e.seq:>4}  {when}  {what:<26} epoch {e.epoch}  {e.ref}")
+        if st is not None and args.changes:
+            for line in step_lines(st["changes"]):
+                print("      " + line)
     return 0

@@ -80,6 +80,8 @@ def register(sub: Any) -> None:
     p.add_argument("b", metavar="B", nargs="?")
     p.add_argument("--unified", "-u", action="store_true",
                    help="print a unified text diff of the changed files")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="with a session id as A: the paths step N of its journal changed")
     add_json(p)
     p.set_defaults(handler=cmd_diff)
 
@@ -386,7 +388,7 @@ def text_path(path: str) -> str:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    if args.b is None or args.unified:  # a mount, or text: see rewindfs/cmd_live.py
+    if args.b is None or args.unified or args.step is not None:  # see rewindfs/cmd_live.py
         from rewindfs.cmd_live import cmd_diff as live_diff
 
         return live_diff(args)

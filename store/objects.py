@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import zstandard
 
@@ -339,8 +340,11 @@ class Store:
 
     def append_journal(self, session: str, event: str, ref: Ref | str, *, epoch: int = 0,
                        trigger: str | None = None, consistency: str | None = None,
-                       fence: str | None = None) -> int:
+                       fence: str | None = None,
+                       data: dict[str, Any] | None = None) -> int:
         """Append one event to ``session``'s journal, durably; return its seq (1, 2, ...).
+        ``data``: further JSON fields kept in the event's backend object only (read back
+        with ``journal_record``; e.g. a step's paths), never overriding the indexed ones.
 
         With ``fence`` (a lease name, e.g. ``session/<id>``), the append is refused with
         FencedError unless that lease is still at ``epoch``: checked before the backend
@@ -364,14 +368,23 @@ class Store:
             seq += 1
             key = f"journal/{session}/{seq:012d}.json"
         now = time.time_ns()
-        self._history_put(key, {"session": session, "seq": seq, "time_ns": now, "epoch": epoch,
-                                "event": event, "ref": str(ref), "trigger": trigger,
+        self._history_put(key, {**(data or {}), "session": session, "seq": seq,
+                                "time_ns": now, "epoch": epoch, "event": event,
+                                "ref": str(ref), "trigger": trigger,
                                 "consistency": consistency})
         # Ignored if present: verify/gc may have applied the durable record already
         # (rebuild.catch_up).
         self.catalog.add_journal((session, seq, now, epoch, event, str(ref), trigger,
                                   consistency, key), fence=fence)
         return seq
+
+    def journal_record(self, session: str, seq: int) -> dict[str, Any]:
+        """The durable backend object of event ``seq`` of ``session`` (its indexed fields
+        plus the ``data`` it was appended with). Raises BlobNotFoundError when the session
+        has no such event in the backend."""
+        check_key(f"journal/{session}")
+        rec: dict[str, Any] = json.loads(self.backend.get(f"journal/{session}/{seq:012d}.json"))
+        return rec
 
     def journal_refs(self) -> list[Ref]:
         """Every Ref that some session's journal names (each once)."""

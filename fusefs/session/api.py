@@ -65,9 +65,9 @@ class SessionHandle(Protocol):
                 cancel: threading.Event | None = None,
                 wait_writers_s: float | None = None) -> Ref | None: ...
 
-    def turn_done(self) -> None: ...
+    def turn_done(self, label: str | None = None) -> dict[str, Any] | None: ...
 
-    def step_done(self) -> None: ...
+    def step_done(self, label: str | None = None) -> dict[str, Any] | None: ...
 
     def write_permit(self) -> contextlib.AbstractContextManager[None]: ...
 
@@ -196,15 +196,28 @@ class Session:
         h = self._h("restore")
         return h.restore(Ref.parse(ref), discard, timeout_s, cancel, wait_writers_s)
 
-    def turn_done(self) -> None:
-        """The agent finished a turn (checkpoints under on_turn_done)."""
-        if self._handle is not None:
-            self._handle.turn_done()
+    def turn_done(self, label: str | None = None) -> dict[str, Any] | None:
+        """The agent finished a turn: records a step like ``step_done`` (default label
+        ``turn``), then checkpoints under on_turn_done."""
+        if self._handle is None:
+            return None
+        return self._handle.turn_done(label)
 
-    def step_done(self) -> None:
-        """The agent finished a step (checkpoints under on_step_done)."""
-        if self._handle is not None:
-            self._handle.step_done()
+    def step_done(self, label: str | None = None) -> dict[str, Any] | None:
+        """The agent finished a step (a tool call, say): journal ``WorkspaceStep`` with the
+        paths added, removed, modified and type-changed since the previous step (issue
+        14.1; ``fusefs/steps.py``), then checkpoint under on_step_done. Returns
+        ``{"seq", "step", "label", "changes": [{path, status, kind}], "elapsed_ms"}``, or
+        None without FUSE (the fallback backend records no steps: it has no dirty set, and
+        a snapshot-and-diff per step would cost a walk of the whole tree). Raises
+        SessionClosedError, SessionFaultedError, JournalError."""
+        if self._handle is None:
+            return None
+        return self._handle.step_done(label)
+
+    def steps(self) -> list[dict[str, Any]]:
+        """The session's recorded steps, oldest first (``Journal.steps``)."""
+        return Journal(self.workspace.store, self.id).steps()
 
     @contextlib.contextmanager
     def write_permit(self) -> Iterator[None]:
@@ -233,8 +246,9 @@ class Session:
         return self.workspace.log(self.id)
 
     def restore_pointer(self) -> Ref | None:
-        ev = self.log()
-        return ev[-1].ref if ev else None
+        from .journal import restore_pointer
+
+        return restore_pointer(self.log())
 
     def shutdown(self) -> None:
         """Stop checkpoint work, unmount or detach, release the root lease, then the session

@@ -302,11 +302,13 @@ class RemoteSession:
         pre = out.get("pre_restore")
         return Ref.parse(pre) if pre else None
 
-    def turn_done(self) -> None:
-        self._call({"op": "turn_done"})
+    def turn_done(self, label: str | None = None) -> dict[str, Any] | None:
+        step: dict[str, Any] | None = self._call({"op": "turn_done", "label": label})["step"]
+        return step
 
-    def step_done(self) -> None:
-        self._call({"op": "step_done"})
+    def step_done(self, label: str | None = None) -> dict[str, Any] | None:
+        step: dict[str, Any] | None = self._call({"op": "step_done", "label": label})["step"]
+        return step
 
     def mutated(self) -> None:
         self._call({"op": "mutated"})

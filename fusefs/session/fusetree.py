@@ -286,6 +286,8 @@ class FuseMount:
         self.served = False  # the mount served at some point (a fixed root is written back)
         self.live: Any = None  # fusefs.control.Live while serving
         self.last: dict[str, Any] = {}  # the daemon's last checkpoint or restore reply
+        # The step log's state a preserved upper continues from (``Journal.resume_point``)
+        self.step_resume: tuple[dict[str, Any], dict[str, str]] | None = None
         self.on_mutation: list[Callable[[], None]] = []
         self._token: Any = None
         self._lock = threading.Lock()
@@ -376,6 +378,8 @@ class FuseMount:
         ops = Operations(ov, gate=gate)
         live = Live(ops, self.store, gate, mountpoint=self.mountpoint,
                     state_dir=self.state_dir)
+        if self.step_resume is not None:
+            live.steps.resume(*self.step_resume)
         our_mount: int | None = None
         init_error: str | None = None
 
@@ -717,6 +721,7 @@ class FuseTree:
                             "the upper and journaling it as a restore", self.record.id, base,
                             pointer)
                 roll_forward(base, self.journal.last_seq())
+            m.step_resume = self.journal.resume_point()
         elif pointer is not None:
             if m.fixed:  # written back at the last shutdown: the directory is the tree
                 m.prepare_root()
@@ -779,6 +784,27 @@ class FuseTree:
         if not self._attached:
             raise RestoreError(RestoreError.SWAP_FAILED, str(ref), "the root is not mounted")
         return self.mount.restore(ref, discard, timeout_s, on_pre, on_commit, wait_writers_s)
+
+    def step(self) -> dict[str, Any]:
+        """Close a step in the daemon (``fusefs.control.Live.step``): the paths changed since
+        the previous step. Raises SessionError when the mount has stopped."""
+        live = self.mount.live if self._attached else None
+        if live is None:
+            self.mount.wait_serving()
+            live = self.mount.live
+
+        async def run() -> dict[str, Any]:
+            out: dict[str, Any] = await live.step()
+            return out
+
+        out: dict[str, Any] = self.mount.call(run)
+        return out
+
+    def unstep(self, changes: list[dict[str, Any]]) -> None:
+        """A step's changes that could not be journaled: the next step reports them."""
+        live = self.mount.live
+        if live is not None:
+            self.mount.call_sync(live.steps.give_back, changes)
 
     def swap(self, ref: Ref, seq_before: int, on_commit: OnCommit) -> None:
         del seq_before  # the upper's recorded base is what recovery compares

@@ -114,10 +114,10 @@ class Host:
         s = self.session
         op = req.get("op")
         if op == "status":
-            ev = s.log()
+            pointer = s.restore_pointer()
             return {"ok": True, "id": s.id, "root": s.root, "pid": os.getpid(),
                     "epoch": s.epoch, "fault": s.fault,
-                    "ref": str(ev[-1].ref) if ev else None}
+                    "ref": str(pointer) if pointer else None}
         if op == "checkpoint":
             trigger = req.get("trigger") or "manual"
             handle = s._h("checkpoint")
@@ -127,12 +127,9 @@ class Host:
             pre = s.restore(Ref.parse(req.get("ref")), bool(req.get("discard")),
                             req.get("timeout_s"), wait_writers_s=req.get("wait_writers_s"))
             return {"ok": True, "ref": req.get("ref"), "pre_restore": str(pre) if pre else None}
-        if op == "turn_done":
-            s.turn_done()
-            return {"ok": True}
-        if op == "step_done":
-            s.step_done()
-            return {"ok": True}
+        if op in ("turn_done", "step_done"):
+            done = s.turn_done if op == "turn_done" else s.step_done
+            return {"ok": True, "step": done(req.get("label"))}
         if op == "shutdown":
             self.done.set()
             return {"ok": True}

@@ -1,16 +1,22 @@
 """A session's journal (CONTRACT 4.5): what happened to its workspace, oldest first.
 
 Events live in the store (``Store.append_journal``: a durable backend object, then an index
-row), so they survive the session process and rebuild with the store. Two events exist:
+row), so they survive the session process and rebuild with the store. Three events exist:
 
 - ``WorkspaceCheckpointed{ref, consistency, trigger}``: trigger is one of ``TRIGGERS``,
   consistency ``quiescent`` or ``fuzzy``;
-- ``WorkspaceRestored{ref}``.
+- ``WorkspaceRestored{ref}``;
+- ``WorkspaceStep{step, label, changes}`` (issue 14.1, the step change log): ``step`` is 1,
+  2, ... per session, ``changes`` the paths changed since the previous step, each
+  ``{path, status, kind}`` (status ``added``, ``removed``, ``modified`` or
+  ``type_changed``); ``ref`` is the lower the step was seen on (no snapshot is taken).
+  Its paths, label and the fingerprints the daemon continues from after a restart live in
+  the event's backend object (``Store.journal_record``), which rebuilds with the store.
 
 Each carries seq (1, 2, ... per session), time (ns) and the session lease epoch of the
 appender. Snapshot before append, always: an event may only name a Ref whose root tree is
 already committed in the store, so the journal never points at something missing. The
-restore pointer is the Ref of the last event of either kind.
+restore pointer is the Ref of the last checkpointed-or-restored event (steps do not move it).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from .errors import SessionError
 
 CHECKPOINTED = "WorkspaceCheckpointed"
 RESTORED = "WorkspaceRestored"
+STEP = "WorkspaceStep"
 TRIGGERS = ("manual", "idle", "interrupt", "turn_done", "step_done", "seed", "pre_restore",
             "fork")
 CONSISTENCIES = ("quiescent", "fuzzy")
@@ -74,9 +81,55 @@ class Journal:
         # An epoch is that of the session lease: appends are fenced by it (none without).
         return f"session/{self.session_id}" if epoch else None
 
+    def step(self, ref: Ref, label: str | None, changes: list[dict[str, Any]],
+             fingerprints: dict[str, Any], epoch: int) -> tuple[int, int]:
+        """Append ``WorkspaceStep``; return (seq, step number). ``ref`` is the lower the
+        changes were seen on. Raises JournalError if ``ref`` is not in the store,
+        FencedError as ``checkpointed``."""
+        self._check_committed(ref)
+        n = 1 + sum(1 for e in self.events() if e.event == STEP)
+        data = {"step": n, "label": label, "changes": changes, "fingerprints": fingerprints}
+        seq = int(self.store.append_journal(self.session_id, STEP, ref, epoch=epoch,
+                                            fence=self._fence(epoch), data=data))
+        return seq, n
+
     def events(self) -> list[JournalEvent]:
         """Every event, oldest first."""
         return list(self.store.journal(self.session_id))
+
+    def steps(self) -> list[dict[str, Any]]:
+        """Every ``WorkspaceStep`` as ``step_dict`` gives it, oldest first (one backend
+        read per step)."""
+        return [step_dict(e, self.store.journal_record(self.session_id, e.seq))
+                for e in self.events() if e.event == STEP]
+
+    def step_record(self, n: int) -> dict[str, Any]:
+        """Step ``n`` (1-based) as ``step_dict`` gives it. Raises KeyError when the session
+        has no step ``n``."""
+        steps = [e for e in self.events() if e.event == STEP]
+        if not 1 <= n <= len(steps):
+            raise KeyError(f"session {self.session_id} has no step {n} (it has {len(steps)})")
+        e = steps[n - 1]
+        return step_dict(e, self.store.journal_record(self.session_id, e.seq))
+
+    def resume_point(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """(fingerprints, carried changes) the step log continues from after a restart: the
+        fingerprints of the steps since the last checkpoint or restore, folded (a restart
+        then reports only what changed after the last step). Changes carried over a
+        checkpoint that no step recorded before the restart are reported by the next step
+        only if they are still in the upper."""
+        fps: dict[str, Any] = {}
+        for e in self.events():
+            if e.event != STEP:
+                fps = {}
+                continue
+            rec = self.store.journal_record(self.session_id, e.seq)
+            for p, fp in (rec.get("fingerprints") or {}).items():
+                if fp is None:
+                    fps.pop(p, None)
+                else:
+                    fps[p] = tuple(fp)
+        return fps, {}
 
     def last_seq(self) -> int:
         ev = self.events()
@@ -84,8 +137,23 @@ class Journal:
 
     def restore_pointer(self) -> Ref | None:
         """The Ref of the last checkpointed-or-restored event (None for an empty journal)."""
-        ev = self.events()
-        return ev[-1].ref if ev else None
+        return restore_pointer(self.events())
+
+
+def restore_pointer(events: list[JournalEvent]) -> Ref | None:
+    """The Ref of the last checkpointed-or-restored event of ``events`` (None if none)."""
+    for e in reversed(events):
+        if e.event != STEP:
+            return e.ref
+    return None
+
+
+def step_dict(e: JournalEvent, rec: dict[str, Any]) -> dict[str, Any]:
+    """One step as plain data (the JSON shape of ``rewindfs log --changes --json``):
+    ``{seq, time_ns, epoch, event, ref, step, label, changes: [{path, status, kind}]}``."""
+    return {"seq": e.seq, "time_ns": e.time_ns, "epoch": e.epoch, "event": e.event,
+            "ref": str(e.ref), "step": rec.get("step"), "label": rec.get("label"),
+            "changes": list(rec.get("changes") or [])}
 
 
 def event_dict(e: JournalEvent) -> dict[str, object]:

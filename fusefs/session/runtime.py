@@ -44,7 +44,7 @@ from .errors import (
     SessionFaultedError,
     WorkspaceRootBusyError,
 )
-from .journal import Journal
+from .journal import Journal, JournalError
 from .live import LiveTree
 from .placement import Mode
 from .policy import PolicyRunner
@@ -136,6 +136,7 @@ class SessionCore:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._op_lock = threading.Lock()  # one checkpoint or restore at a time
+        self._step_lock = threading.Lock()  # steps are numbered in the order they close
 
     # -- leases (CONTRACT 4.2) ----------------------------------------------------------
 
@@ -342,13 +343,45 @@ class SessionCore:
     def _policy_checkpoint(self, trigger: str, timeout_s: float) -> object:
         return self.checkpoint(trigger, timeout_s)
 
-    def turn_done(self) -> None:
+    def turn_done(self, label: str | None = None) -> dict[str, Any] | None:
+        """Record a step (label default ``turn``), then the on_turn_done policy."""
         self._check_usable()
+        rec = self.record_step("turn" if label is None else label)
         self.policy.turn_done()
+        return rec
 
-    def step_done(self) -> None:
+    def step_done(self, label: str | None = None) -> dict[str, Any] | None:
+        """Record a step (``record_step``), then the on_step_done policy."""
         self._check_usable()
+        rec = self.record_step(label)
         self.policy.step_done()
+        return rec
+
+    def record_step(self, label: str | None = None) -> dict[str, Any] | None:
+        """Journal ``WorkspaceStep`` with the paths changed since the previous step (issue
+        14.1), whether or not anything changed; returns ``{"seq", "step", "label",
+        "changes", "elapsed_ms"}`` (elapsed: the daemon's part plus the append), or None
+        for a live tree that keeps no step log (the fallback backend). Raises
+        SessionClosedError, SessionFaultedError, JournalError (the changes are then kept
+        for the next step)."""
+        self._check_usable()
+        step = getattr(self.tree, "step", None)
+        if step is None:
+            return None
+        t0 = time.perf_counter()
+        with self._step_lock:
+            out = step()
+            try:
+                if not self.leases_healthy():
+                    raise JournalError(self.id, "the session lease is not held")
+                seq, n = self.journal.step(Ref.parse(out["base"]), label, out["changes"],
+                                           out["fingerprints"], self.epoch)
+            except BaseException:
+                self.tree.unstep(out["changes"])  # type: ignore[attr-defined]
+                raise
+        return {"seq": seq, "step": n, "label": label, "changes": out["changes"],
+                "elapsed_ms": (time.perf_counter() - t0) * 1000,
+                "daemon_ms": out["elapsed_ms"]}
 
     @property
     def fault(self) -> str | None:
