@@ -95,8 +95,7 @@ def fingerprints(ov: Overlay) -> dict[str, Fingerprint] | None:
             if cino == 0:  # a whiteout
                 le = ov._lower_entry(d, name)
                 if le is not None:
-                    p = os.fsdecode(path + name)
-                    out[p] = ("removed", le.kind.name.lower(), 0, 0, 0)
+                    out[os.fsdecode(path + name)] = ("removed", le.kind.name.lower(), 0, 0, 0)
                 continue
             c = nodes.get(cino)
             if c is None:
@@ -115,11 +114,11 @@ def fingerprints(ov: Overlay) -> dict[str, Fingerprint] | None:
                     status = "modified"
             elif c.upper:
                 status = "modified"
-            p = path + name
+            full = path + name
             if status is not None:
-                out[os.fsdecode(p)] = _fp(status, c)
+                out[os.fsdecode(full)] = _fp(status, c)
             if c.kind is Kind.DIR and c.ino in dirty:
-                stack.append((c.ino, p + b"/"))
+                stack.append((c.ino, full + b"/"))
     return out
 
 

@@ -50,7 +50,7 @@ def test_agent_session_read_edit_test_checkpoint_break_restore(sessions: Session
         async with Client(server(sessions, sid, "--allow-restore"),
                           read_timeout_seconds=120) as client:
             names = sorted(t.name for t in (await client.list_tools()).tools)
-            assert names == sorted([*TOOL_NAMES, "checkpoint", "diff", "log", "restore"])
+            assert names == sorted([*TOOL_NAMES, "changes", "checkpoint", "diff", "log", "restore"])
 
             r = await client.call_tool("ReadFile", {"path": "calc.py"})
             assert text(r) == "     1\tdef add(a, b):\n     2\t    return a - b"
@@ -105,7 +105,7 @@ def test_restore_is_offered_only_with_allow_restore(sessions: Sessions) -> None:
     async def agent() -> None:
         async with Client(server(sessions, sid), read_timeout_seconds=120) as client:
             names = sorted(t.name for t in (await client.list_tools()).tools)
-            assert names == sorted([*TOOL_NAMES, "checkpoint", "diff", "log"])
+            assert names == sorted([*TOOL_NAMES, "changes", "checkpoint", "diff", "log"])
             r = await client.call_tool("WriteFile", {"path": "notes.txt", "content": "hi\n"})
             assert not r.is_error, text(r)
             r = await client.call_tool("checkpoint", {})

@@ -258,5 +258,10 @@ RESTORE = ToolSpec("restore", M.DESCRIBE_RESTORE, (
     Arg("ref", "string", "The ref to restore (v1:blake3:...).", required=True),
 ), read_only=False, destructive=True, idempotent=False)
 
+CHANGES = ToolSpec("changes", M.DESCRIBE_CHANGES, (
+    Arg("step", "integer", "One step's number (default: the recent steps).", minimum=1),
+), read_only=True, destructive=False, idempotent=True)
+
 TOOLS = (READFILE, WRITEFILE, EDITFILE, GLOB, GREP, BASH, BASH_OUTPUT, KILL_SHELL)
-SESSION_TOOLS = {"checkpoint": CHECKPOINT, "log": LOG, "diff": DIFF, "restore": RESTORE}
+SESSION_TOOLS = {"checkpoint": CHECKPOINT, "log": LOG, "diff": DIFF, "restore": RESTORE,
+                 "changes": CHANGES}

@@ -2,7 +2,7 @@
 
 The tools never import the session layer. A session (or anything else) plugs in by
 providing an object shaped like :class:`SessionBinding`; :class:`DirBinding` serves a plain
-directory. Checkpoint, log, diff and restore are optional: the MCP server offers those tools
+directory. Checkpoint, log, diff, restore and the step log are optional: the MCP server offers those tools
 only when the binding has them (see :func:`capabilities`).
 """
 
@@ -101,11 +101,23 @@ def background_writer(binding: object) -> contextlib.AbstractContextManager[None
     return contextlib.nullcontext()
 
 
+@runtime_checkable
+class CanStep(Protocol):
+    """Optional: the step change log. ``step_done(label)`` closes a step (the MCP server
+    calls it after every mutating tool call: WriteFile, EditFile, Bash) and ``changes``
+    answers with the paths a step changed (None: the recent steps) as text."""
+
+    def step_done(self, label: str | None = None) -> None: ...
+
+    def changes(self, step: int | None = None) -> str: ...
+
+
 def capabilities(binding: object) -> frozenset[str]:
-    """Names of the optional calls ``binding`` provides: subset of checkpoint/log/diff/restore."""
+    """Names of the optional calls ``binding`` provides: subset of
+    checkpoint/log/diff/restore/step."""
     found = set()
     for name, proto in (("checkpoint", CanCheckpoint), ("log", CanLog), ("diff", CanDiff),
-                        ("restore", CanRestore)):
+                        ("restore", CanRestore), ("step", CanStep)):
         if isinstance(binding, proto):
             found.add(name)
     return frozenset(found)

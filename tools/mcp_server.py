@@ -1,8 +1,11 @@
 """The MCP server: the agent tools (and the session's optional calls) over stdio.
 
 Serves ReadFile, WriteFile, EditFile, Glob, Grep, Bash, BashOutput and KillShell for one
-binding; checkpoint, log and diff when the binding provides them (tools.binding.capabilities),
-and restore only when started with ``allow_restore``. Each tool's arguments, their aliases
+binding; checkpoint, log, diff and changes when the binding provides them
+(tools.binding.capabilities), and restore only when started with ``allow_restore``. With the
+step log (``changes``), each WriteFile, EditFile and Bash call closes a step once it returns,
+labelled with the tool and its path or command, so the journal says which paths each call
+changed. Each tool's arguments, their aliases
 (Claude Code's names) and descriptions, and its annotations come from tools.arguments;
 an unknown or ill-typed argument is an error answer listing what the tool accepts. Each call
 answers with the tool's text rendering (plus image content for an image read) and its
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -48,6 +52,8 @@ from tools.result import ToolResult
 from tools.sandbox import SandboxPolicy
 from tools.writefile import write_file
 
+_log = logging.getLogger(__name__)
+
 TOOL_NAMES = tuple(spec.name for spec in A.TOOLS)
 
 
@@ -62,6 +68,19 @@ _RUN: dict[str, Callable[..., ToolResult]] = {
     "ReadFile": read_file, "WriteFile": write_file, "EditFile": edit_file, "Glob": glob,
     "Grep": grep, "Bash": _bash, "BashOutput": bash_output, "KillShell": kill_shell,
 }
+
+
+# The calls that may change the tree, each closing a step labelled with this argument.
+STEPPED = {"WriteFile": "path", "EditFile": "path", "Bash": "command"}
+
+
+def _close_step(binding: Any, label: str) -> None:
+    """Journal the step of a mutating call (``CanStep``); a failure leaves its changes to
+    the next step and only a log line (the call itself succeeded or failed on its own)."""
+    try:
+        binding.step_done(label)
+    except Exception as e:
+        _log.warning("recording the step of %s failed: %s", label, e)
 
 
 def answer(r: ToolResult) -> CallToolResult:
@@ -113,6 +132,8 @@ def build_server(binding: SessionBinding, allow_restore: bool = False,
         session_calls["diff"] = lambda a: b.diff(a.get("ref_a"), a.get("ref_b"))
     if "restore" in caps and allow_restore:
         session_calls["restore"] = lambda a: b.restore(a["ref"])
+    if "step" in caps:
+        session_calls["changes"] = lambda a: b.changes(a.get("step"))
     specs = {s.name: s for s in A.TOOLS}
     for call in session_calls:
         specs[call] = A.SESSION_TOOLS[call]
@@ -145,6 +166,9 @@ def build_server(binding: SessionBinding, allow_restore: bool = False,
         ctx: ToolContext = rc.lifespan_context
         run = _RUN[spec.name]
         result = await anyio.to_thread.run_sync(lambda: run(ctx, **kwargs))
+        if spec.name in STEPPED and "step" in caps:
+            label = f"{spec.name} {kwargs.get(STEPPED[spec.name])}"[:M.STEP_LABEL_MAX]
+            await anyio.to_thread.run_sync(lambda: _close_step(b, label))
         return answer(result)
 
     return Server(name, instructions=M.SERVER_INSTRUCTIONS, lifespan=lifespan,

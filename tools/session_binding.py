@@ -1,7 +1,7 @@
 """The agent tools bound to a live session, by id: what ``rewindfs mcp --session ID`` serves.
 
 Owns :class:`SessionToolBinding`, a ``tools.binding.SessionBinding`` with every optional
-call (checkpoint, log, diff, restore). It reaches the session only the way every client
+call (checkpoint, log, diff, restore, the step log). It reaches the session only the way every client
 does (CONTRACT 4.0): the session's registry record (its state directory), the control
 socket recorded there (status, checkpoint, restore, write_permit) and the store (journal
 and trees). So it works the same whichever process serves the session (the no-FUSE session
@@ -31,7 +31,7 @@ from fusefs.session.control import (
 )
 from fusefs.session.errors import SessionClosedError, SessionError
 from fusefs.session.host import SPEC_FILE
-from fusefs.session.journal import CHECKPOINTED, Journal
+from fusefs.session.journal import CHECKPOINTED, STEP, Journal
 from fusefs.session.placement import canonical_path
 from fusefs.session.registry import Registry, SessionRecord
 from store.diff import Change, diff_trees
@@ -215,8 +215,49 @@ class SessionToolBinding:
                 if label:
                     line += M.SESSION_LOG_LABEL.format(label=label)
                 lines.append(line)
+            elif e.event == STEP:
+                rec = self.store.journal_record(self.id, e.seq)
+                n = len(rec.get("changes") or [])
+                label = f" {rec['label']}" if rec.get("label") else ""
+                lines.append(M.SESSION_LOG_STEP.format(seq=e.seq, time=t, step=rec.get("step"),
+                                                       count=n, s="" if n == 1 else "s",
+                                                       label=label))
             else:
                 lines.append(M.SESSION_LOG_RESTORE.format(seq=e.seq, time=t, ref=e.ref))
+        return "\n".join(lines)
+
+    def step_done(self, label: str | None = None) -> None:
+        """Close a step through the session process (``Session.step_done``): the journal
+        records the paths changed since the previous step. Raises the session's error as
+        HostError (its changes are then reported by the next step)."""
+        self._ask({"op": "step_done", "label": label})
+
+    def changes(self, step: int | None = None) -> str:
+        """The paths step ``step`` changed, or (None) those of the last STEPS_SHOWN steps,
+        one ``status path`` line each under a head line per step. Raises LookupError for a
+        step the session does not have."""
+        journal = Journal(self.store, self.id)
+        if step is not None:
+            try:
+                shown = [journal.step_record(int(step))]
+            except KeyError:
+                count = sum(1 for e in journal.events() if e.event == STEP)
+                raise LookupError(M.STEP_NOT_FOUND.format(step=step, count=count)) from None
+        else:
+            shown = journal.steps()[-M.STEPS_SHOWN:]
+        if not shown:
+            return M.STEPS_NONE
+        lines = []
+        for st in shown:
+            n = len(st["changes"])
+            label = f" ({st['label']})" if st["label"] else ""
+            lines.append(M.STEP_HEAD.format(step=st["step"], label=label, count=n,
+                                            s="" if n == 1 else "s"))
+            for c in st["changes"][:M.SESSION_DIFF_MAX]:
+                path = c["path"] + ("/" if c.get("kind") == "dir" else "")
+                lines.append(M.SESSION_DIFF_LINE.format(status=c["status"], path=path))
+            if n > M.SESSION_DIFF_MAX:
+                lines.append(M.SESSION_DIFF_CAPPED.format(shown=M.SESSION_DIFF_MAX, total=n))
         return "\n".join(lines)
 
     def diff(self, ref_a: str | None = None, ref_b: str | None = None) -> str:
