@@ -136,6 +136,10 @@ class Overlay:
         self._dirty_dent: set[tuple[int, bytes]] = set()
         self._dirty_xattr: set[int] = set()
         self._dirty_data: set[int] = set()
+        # What the batches since the last step touched, kept only once a step log
+        # (fusefs/steps.py) started them: inodes and (directory inode, name) dentries.
+        self.step_inos: set[int] | None = None
+        self.step_dents: set[tuple[int, bytes]] = set()
         self._unlink_after: list[str] = []
         self.inline_bytes = 0  # total inline content in memory
         self.unlinked: set[int] = set()  # detached inodes in memory (see the module doc)
@@ -1303,6 +1307,10 @@ class Overlay:
         self._held_changed = False
         b.unlink_after = self._unlink_after
         self._unlink_after = []
+        if self.step_inos is not None:
+            self.step_inos |= self._dirty_ino
+            self.step_inos |= self._dirty_xattr
+            self.step_dents |= self._dirty_dent
         self._dirty_ino = set()
         self._dirty_dent = set()
         self._dirty_xattr = set()

@@ -60,10 +60,12 @@ def _fp(status: str, n: Node) -> Fingerprint:
     return (status, n.kind.name.lower(), n.size, n.mtime_ns, n.ctime_ns)
 
 
-def fingerprints(ov: Overlay) -> dict[str, Fingerprint] | None:
+def fingerprints(ov: Overlay, index: Index | None = None) -> dict[str, Fingerprint] | None:
     """Every path whose state differs from the lower, with its fingerprint; None when the
     fast walk cannot tell (see the module docstring), and the caller uses ``preview_fps``.
-    Event-loop thread (no request may change the overlay meanwhile)."""
+    With ``index``, also records where each node it passes is named (for the incremental
+    steps of ``StepTracker``). Event-loop thread (no request may change the overlay
+    meanwhile)."""
     from .checkpoint import _dirty_dirs
 
     nodes = ov.nodes
@@ -117,9 +119,97 @@ def fingerprints(ov: Overlay) -> dict[str, Fingerprint] | None:
             full = path + name
             if status is not None:
                 out[os.fsdecode(full)] = _fp(status, c)
+            if index is not None:
+                index.name(c, ino, name, full)
             if c.kind is Kind.DIR and c.ino in dirty:
                 stack.append((c.ino, full + b"/"))
     return out
+
+
+class _Full(Exception):
+    """An incremental step met a shape it does not follow (a directory moved or removed,
+    a hard link, a node not in memory): walk the whole dirty set instead."""
+
+
+class Index:
+    """Where nodes are named, learnt from walks and steps: ``names`` (inode -> (directory
+    inode, name) pairs that named it) and ``dirs`` (directory inode -> its path prefix,
+    ``b""`` for the root, else ``b"a/b/"``)."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, set[tuple[int, bytes]]] = {}
+        self.dirs: dict[int, bytes] = {ROOT_INO: b""}
+
+    def name(self, c: Node, parent: int, name: bytes, full: bytes) -> None:
+        self.names.setdefault(c.ino, set()).add((parent, name))
+        if c.kind is Kind.DIR:
+            self.dirs[c.ino] = full + b"/"
+
+    def prefix(self, ov: Overlay, ino: int) -> bytes:
+        """The path prefix of directory ``ino``: known, or found from its lower name when
+        it was never moved. Raises _Full otherwise."""
+        p = self.dirs.get(ino)
+        if p is not None:
+            return p
+        n = ov.nodes.get(ino)
+        o = n.origin if n is not None else None
+        if n is None or n.kind is not Kind.DIR or o is None or o[:1] != b"p":
+            raise _Full
+        parent = int.from_bytes(o[1:9], "little")
+        name = o[_NAME_AT:]
+        d = ov.nodes.get(parent)
+        if n.parent != parent or d is None:
+            raise _Full
+        got = (d.entries or {}).get(name)
+        if got is not None and got[0] != ino:
+            raise _Full
+        p = self.prefix(ov, parent) + name + b"/"
+        self.dirs[ino] = p
+        return p
+
+
+def fingerprint_of(ov: Overlay, parent: int, name: bytes) -> tuple[Fingerprint | None, Node | None]:
+    """(fingerprint of the name ``name`` in directory ``parent``, or None when it is as in
+    the lower; the node it names, if any). The rules of ``fingerprints`` for one name.
+    Raises _Full for a shape the incremental step does not follow."""
+    from .inodes import origin_key
+
+    nodes = ov.nodes
+    d = nodes.get(parent)
+    if d is None or d.kind is not Kind.DIR:
+        raise _Full
+    le = ov._lower_entry(d, name)
+    got = (d.entries or {}).get(name)
+    if got is not None and got[0] == 0:  # a whiteout
+        if le is None:
+            return None, None
+        if le.kind is Kind.DIR:
+            raise _Full  # a directory removed or moved away: its paths below change too
+        return ("removed", le.kind.name.lower(), 0, 0, 0), None
+    if got is not None:
+        c = nodes.get(got[0])
+        if c is None:
+            raise _Full
+    else:
+        if le is None:
+            return None, None
+        ino = ov.by_origin.get(origin_key(parent, name, le))
+        c = nodes.get(ino) if ino is not None else None
+        if c is None or not c.upper or (c.kind is not Kind.DIR and c.lower_links <= 0):
+            return None, c
+    if c.kind is not Kind.DIR and (c.nlink > 1 or (c.origin or b"")[:1] == b"g"):
+        raise _Full  # hard links: the group walk of checkpoint.plan knows them
+    if le is None:
+        return _fp("added", c), c
+    if le.kind is not c.kind:
+        if Kind.DIR in (le.kind, c.kind):
+            raise _Full  # the paths below it change too
+        return _fp("type_changed", c), c
+    if c.kind is Kind.DIR:
+        if (c.mode, c.uid, c.gid) != (le.mode, le.uid, le.gid):
+            return _fp("modified", c), c
+        return None, c
+    return (_fp("modified", c) if c.upper else None), c
 
 
 def preview_fps(ov: Overlay) -> dict[str, Fingerprint]:
@@ -188,9 +278,17 @@ def compose(first: str, then: str) -> str | None:
     return "modified"
 
 
-def delta(prev: dict[str, Fingerprint], cur: dict[str, Fingerprint]) -> dict[str, str]:
-    """path -> status for every path whose fingerprint changed from ``prev`` to ``cur``."""
+def delta(prev: dict[str, Fingerprint], cur: dict[str, Fingerprint],
+          keys: set[str] | None = None) -> dict[str, str]:
+    """path -> status for every path whose fingerprint changed from ``prev`` to ``cur``
+    (only among ``keys`` when given: the only paths that may differ)."""
     out: dict[str, str] = {}
+    if keys is not None:
+        for p in keys:
+            old, fp = prev.get(p), cur.get(p)
+            if old != fp:
+                out[p] = relative(old, fp)
+        return out
     for p, fp in cur.items():
         old = prev.get(p)
         if old != fp:
@@ -219,31 +317,117 @@ def merge(carry: dict[str, str], d: dict[str, str]) -> dict[str, str]:
 
 class StepTracker:
     """The per-daemon state of the step log: fingerprints at the previous step (``prev``),
-    and the changes carried over a reset (``carry``). Event-loop thread only."""
+    and the changes carried over a reset (``carry``). Event-loop thread only.
+
+    The first step after a start, a resume or a reset walks the dirty set
+    (``fingerprints``) and learns where each node is named (``Index``); later steps look
+    only at what the upper's batches touched since (``Overlay.step_inos``/``step_dents``,
+    filled at each batch commit, not per request), so a step costs O(changes since the
+    previous step). A shape the incremental step does not follow (a directory moved or
+    removed, a file replaced by a directory or back, hard links) makes that step walk
+    the dirty set again."""
 
     def __init__(self, ov: Overlay) -> None:
         self.ov = ov
         self.prev: dict[str, Fingerprint] = {}
         self.carry: dict[str, str] = {}
+        self._index: Index | None = None
+        self.walks = 0  # steps that walked the whole dirty set (for tests and benchmarks)
 
-    def current(self) -> dict[str, Fingerprint]:
-        fps = fingerprints(self.ov)
-        return preview_fps(self.ov) if fps is None else fps
+    def _touched(self) -> tuple[set[int], set[tuple[int, bytes]]]:
+        ov = self.ov
+        inos = set(ov.step_inos or ())
+        inos |= ov._dirty_ino
+        inos |= ov._dirty_xattr
+        return inos, ov.step_dents | ov._dirty_dent
+
+    def _walk(self) -> dict[str, Fingerprint]:
+        index = Index()
+        self.walks += 1
+        fps = fingerprints(self.ov, index)
+        if fps is None:
+            self._index = None
+            return preview_fps(self.ov)
+        self._index = index
+        return fps
+
+    def _incremental(self, index: Index) -> tuple[dict[str, Fingerprint], set[str]]:
+        """``prev`` updated with what was touched since, and the paths looked at. Raises
+        _Full."""
+        ov = self.ov
+        nodes = ov.nodes
+        inos, dents = self._touched()
+        targets = set(dents)
+        for ino in inos:
+            if ino == ROOT_INO:
+                continue
+            targets |= index.names.get(ino, set())
+            n = nodes.get(ino)
+            o = n.origin if n is not None else None
+            if n is not None and o is not None and o[:1] == b"p":
+                targets.add((int.from_bytes(o[1:9], "little"), o[_NAME_AT:]))
+            # else: made since (its dentry is touched too) or detached (in no tree)
+        cur = dict(self.prev)
+        keys: set[str] = set()
+        todo = list(targets)
+        while todo:
+            later = []
+            for parent, name in todo:
+                try:
+                    full = index.prefix(ov, parent) + name
+                except _Full:
+                    later.append((parent, name))  # maybe a directory made in this step
+                    continue
+                key = os.fsdecode(full)
+                keys.add(key)
+                fp, c = fingerprint_of(ov, parent, name)
+                old = self.prev.get(key)
+                if old is not None and old[1] == "dir" and (fp is None or fp[1] != "dir"):
+                    raise _Full
+                if c is not None:
+                    index.name(c, parent, name, full)
+                if fp is None:
+                    cur.pop(key, None)
+                else:
+                    cur[key] = fp
+            if len(later) == len(todo):
+                raise _Full
+            todo = later
+        return cur, keys
+
+    def current(self) -> tuple[dict[str, Fingerprint], set[str] | None]:
+        """Every path whose state differs from the lower, with its fingerprint; and the
+        paths that may differ from ``prev`` (None: any)."""
+        if self._index is not None:
+            try:
+                return self._incremental(self._index)
+            except _Full:
+                pass
+        return self._walk(), None
+
+    def _begin(self) -> None:
+        """Start collecting what the batches touch from now (a step's baseline)."""
+        ov = self.ov
+        ov.step_inos = set()
+        ov.step_dents = set()
 
     def pending(self) -> dict[str, str]:
         """The changes since the previous step (carry included), not yet recorded."""
-        return merge(self.carry, delta(self.prev, self.current()))
+        return merge(self.carry, delta(self.prev, *self.current()))
 
     def reset(self, pending: dict[str, str]) -> None:
         """The upper was rebased (checkpoint or restore): keep ``pending`` for the next
         step and start again from the new lower."""
         self.carry = pending
         self.prev = {}
+        self._index = None
+        self.ov.step_inos = None  # the next step walks the (new) dirty set
 
     def resume(self, prev: dict[str, Fingerprint], carry: dict[str, str]) -> None:
         """Continue from persisted state (a restarted daemon)."""
         self.prev = dict(prev)
         self.carry = dict(carry)
+        self._index = None
 
     def give_back(self, changes: list[dict[str, Any]]) -> None:
         """``changes`` of a closed step were not recorded: the next step reports them."""
@@ -253,8 +437,9 @@ class StepTracker:
         """Close a step: ``{"changes": [{"path", "status", "kind"}...] (path order),
         "fingerprints": {path: fingerprint list or None (as in the lower)} of the changed
         paths}``, and start the next from now."""
-        cur = self.current()
-        d = delta(self.prev, cur)
+        cur, keys = self.current()
+        self._begin()
+        d = delta(self.prev, cur, keys)
         changes = merge(self.carry, d)
         fps: dict[str, list[Any] | None] = {}
         for p in set(d) | set(changes):
