@@ -203,12 +203,15 @@ def test_the_readme_python_example_runs() -> None:
     assert leftover == []
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    seq_event_trigger = [ln.split()[:3] for ln in lines[:3]]
+    assert lines[0] == "step 1 [('modified', 'src/app.py')]"
+    lines = lines[1:]
+    seq_event_trigger = [ln.split()[:3] for ln in lines[:4]]
     assert seq_event_trigger == [["1", "WorkspaceCheckpointed", "seed"],
-                                 ["2", "WorkspaceCheckpointed", "manual"],
-                                 ["3", "WorkspaceCheckpointed", "pre_restore"]]
-    restored = lines[3].split()
-    assert restored[:2] == ["4", "WorkspaceRestored"]
-    assert restored[-1] == lines[1].split()[-1]  # back to the manual checkpoint
+                                 ["2", "WorkspaceStep", lines[0].split()[-1]],
+                                 ["3", "WorkspaceCheckpointed", "manual"],
+                                 ["4", "WorkspaceCheckpointed", "pre_restore"]]
+    restored = lines[4].split()
+    assert restored[:2] == ["5", "WorkspaceRestored"]
+    assert restored[-1] == lines[2].split()[-1]  # back to the manual checkpoint
     assert "modified src/app.py" in lines
     assert lines[-1] == "b\"print('hello')\\n\""
