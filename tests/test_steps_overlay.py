@@ -1,4 +1,5 @@
-"""The step log's tracker (fusefs/steps.py) on an overlay driven without a mount.
+"""The step log's tracker (fusefs/steps.py) on an overlay driven without a mount, and its
+journal events in the store (either catalog; rebuilt from the backend alone).
 
 Incremental steps (from what the upper's batches touched) must report exactly what a walk
 of the whole dirty set reports, whatever the agent did in between: random sequences of
@@ -169,3 +170,44 @@ def test_the_fast_walk_agrees_with_the_diff_of_a_checkpoint_preview(ov: Overlay)
     assert {p: v[0] for p, v in slow.items() if not below(p)} == \
         {p: v[0] for p, v in fast.items() if not below(p)}
     assert {p for p in fast if below(p)} <= set(slow)
+
+
+@pytest.mark.parametrize("catalog", ["sqlite", "postgresql"])
+def test_steps_are_journal_rows_of_either_catalog_and_rebuild_from_the_backend(
+        tmp_path: Path, catalog: str, request: pytest.FixtureRequest) -> None:
+    from fusefs.session.journal import STEP, Journal
+    from store.rebuild import rebuild_index
+    from store.verify import verify
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("a\n")
+    if catalog == "postgresql":
+        from store.pgcatalog import PostgresCatalog
+
+        dsn = str(request.getfixturevalue("pg_dsn"))
+        store = Store(tmp_path / "store", catalog=PostgresCatalog(dsn))
+    else:
+        store = Store(tmp_path / "store")
+    ref = snapshot(store, src)
+    j = Journal(store, "s1")
+    changes = [{"path": "a", "status": "modified", "kind": "file"}]
+    assert j.step(ref, "EditFile a", changes, {"a": ["modified", "file", 2, 1, 1]}, 0) == (1, 1)
+    assert j.step(ref, None, [], {}, 0) == (2, 2)
+    j.restored(ref, 0)
+    want = [(1, "EditFile a", changes), (2, None, [])]
+    assert [(s["step"], s["label"], s["changes"]) for s in j.steps()] == want
+    assert j.restore_pointer() == ref and [e.event for e in j.events()][:2] == [STEP, STEP]
+    assert j.step_record(2)["seq"] == 2
+    assert j.resume_point() == ({}, {})  # a restore came after the steps
+    if catalog == "sqlite":
+        store.close()
+        for suffix in ("", "-wal", "-shm"):  # the index is lost: only the backend is left
+            if os.path.exists(store.index_path + suffix):
+                os.unlink(store.index_path + suffix)
+        store = Store(tmp_path / "store")
+        rebuild_index(store)
+        assert [(s["step"], s["label"], s["changes"])
+                for s in Journal(store, "s1").steps()] == want
+        assert verify(store) == []
+    store.close()
