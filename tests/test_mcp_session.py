@@ -110,6 +110,9 @@ def test_restore_is_offered_only_with_allow_restore(sessions: Sessions) -> None:
             assert not r.is_error, text(r)
             r = await client.call_tool("checkpoint", {})
             assert text(r).startswith("checkpointed the workspace as ")
+            r = await client.call_tool("changes", {})  # a session without FUSE: no steps
+            assert not r.is_error
+            assert text(r) == "no steps recorded yet (a session without FUSE records none)"
 
     anyio.run(agent)
     assert (root / "notes.txt").read_text() == "hi\n"
