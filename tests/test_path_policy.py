@@ -141,3 +141,26 @@ def test_paths_matching_at_call_start(ws: ToolContext) -> None:
     (root / "src" / "late" / ".env").write_text(SECRET)
     r = run_bash(ws, "cat src/late/.env")
     assert SECRET not in r.text and r.data["exit_code"] != 0
+
+
+@pytest.mark.parametrize("patterns", [
+    (".env", "build/", "/top.txt", "docs/**/*.md", "secrets/**", "*.py[co]", "a/**/b",
+     "node_modules/", "# a comment", "sp\\ ace", "[!x]y.txt", "?.log"),
+    ("*.txt", "!keep.txt", "dir/", "!dir/keep/"),
+])
+def test_walk_matcher_agrees_with_gitignore_spec(patterns: tuple[str, ...]) -> None:
+    """The one-regex matcher the Bash walk uses decides every path as pathspec's
+    GitIgnoreSpec does (a disagreement would leave a hidden path visible in Bash)."""
+    import pathspec
+
+    spec = pathspec.GitIgnoreSpec.from_lines(patterns)
+    test = PathPolicy(hide=patterns).matcher("hide")
+    assert test is not None
+    paths = [".env", "a/.env", "x/.env/y", ".envx", "build", "build/", "build/x.o",
+             "a/build/x", "top.txt", "x/top.txt", "docs/b.md", "docs/a/b/c.md", "docs/x.txt",
+             "secrets/", "secrets/a/b", "secrets", "m.pyc", "m.pyo", "m.py", "a/b", "a/b/",
+             "a/x/y/b", "node_modules/", "q/node_modules/z.js", "sp ace", "xy.txt", "zy.txt",
+             "a.log", "ab.log", "keep.txt", "other.txt", "dir/", "dir/a", "dir/keep/",
+             "dir/keep/f"]
+    for p in paths:
+        assert test(p) == bool(spec.match_file(p)), p

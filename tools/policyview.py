@@ -28,12 +28,14 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tools.paths import Root
-from tools.walk import join, list_dir, open_subdir
+from tools.walk import list_dir, open_subdir
 
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+Matcher = Callable[[str], bool] | None
 
 
 @dataclass
@@ -85,29 +87,32 @@ def policy_view(root: Root) -> PolicyView:
     return view
 
 
-def _walk(root: Root, fd: int, prefix: str, view: PolicyView, covered: bool = False) -> None:
+def _walk(root: Root, fd: int, prefix: str, view: PolicyView, covered: bool = False,
+          tests: tuple[Matcher, Matcher] | None = None) -> None:
     """Cover the matches under directory ``fd`` (workspace path ``prefix``); ``covered``: an
     ancestor is bound read-only already, so only hidden matches are added below it."""
-    pol = root.policy
+    hide, protect = tests if tests is not None else (root.policy.matcher("hide"),
+                                                     root.policy.matcher("protect"))
+    pre = "" if prefix in ("", ".") else prefix + "/"
+    real = root.real + "/"
     for entry in list_dir(fd):
-        rel = join(prefix, entry.name)
-        try:
-            st = entry.stat(follow_symlinks=False)
+        try:                               # the entry's type from readdir: no stat
+            if entry.is_symlink():
+                continue
+            is_dir = entry.is_dir(follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISLNK(st.st_mode):
-            continue
-        is_dir = stat.S_ISDIR(st.st_mode)
-        dest = f"{root.real}/{rel}"
-        if pol.hides(rel, is_dir):
+        rel = pre + entry.name
+        path = rel + "/" if is_dir else rel
+        if hide is not None and hide(path):
             if is_dir:
-                view.argv += ["--perms", "0000", "--tmpfs", dest]
+                view.argv += ["--perms", "0000", "--tmpfs", real + rel]
             else:
-                view.argv += ["--ro-bind", _empty_file(), dest]
+                view.argv += ["--ro-bind", _empty_file(), real + rel]
             view.hidden.append(rel)
             continue                       # nothing under a hidden directory is reachable
         here = covered
-        if not covered and pol.protects(rel, is_dir):
+        if not covered and protect is not None and protect(path):
             try:
                 pfd = os.open(entry.name, _PATH_FLAGS, dir_fd=fd)
             except OSError:
@@ -117,14 +122,14 @@ def _walk(root: Root, fd: int, prefix: str, view: PolicyView, covered: bool = Fa
             if stat.S_ISLNK(now.st_mode):
                 continue                   # swapped for a link since listed: never bound
             is_dir = stat.S_ISDIR(now.st_mode)
-            view.argv += ["--ro-bind-fd", str(pfd), dest]
+            view.argv += ["--ro-bind-fd", str(pfd), real + rel]
             view.protected.append(rel)
             here = True
-        if is_dir and (pol.hide or not here):
+        if is_dir and (hide is not None or not here):
             sub = open_subdir(fd, entry.name)
             if sub is None:
                 continue
             try:
-                _walk(root, sub, rel, view, here)
+                _walk(root, sub, rel, view, here, (hide, protect))
             finally:
                 os.close(sub)

@@ -23,6 +23,7 @@ before/after comparison on the same machine.
 
     .venv/bin/python scripts/bench/bench_tools.py [--tree DIR] [--root DIR] [--runs N]
                                                    [--mcp [--server-repo DIR]] [--json]
+                                                   [--bash-only]
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ def main() -> int:
     ap.add_argument("--server-repo", help="with --mcp: start the server of this checkout "
                     "(e.g. an older commit, for a before/after figure)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--bash-only", action="store_true", help="only the two Bash rows")
     args = ap.parse_args()
     if args.mcp:
         return bench_mcp(args.runs, args.json, args.server_repo)
@@ -270,7 +272,7 @@ def main() -> int:
         build_tree(tree)
     ws = ToolContext(DirBinding(args.root or tree))
     rows = []
-    for name, tool_call, cmd in workloads(ws):
+    for name, tool_call, cmd in ([] if args.bash_only else workloads(ws)):
         def direct(cmd: list[str] = cmd) -> None:
             # Output into a pipe that is read, as a caller would: ripgrep writing to
             # /dev/null stops at the first match of each file, which is not the same work.
