@@ -108,3 +108,13 @@ def test_exclude_is_refused_until_checkpoints_keep_it_out(sessions: Sessions) ->
     assert "exclude is not supported yet" in p.stderr
     assert not (sessions.store / "sessions").exists() or \
         not list((sessions.store / "sessions").iterdir())
+
+
+def test_diff_tool_does_not_name_hidden_paths(sessions: Sessions) -> None:
+    """The session's diff for the agent lists what changed, but never a hidden path."""
+    sid, root = _new(sessions, "fallback", "--seed", str(_seed(sessions)), "--hide", ".env")
+    binding = SessionToolBinding(sessions.store, sid)
+    (root / ".env").write_text("API_KEY=rotated\n")      # the user changes both
+    (root / "src" / "app.py").write_text("print('changed')\n")
+    text = binding.diff()
+    assert "src/app.py" in text and ".env" not in text, text

@@ -248,7 +248,10 @@ class SessionToolBinding:
         if not shown:
             return M.STEPS_NONE
         lines = []
+        hides = self._policy.hides
         for st in shown:
+            st = dict(st, changes=[c for c in st["changes"]        # hidden: never named
+                                   if not hides(c["path"], c.get("kind") == "dir")])
             n = len(st["changes"])
             label = f" ({st['label']})" if st["label"] else ""
             lines.append(M.STEP_HEAD.format(step=st["step"], label=label, count=n,
@@ -263,7 +266,8 @@ class SessionToolBinding:
     def diff(self, ref_a: str | None = None, ref_b: str | None = None) -> str:
         """Paths changed from ``ref_a`` (default: the last checkpoint or restore) to
         ``ref_b`` (default: the live workspace, hashed in memory without writing to the
-        store; that reads every file). At most SESSION_DIFF_MAX lines.
+        store; that reads every file). At most SESSION_DIFF_MAX lines; paths the path
+        policy hides are left out.
 
         Raises InvalidRefError, ObjectNotFoundError for a Ref not in the store,
         SnapshotError if the workspace changed while it was read."""
@@ -284,6 +288,8 @@ class SessionToolBinding:
             source: Any = _LiveTrees(self.store, trees)
             changes = diff_trees(source, a.tree_id, live.tree_id)
             shown_b = M.SESSION_DIFF_LIVE
+        changes = [c for c in changes if not self._policy.hides(
+            os.fsdecode(c.path), _is_dir(c))]                        # hidden: never named
         return render_changes(changes, str(a), shown_b)
 
 
@@ -296,6 +302,11 @@ def recorded_policy(state_dir: str) -> PathPolicy:
     except FileNotFoundError:
         return PathPolicy()
     return PathPolicy.from_spec(spec.get("paths") if isinstance(spec, dict) else None)
+
+
+def _is_dir(c: Change) -> bool:
+    entry = c.new if c.new is not None else c.old
+    return entry is not None and entry.kind is Kind.DIR
 
 
 def render_changes(changes: list[Change], a: str, b: str) -> str:
