@@ -108,7 +108,7 @@ class SessionBusyError(SessionError):
 
     def __init__(self, session: str, holder_epoch: int, holder: str = "",
                  wait_s: float | None = None) -> None:
-        import socket
+        from store.hostid import host_id
 
         self.session = session
         self.holder_epoch = holder_epoch
@@ -117,7 +117,7 @@ class SessionBusyError(SessionError):
         host, _, rest = holder.partition(":")
         pid = rest.partition(":")[0]
         msg = f"session {session} is held by another process (lease epoch {holder_epoch}"
-        if host == socket.gethostname() and pid:
+        if host == host_id() and pid:
             msg += f", pid {pid} on this host); shut it down first"
         elif holder:
             msg += f", {holder})"
