@@ -164,3 +164,21 @@ def test_walk_matcher_agrees_with_gitignore_spec(patterns: tuple[str, ...]) -> N
              "dir/keep/f"]
     for p in paths:
         assert test(p) == bool(spec.match_file(p)), p
+
+
+def test_seed_policy_from_a_directory_and_from_a_ref(tmp_path: Path) -> None:
+    from store.objects import Store
+    from store.pathpolicy import seed_policy
+    from store.snapshot import snapshot
+
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / ".rewindfs.toml").write_text('[policy]\nhide = [".env"]\n')
+    store = Store(tmp_path / "store")
+    ref = str(snapshot(store, seed))
+    for got in (seed_policy(None, str(seed)), seed_policy(store, ref)):
+        assert got.hide == (".env",)
+        assert got.protects(".rewindfs.toml")       # the file that set it is protected
+    (seed / ".rewindfs.toml").unlink()
+    assert seed_policy(None, str(seed)).empty
+    assert seed_policy(store, str(snapshot(store, seed))).empty
