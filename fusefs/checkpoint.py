@@ -794,6 +794,7 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     ov._dirty_dent = set()
     ov._dirty_xattr = {i for i in ov._dirty_xattr if i in kept}
     ov._dirty_data = {i for i in ov._dirty_data if i in kept}
+    ov.recount(p.uppers)  # what the upper still holds counts against the quotas
     # Open directory handles keep the trees and names their listing started with
     # (``DirHandle``): a listing in progress goes on in its own cookies.
 

@@ -14,15 +14,17 @@ per line each way; requests ``{"op": ...}``:
 
 - ``status``: ``{ref, dirty_inodes, dirty_bytes, detached_inodes, held_lowers,
   open_handles, writable_handles, parked, paused, mountpoint, state, pid, requests,
-  binding, no_open, kernel_inodes}`` (``requests``: FUSE requests served so far by
+  binding, no_open, kernel_inodes, quota}`` (``requests``: FUSE requests served so far by
   operation, those that reached a handler; ``binding``: ``fusefs.binding.info()``;
   ``kernel_inodes``: inodes the kernel holds a lookup on. In no-open mode
   ``open_handles`` and ``writable_handles`` count only files created through the mount
   and still open: files opened with open(2) are unseen)
 - ``checkpoint {label?, trigger?, timeout_s?}``: ``{ref, elapsed_ms, unchanged, packs,
   bytes}``
-- ``restore {ref, discard?, timeout_s?, wait_writers_s?}``: ``{ref, pre_restore, changes,
-  detached, invalidated, elapsed_ms}``
+- ``restore {ref, discard?, timeout_s?, wait_writers_s?, paths?}``: ``{ref, pre_restore,
+  changes, detached, invalidated, elapsed_ms}``; with ``paths`` (a path restore) also
+  ``source`` (the Ref asked for) and ``paths`` (normalized); ``ref`` is then the tree made
+  for it (``restore.path_target``)
 - ``diff``: ``{base, ref, changes: [{path, status}]}`` (changes since the last checkpoint)
 - ``write_permit``: replies ``{ok}`` once granted and holds the permit until the client
   closes the connection.
@@ -283,7 +285,8 @@ class Live:
 
     async def restore(self, ref: Ref | str, *, discard: bool = False,
                       timeout_s: float | None = None, wait_writers_s: float | None = None,
-                      label: str | None = None) -> dict[str, Any]:
+                      label: str | None = None,
+                      paths: list[str] | None = None) -> dict[str, Any]:
         """CONTRACT 3.2 with its amendment: never waits for open files; what they hold is
         detached (``restore.py``). Waits up to ``timeout_s`` (default 60 s) for write
         permits (tool calls in flight) to end; with ``wait_writers_s``, also up to that long
@@ -298,7 +301,8 @@ class Live:
         from . import restore as rs
 
         t0 = time.perf_counter()
-        target = Ref.parse(ref)
+        target = source = Ref.parse(ref)
+        wanted = None if paths is None else rs.normalize_paths(paths)
         if self.ov.upper is None:
             raise RestoreError(RestoreError.SWAP_FAILED, str(target), "a read-only mount")
         if self.closing:
@@ -323,7 +327,12 @@ class Live:
                 # Verified against the current lower before anything changes (the clean
                 # tree below differs, so the swap diffs again).
                 self._lap("drain")
-                await trio.to_thread.run_sync(rs.verify, self.store, ov.lower.ref, target)
+                if wanted is None:
+                    await trio.to_thread.run_sync(rs.verify, self.store, ov.lower.ref, target)
+                else:
+                    await trio.to_thread.run_sync(self.store.root_tree, source)
+                    rs.check_paths(ov, source, wanted)
+                    await trio.to_thread.run_sync(self._verify_paths, source, wanted)
                 self._lap("verify")
                 async with self.ops.upper_lock:
                     pre: Ref | None = None
@@ -344,6 +353,10 @@ class Live:
                         rb0, uppers = await self._clean_discard()
                     ck.crash_point("restore.checkpointed")
                     try:
+                        if wanted is not None:
+                            target = await trio.to_thread.run_sync(
+                                rs.path_target, self.store, ov.lower.ref, source, wanted)
+                            self._lap("path_target")
                         changes = await trio.to_thread.run_sync(
                             rs.verify, self.store, ov.lower.ref, target)
                         self._lap("diff")
@@ -387,13 +400,28 @@ class Live:
             await trio.to_thread.run_sync(invalidate, inv)
             self._lap("invalidate")
         ms = (time.perf_counter() - t0) * 1000
-        log.info("restore -> %s in %.1f ms (%d changes, %d detached, %d invalidated)", target,
+        log.info("restore -> %s%s in %.1f ms (%d changes, %d detached, %d invalidated)",
+                 target, "" if wanted is None else f" (paths {wanted!r} of {source})",
                  ms, sp.changes, detached, len(inv))
         if append_error is not None:
             raise RestoreError(RestoreError.APPEND_FAILED, str(target), append_error)
-        return {"ref": str(target), "pre_restore": str(pre) if pre else None,
-                "changes": sp.changes, "detached": detached,
-                "invalidated": len(inv), "elapsed_ms": ms, "phases": dict(self.phases)}
+        out: dict[str, Any] = {
+            "ref": str(target), "pre_restore": str(pre) if pre else None,
+            "changes": sp.changes, "detached": detached, "invalidated": len(inv),
+            "elapsed_ms": ms, "phases": dict(self.phases)}
+        if wanted is not None:
+            out["source"] = str(source)
+            out["paths"] = [os.fsdecode(p) for p in wanted]
+        return out
+
+    def _verify_paths(self, source: Ref, wanted: list[bytes]) -> None:
+        """Check that ``source``'s content at ``wanted`` is complete in the store, before
+        anything changes (worker thread): the current lower with those paths replaced
+        differs from it only there, so the diff reads only what the restore will."""
+        from . import restore as rs
+
+        rs.verify(self.store, self.ov.lower.ref,
+                  rs.path_target(self.store, self.ov.lower.ref, source, wanted))
 
     async def _clean_discard(self) -> Any:
         """Freeze the upper without listing it and rebase onto it in memory only (the
@@ -433,7 +461,9 @@ class Live:
         """Counts of the live mount. ``dirty_*``: changes the next checkpoint takes (linked
         inodes with an upper row); ``detached_inodes``: inodes no name reaches (unlinked, or
         removed by a restore) that the kernel still holds, whose changes no checkpoint
-        takes; ``held_lowers``: older lowers those still read (GC keeps them)."""
+        takes; ``held_lowers``: older lowers those still read (GC keeps them); ``quota``:
+        what the upper holds against the session's caps (``bytes_used``, ``bytes_cap``,
+        ``inodes_used``, ``inodes_cap``; a cap None: none; detached inodes count)."""
         ov = self.ov
         cs = ov.cs
         dirty = 0
@@ -453,6 +483,7 @@ class Live:
                 "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid(),
                 "requests": dict(self.ops.counts), "binding": binding.info(),
                 "no_open": bool(getattr(self.ops, "no_open", False)), "kernel_inodes": held,
+                "quota": ov.quota(),
                 **self._disk()}
 
     def _disk(self) -> dict[str, Any]:
@@ -511,9 +542,14 @@ class Live:
                                         req.get("timeout_s"))
             return dict(out, ok=True)
         if op == "restore":
+            paths = req.get("paths")
+            if paths is not None and not (isinstance(paths, list)
+                                          and all(isinstance(p, str) for p in paths)):
+                raise RestoreError(RestoreError.PATH_ESCAPE, str(req.get("ref") or ""),
+                                   "paths must be a list of strings")
             out = await self.restore(req.get("ref", ""), discard=bool(req.get("discard")),
                                      timeout_s=req.get("timeout_s"),
-                                     wait_writers_s=req.get("wait_writers_s"))
+                                     wait_writers_s=req.get("wait_writers_s"), paths=paths)
             return dict(out, ok=True)
         if op == "diff":
             return dict(self.diff(bool(req.get("unified"))), ok=True)
@@ -721,12 +757,16 @@ class Client:
 
     def restore(self, ref: Ref | str, discard: bool = False,
                 timeout: float | None = None,
-                wait_writers: float | None = None) -> dict[str, Any]:
+                wait_writers: float | None = None,
+                paths: list[str] | None = None) -> dict[str, Any]:
         """Restore the mount to ``ref`` (see ``Live.restore``): ``timeout`` (s) bounds the
         wait for write permits, ``wait_writers`` (s, None: never wait) the wait for files
-        open for writing."""
-        return self.call({"op": "restore", "ref": str(ref), "discard": discard,
-                          "timeout_s": timeout, "wait_writers_s": wait_writers})
+        open for writing; ``paths`` makes it a path restore of those paths only."""
+        req: dict[str, Any] = {"op": "restore", "ref": str(ref), "discard": discard,
+                               "timeout_s": timeout, "wait_writers_s": wait_writers}
+        if paths is not None:
+            req["paths"] = list(paths)
+        return self.call(req)
 
     def status(self) -> dict[str, Any]:
         return self.call({"op": "status"})

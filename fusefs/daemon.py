@@ -62,6 +62,8 @@ class MountConfig:
     stats_path: str | None = None
     debug: bool = False
     cache_mib: int = 128
+    quota_bytes: int | None = None  # caps to record in the upper (None: keep what it has)
+    quota_inodes: int | None = None
     max_tasks: int = 8  # pyfuse3 worker tasks: requests that wait (fsync, big chunks)
     # do not hold up the others
     no_open: bool = False  # OPEN/OPENDIR answered ENOSYS (README: no-open mode)
@@ -226,6 +228,7 @@ def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
         if cfg.state_dir is not None:
             upper = Upper.open(cfg.state_dir, store_root=store.root,
                                chunk_size=store.chunk_size, ref=ref)
+            upper.set_quota(cfg.quota_bytes, cfg.quota_inodes)
             ref = upper.base
             require(ref)
         if ref is None:

@@ -20,6 +20,17 @@ lower's Ref in ``held`` until the kernel forgets the inode; the upper persists t
 ``held_lowers`` so GC keeps those chunks (CONTRACT 1.6). Both follow the inode and its lookup
 count, not only file handles.
 
+*Quotas* (``quota_bytes``, ``quota_inodes``, recorded in the upper's meta): caps on what the
+upper holds, counted in memory (``used_bytes``, ``used_inodes``) as each request changes it,
+O(1) per request: the content bytes of upper files (``held_bytes``: inline content, lower
+chunks copied into the data file, and everything past the lower content, holes included)
+and the upper's inode rows (the root's aside), detached inodes included while open (an
+inode without names or open handles stops counting at once, before the kernel forgets it). A write or truncate
+that would grow the upper past the byte cap fails with EDQUOT, or is cut short at it (as
+write(2) is at a file size limit); a create (file, directory, symlink, node) at the inode
+cap fails with EDQUOT. Copy-ups of metadata count but are never refused. A checkpoint empties
+the upper, so the counts drop to what it keeps (``recount``).
+
 What it must never do: touch the mount point, block on anything but local files, or write
 the store. Methods are not thread safe: call them from one thread (the trio thread).
 
@@ -61,6 +72,25 @@ MAX_FILE_SIZE = 1 << 40  # 1 TiB: larger sizes get EFBIG (a checkpoint lists eve
 
 _KIND_OF_FMT = {stat.S_IFREG: Kind.FILE, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK: Kind.SOCKET,
                 stat.S_IFBLK: Kind.BLOCK, stat.S_IFCHR: Kind.CHAR}
+
+
+def held_bytes(n: Node, cs: int) -> int:
+    """Content bytes the upper holds for ``n`` (``cs``: chunk size): a file's inline
+    content, or the lower chunks copied into its data file (the last one at its real
+    length) plus everything past its lower content; 0 for other kinds and lower nodes."""
+    if not n.upper or n.kind is not Kind.FILE:
+        return 0
+    if n.inline is not None:
+        return len(n.inline)
+    if not n.has_data:
+        return 0
+    b = n.size - n.lower_len if n.size > n.lower_len else 0
+    if n.present:
+        b += len(n.present) * cs
+        last = (n.lower_len - 1) // cs
+        if last in n.present:
+            b -= (last + 1) * cs - n.lower_len
+    return b
 
 
 def _err(code: int, what: object = None) -> OSError:
@@ -142,6 +172,10 @@ class Overlay:
         self.step_dents: set[tuple[int, bytes]] = set()
         self._unlink_after: list[str] = []
         self.inline_bytes = 0  # total inline content in memory
+        self.quota_bytes: int | None = None  # caps on the upper (see the module doc)
+        self.quota_inodes: int | None = None
+        self.used_bytes = 0
+        self.used_inodes = 0
         self.unlinked: set[int] = set()  # detached inodes in memory (see the module doc)
         self.held: dict[int, str] = {}  # detached file -> Ref text of the lower it reads
         self._held_changed = False
@@ -154,12 +188,15 @@ class Overlay:
             root.parent = ROOT_INO
             root.nlink = 2 + lower.subdirs(lower.root_tree)
             self.nodes[ROOT_INO] = root
+        self.recount()
 
     # -- loading ---------------------------------------------------------------------------
 
     def _load(self, s: Loaded) -> None:
         self.next_ino = int(s.meta.get("next_ino", "2"))
         self.next_cookie = int(s.meta.get("next_cookie", "1"))
+        self.quota_bytes = int(s.meta.get("quota_bytes") or 0) or None
+        self.quota_inodes = int(s.meta.get("quota_inodes") or 0) or None
         for r in s.inodes:
             n = Node(r["ino"], Kind(r["kind"]), r["mode"], r["uid"], r["gid"], 0)
             n.atime_ns, n.mtime_ns, n.ctime_ns = r["atime_ns"], r["mtime_ns"], r["ctime_ns"]
@@ -366,6 +403,9 @@ class Overlay:
 
     def detach(self, n: Node) -> None:
         """No name reaches ``n`` any more (a restore removed or replaced its path)."""
+        if n.nlink > 0:
+            n.nlink = 0
+            self._unreachable(n)
         n.origin = None
         n.nlink = 0
         n.lower_links = 0
@@ -398,6 +438,42 @@ class Overlay:
     def held_lowers(self) -> list[str]:
         """Ref texts of the older lowers detached files still read, sorted."""
         return sorted(set(self.held.values()))
+
+    # -- quotas ----------------------------------------------------------------------------
+
+    def recount(self, nodes: Iterator[Node] | list[Node] | None = None) -> None:
+        """Count ``used_bytes`` and ``used_inodes`` again from ``nodes`` (every node if None):
+        after loading, and after a checkpoint or restore changed which nodes have upper rows
+        (only nodes that had one before can still have one, so those suffice)."""
+        cs = self.cs
+        nb = ni = 0
+        seen: set[int] = set()
+        for n in (self.nodes.values() if nodes is None else nodes):
+            if not n.upper or n.ino == ROOT_INO or n.ino in seen or \
+                    self.nodes.get(n.ino) is not n or (n.nlink == 0 and n.nopen == 0):
+                continue  # (an unreachable inode no longer counts, see ``_unreachable``)
+            seen.add(n.ino)
+            ni += 1
+            nb += held_bytes(n, cs)
+        self.used_bytes, self.used_inodes = nb, ni
+
+    def quota(self) -> dict[str, int | None]:
+        """Use against the caps: ``bytes_used``, ``bytes_cap``, ``inodes_used``,
+        ``inodes_cap`` (a cap None: none)."""
+        return {"bytes_used": self.used_bytes, "bytes_cap": self.quota_bytes,
+                "inodes_used": self.used_inodes, "inodes_cap": self.quota_inodes}
+
+    def _room(self, n: Node, end: int) -> int:
+        """How many of the bytes up to ``end`` past what ``n`` holds fit under the byte cap
+        (the whole growth if there is no cap); EDQUOT when none does."""
+        grow = end - max(n.size, n.lower_len)
+        cap = self.quota_bytes
+        if cap is None or grow <= 0:
+            return grow
+        room = cap - self.used_bytes
+        if room <= 0:
+            raise _err(errno.EDQUOT, "the session's byte quota is used up")
+        return min(grow, room)
 
     # -- changes: helpers ----------------------------------------------------------------
 
@@ -432,6 +508,8 @@ class Overlay:
         self._dirty_ino.add(n.ino)
 
     def _row(self, n: Node) -> None:
+        if not n.upper and n.ino != ROOT_INO:
+            self.used_inodes += 1
         n.upper = True
         if n.kind is Kind.DIR and n.entries is None:
             n.entries = {}
@@ -501,7 +579,16 @@ class Overlay:
             self._copy_up(n)
         if n.nlink == 0:
             self.unlinked.add(n.ino)
+            self._unreachable(n)
         self._maybe_forget(n)
+
+    def _unreachable(self, n: Node) -> None:
+        """``n`` lost its last name: once no handle is open on it, nothing can reach its
+        content again, so it stops counting against the quotas at once (its row and data
+        file go when the kernel forgets it)."""
+        if n.nopen == 0 and n.upper and n.ino != ROOT_INO:
+            self.used_bytes -= held_bytes(n, self.cs)
+            self.used_inodes -= 1
 
     def _new(self, d: Node, kind: Kind, mode: int, uid: int, gid: int, now: int) -> Node:
         ino = self.next_ino
@@ -512,6 +599,7 @@ class Overlay:
                 mode |= stat.S_ISGID
         n = Node(ino, kind, mode, uid, gid, now)
         n.upper = True
+        self.used_inodes += 1
         if kind is Kind.DIR:
             n.entries = {}
             n.parent = d.ino
@@ -524,6 +612,8 @@ class Overlay:
     def _make(self, parent: int, name: bytes, kind: Kind, mode: int, uid: int, gid: int,
               target: bytes = b"") -> Node:
         self._grow()
+        if self.quota_inodes is not None and self.used_inodes >= self.quota_inodes:
+            raise _err(errno.EDQUOT, "the session's inode quota is used up")
         d = self._dir(parent)
         self._check_name(name)
         if d.nlink == 0:
@@ -785,7 +875,13 @@ class Overlay:
                 raise _err(errno.EFBIG)
         self._copy_up(n)
         if size is not None:
-            self._truncate(n, size)
+            if size > n.size and self._room(n, size) < size - max(n.size, n.lower_len):
+                raise _err(errno.EDQUOT, "the session's byte quota")
+            before = held_bytes(n, self.cs)
+            try:
+                self._truncate(n, size)
+            finally:
+                self.used_bytes += held_bytes(n, self.cs) - before
             n.mtime_ns = now
         if uid is not None or gid is not None:
             if uid is not None:
@@ -977,6 +1073,8 @@ class Overlay:
         n.nopen -= 1
         if n.nopen == 0:
             self._close_fd(n)
+            if n.nlink == 0:
+                self._unreachable(n)
         self._maybe_forget(n)
 
     def lower_chunks_needed(self, fh: int, off: int, size: int) -> list[ObjectId]:
@@ -1055,7 +1153,30 @@ class Overlay:
         if off + len(data) > MAX_FILE_SIZE:
             data = data[:MAX_FILE_SIZE - off]
         end = off + len(data)
+        if self.quota_bytes is not None and data:
+            grow = end - max(n.size, n.lower_len)
+            if grow > 0:
+                fits = self._room(n, end)
+                if fits < grow:  # cut short at the cap, as at a file size limit
+                    data = data[:len(data) - (grow - fits)]
+                    end = off + len(data)
+            elif self.used_bytes >= self.quota_bytes and self._copies_up(n, off, end):
+                raise _err(errno.EDQUOT, "the session's byte quota is used up")
         self._copy_up(n)
+        before = held_bytes(n, self.cs)
+        try:
+            return self._write(n, off, data, end)
+        finally:
+            self.used_bytes += held_bytes(n, self.cs) - before
+
+    def _copies_up(self, n: Node, off: int, end: int) -> bool:
+        """True if writing ``[off, end)`` copies a lower chunk of ``n`` into the upper."""
+        top = min(end, n.lower_len)
+        cs = self.cs
+        return any(i not in n.present for i in range(off // cs, (top - 1) // cs + 1)) \
+            if off < top else False
+
+    def _write(self, n: Node, off: int, data: bytes, end: int) -> int:
         if n.inline is not None:
             if end <= INLINE_MAX:
                 self._write_inline(n, off, data)

@@ -34,12 +34,21 @@ every step below costs the difference, not the tree.
    that appeared, vanished or changed inode, and the inodes whose attributes changed, only
    those the kernel may know.
 
+A *path restore* (``paths``) is a restore to a tree made for it: the clean current tree
+with each path's entry replaced by the source Ref's (or removed where the source has none),
+``path_target``. It rewrites only the trees on the way down to each path (O(depth)), so the
+diff, the plan and the invalidation that follow cost what differs under the paths, never a
+walk of the whole tree; everything else keeps its tree ids, so the swap leaves it alone
+(same inode numbers, nothing invalidated).
+
 Crash windows: before the reset commit the upper still records the old base (with the
 pre-restore checkpoint already made, the same content); after it, the target.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -47,7 +56,7 @@ from store.diff import Change, diff_trees
 from store.errors import IntegrityError, ObjectNotFoundError, RefNotFoundError
 from store.objects import Store
 from store.ref import ObjectId, Ref
-from store.tree import Entry, Kind
+from store.tree import NAME_MAX, Entry, Kind
 
 from .checkpoint import Rebase, _set_pin, kept_rows, number, switch_lower
 from .inodes import ROOT_INO, Node, content_digest, derive_ino, origin_key
@@ -454,6 +463,120 @@ def known_to_kernel(ov: Overlay, inv: Invalidation) -> Invalidation:
                         [i for i in inv.inodes if known(i)],
                         [(p, nm, i) for p, nm, i in inv.deleted if known(p)],
                         [i for i in inv.listings if known(i)])
+
+
+# -- path restore ----------------------------------------------------------------------------
+
+PATH_MAX = 4096  # bytes of a path, as Linux's PATH_MAX
+
+
+def normalize_paths(paths: list[str] | list[bytes] | tuple[str | bytes, ...]) -> list[bytes]:
+    """The paths of a path restore as ``/``-separated bytes relative to the mount root:
+    empty and ``.`` components and a trailing ``/`` dropped, duplicates and paths under
+    another one given dropped, sorted. Raises RestoreError(path_escape) for no path, an
+    absolute path, a ``..`` component, a NUL byte, the root itself (that is a whole
+    restore), a component over NAME_MAX (255) bytes or a path over PATH_MAX (4096)."""
+    if not paths:
+        raise RestoreError(RestoreError.PATH_ESCAPE, "", "no path given")
+    out: set[bytes] = set()
+    for raw in paths:
+        p = os.fsencode(raw) if isinstance(raw, str) else bytes(raw)
+        shown = os.fsdecode(p)
+        if p.startswith(b"/"):
+            raise RestoreError(RestoreError.PATH_ESCAPE, "",
+                               f"{shown!r} is absolute: give it relative to the mount root")
+        if b"\0" in p:
+            raise RestoreError(RestoreError.PATH_ESCAPE, "", f"{shown!r} holds a NUL byte")
+        if len(p) > PATH_MAX:
+            raise RestoreError(RestoreError.PATH_ESCAPE, "",
+                               f"path of {len(p)} bytes, over {PATH_MAX}")
+        parts = [c for c in p.split(b"/") if c and c != b"."]
+        if b".." in parts:
+            raise RestoreError(RestoreError.PATH_ESCAPE, "", f"{shown!r} has a '..' component")
+        if not parts:
+            raise RestoreError(RestoreError.PATH_ESCAPE, "",
+                               f"{shown!r} is the root: restore without a path instead")
+        for c in parts:
+            if len(c) > NAME_MAX:
+                raise RestoreError(RestoreError.PATH_ESCAPE, "",
+                                   f"a component of {shown!r} is over {NAME_MAX} bytes")
+        out.add(b"/".join(parts))
+    kept: list[bytes] = []
+    for p in sorted(out):  # a parent sorts before its children
+        if not any(p.startswith(k + b"/") for k in kept):
+            kept.append(p)
+    return kept
+
+
+def check_paths(ov: Overlay, source: Ref, paths: list[bytes]) -> None:
+    """Refuse a path restore before anything changes: RestoreError(path_not_found) for a
+    path that is in neither the live tree nor ``source``, or that ``source`` has under a
+    name the live tree holds as something else than a directory (restoring it would
+    replace what lies outside the path). ``paths`` as ``normalize_paths`` gives them; costs
+    O(depth) lookups per path (event-loop thread: it reads the overlay)."""
+    src = _Trees(ov.lower.store, source.tree_id)
+    for p in paths:
+        live_kind = _live_kind(ov, p)
+        in_source = src.entry(p) is not None
+        if not in_source and live_kind is None:
+            raise RestoreError(RestoreError.PATH_NOT_FOUND, str(source),
+                               f"{os.fsdecode(p)!r} is in neither the live tree nor {source}")
+        if in_source:
+            for a in _ancestors(p)[1:]:
+                k = _live_kind(ov, a)
+                if k is not None and k is not Kind.DIR:
+                    raise RestoreError(
+                        RestoreError.PATH_NOT_FOUND, str(source),
+                        f"{os.fsdecode(a)!r} is a {k.name.lower()} in the live tree, "
+                        f"so {os.fsdecode(p)!r} cannot be restored under it")
+
+
+def _live_kind(ov: Overlay, path: bytes) -> Kind | None:
+    try:
+        return ov.resolve(path).kind
+    except OSError:  # ENOENT, or ENOTDIR under something that is not a directory
+        return None
+
+
+def path_target(store: Store, base: Ref, source: Ref, paths: list[bytes]) -> Ref:
+    """The tree of a path restore: ``base`` with the entry at each of ``paths`` taken from
+    ``source`` (removed where ``source`` has none there). Directories on the way down keep
+    their own metadata; one missing in ``base`` is made from ``source``'s (with only the
+    restored entries in it). Writes only the rewritten trees (O(depth) per path) and
+    commits them; returns their root's Ref. ``paths`` as ``normalize_paths`` gives them and
+    ``check_paths`` accepted (worker thread: it reads and writes the store)."""
+    with store.writer() as w:
+        def rebuild(cur: ObjectId | None, src: ObjectId | None,
+                    rel: list[list[bytes]]) -> ObjectId:
+            ents = {e.name: e for e in store.get_tree(cur).entries} if cur else {}
+            stree = store.get_tree(src) if src else None
+            below: dict[bytes, list[list[bytes]]] = defaultdict(list)
+            for parts in rel:
+                below[parts[0]].append(parts[1:])
+            for name, rests in below.items():
+                se = stree.get(name) if stree is not None else None
+                if any(not r for r in rests):  # the path itself
+                    if se is None:
+                        ents.pop(name, None)
+                    else:
+                        ents[name] = se
+                    continue
+                ce = ents.get(name)
+                cdir = ce.tree_id if ce is not None and ce.kind is Kind.DIR else None
+                sdir = se.tree_id if se is not None and se.kind is Kind.DIR else None
+                if cdir is None:
+                    if sdir is None or ce is not None:
+                        continue  # nothing to restore under it (check_paths refused the rest)
+                    holder = se
+                else:
+                    holder = ce
+                assert holder is not None
+                ents[name] = dataclasses.replace(holder, tree_id=rebuild(cdir, sdir, rests))
+            return w.put_tree(list(ents.values()))
+
+        root = rebuild(base.tree_id, source.tree_id, [p.split(b"/") for p in paths])
+        w.commit()
+    return Ref(root)
 
 
 # -- the whole restore, for callers without an event loop ------------------------------------

@@ -158,7 +158,9 @@ TABLES: dict[str, dict[str, str]] = {
                "held_lowers (space-separated Refs of older lowers that detached inodes, "
                "unlinked or removed by a restore while open, still read: GC keeps them; "
                "cleared at open, since no handle outlives the daemon), spill_applied "
-               "(sequence number of the last spill applied).",
+               "(sequence number of the last spill applied), quota_bytes and quota_inodes "
+               "(the session's caps on upper content bytes and inode rows; absent or 0: "
+               "none).",
         "value": "text value.",
     },
     "inodes": {
@@ -702,6 +704,26 @@ class Upper:
                 cut += 1
         return {"inodes": len(gone), "dentries": orphans, "data_removed": removed,
                 "data_cut": cut}
+
+    def set_quota(self, nbytes: int | None, inodes: int | None) -> None:
+        """Record the session's caps (CONTRACT: issue 14 point 4) in ``meta``, durably:
+        ``quota_bytes`` (content bytes of the upper) and ``quota_inodes`` (its inode rows);
+        None keeps what is recorded, 0 removes a cap. The overlay reads them when it loads.
+        Raises ValueError for a negative cap, OSError(ENOSPC) on a full disk."""
+        rows = [(k, str(v)) for k, v in (("quota_bytes", nbytes), ("quota_inodes", inodes))
+                if v is not None]
+        for k, v in rows:
+            if int(v) < 0:
+                raise ValueError(f"{k} must not be negative, not {v}")
+        pending = list(self.spilled)  # the transaction records the spill as applied
+
+        def body(c: sqlite3.Connection) -> None:
+            for x in pending:
+                _apply(c, x)
+            c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", rows)
+
+        if rows:
+            self.transact(body, durable=True)
 
     def load(self) -> Loaded:
         c = self.conn

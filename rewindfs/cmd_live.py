@@ -2,9 +2,9 @@
 the mount and unified forms of ``diff``.
 
 ``rewindfs checkpoint MNT [--label TEXT]`` prints the Ref; ``rewindfs restore MNT REF
-[--discard] [--timeout S] [--wait-writers SECONDS]`` repoints the mount (the current state
-is checkpointed first unless ``--discard``; files open for writing are detached unless
-``--wait-writers`` waits for them); ``rewindfs status MNT`` shows the lower Ref, dirty and
+[--path P ...] [--discard] [--timeout S] [--wait-writers SECONDS]`` repoints the mount, or
+with ``--path`` only those paths (the current state is checkpointed first unless
+``--discard``; files open for writing are detached unless ``--wait-writers`` waits for them); ``rewindfs status MNT`` shows the lower Ref, dirty and
 detached inodes and open handles. Each talks to the mount daemon through its control socket
 (``fusefs.control``); ``elapsed_ms`` in ``--json`` output is measured inside the daemon.
 ``rewindfs diff MNT`` lists the changes since the last checkpoint and ``--unified`` (also for
@@ -63,6 +63,10 @@ def register(sub: Any) -> None:
                    help="wait up to SECONDS for files open for writing to close, else refuse "
                         "(exit 10, permit_failed); default: never wait, open files keep "
                         "their old, detached inodes")
+    p.add_argument("--path", action="append", dest="paths", metavar="P",
+                   help="restore only this path (relative to the mount root; a file, a "
+                        "directory, or absent in REF: then it is removed); repeatable; the "
+                        "rest of the tree stays as it is")
     add_json(p)
     p.set_defaults(handler=cmd_restore)
 
@@ -113,12 +117,24 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     ref = parse_ref(args, args.ref)  # InvalidRefError (exit 3) before the daemon is asked
     r = _client(args.mountpoint).restore(ref, discard=args.discard, timeout=args.timeout,
-                                         wait_writers=args.wait_writers)
+                                         wait_writers=args.wait_writers, paths=args.paths)
     text = r["ref"] + (f" (was {r['pre_restore']})" if r.get("pre_restore") else "")
-    emit(args, {"ref": r["ref"], "pre_restore": r.get("pre_restore"),
-                "changes": r["changes"], "detached": r.get("detached", 0),
-                "elapsed_ms": r["elapsed_ms"]}, text)
+    out = {"ref": r["ref"], "pre_restore": r.get("pre_restore"), "changes": r["changes"],
+           "detached": r.get("detached", 0), "elapsed_ms": r["elapsed_ms"]}
+    if args.paths is not None:
+        out["source"], out["paths"] = r.get("source"), r.get("paths")
+        text += f"\n{', '.join(r.get('paths') or [])} from {r.get('source')}"
+    emit(args, out, text)
     return 0
+
+
+def _quota_text(q: dict[str, Any]) -> str:
+    """``12,345 of 10,485,760 bytes, 3 of no cap inodes``: use against the caps."""
+    def one(used: Any, cap: Any, unit: str) -> str:
+        return f"{int(used or 0):,} {unit}" + (f" of {int(cap):,}" if cap else " (no cap)")
+
+    return (one(q.get("bytes_used"), q.get("bytes_cap"), "bytes") + ", "
+            + one(q.get("inodes_used"), q.get("inodes_cap"), "inodes"))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -134,6 +150,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{r['open_dirs']} directories",
         f"state:     {r['state']}",
         f"disk:      {_disk_text(r)}",
+        f"quota:     {_quota_text(r.get('quota') or {})}",
         f"daemon:    pid {r['pid']}"])
     emit(args, r, text)
     return 0

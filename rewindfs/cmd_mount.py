@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from rewindfs.cli import add_json, emit, open_store
+from rewindfs.cmd_store import add_quota_args
 
 EXIT_MOUNT = 9
 READY_TIMEOUT_S = 120.0
@@ -62,6 +63,7 @@ def register(sub: Any) -> None:
                    help="no-open mode: the kernel stops sending OPEN/RELEASE and "
                         "OPENDIR/RELEASEDIR (fewer requests; open handles are no longer "
                         "counted, see README); needs the patched pyfuse3")
+    add_quota_args(p)
     p.add_argument("--stats-file", metavar="FILE", help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     add_json(p)
@@ -88,6 +90,8 @@ def _parse_targets(args: argparse.Namespace) -> tuple[str | None, str]:
         raise UsageError("--ro needs a REF")
     if not args.ro and not args.state:
         raise UsageError("a read-write mount needs --state DIR (or use --ro)")
+    if args.ro and (args.quota_bytes is not None or args.quota_inodes is not None):
+        raise UsageError("quotas cap a session's upper layer: they need --state, not --ro")
     return ref, os.path.abspath(mnt)
 
 
@@ -126,7 +130,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cfg = MountConfig(store_root=store, mountpoint=mnt, ref=ref, state_dir=state,
                       readonly=args.ro, allow_other=args.allow_other, log_path=log_path,
                       stats_path=stats_path, debug=args.debug, cache_mib=args.cache_mib,
-                      no_open=args.no_open)
+                      no_open=args.no_open, quota_bytes=args.quota_bytes,
+                      quota_inodes=args.quota_inodes)
     if args.foreground:
         return serve(cfg, fd_ready(args.ready_fd))
     refuse_overlap(cfg)
@@ -152,6 +157,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
         argv.append("--no-open")
     if args.cache_mib != 128:
         argv += ["--cache-mib", str(args.cache_mib)]
+    if args.quota_bytes is not None:
+        argv += ["--quota-bytes", str(args.quota_bytes)]
+    if args.quota_inodes is not None:
+        argv += ["--quota-inodes", str(args.quota_inodes)]
     if stats_path is not None:
         argv += ["--stats-file", stats_path]
     r, w = os.pipe()

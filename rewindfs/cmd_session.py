@@ -61,6 +61,10 @@ def _placement_args(p: argparse.ArgumentParser, defaults: bool) -> None:
                        help=f"path policy, gitignore syntax: {what} (repeatable; recorded "
                             "in the session spec, added to .rewindfs.toml's)")
 
+    from rewindfs.cmd_store import add_quota_args
+
+    add_quota_args(p)
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("session", help="agent sessions: new, list, resume, fork, shutdown")
@@ -129,6 +133,9 @@ def register(sub: Any) -> None:
     rs.add_argument("--wait-writers", type=seconds, default=None, metavar="SECONDS",
                     help="wait up to SECONDS for files open for writing to close, else "
                          "refuse (default: never wait; open files keep their old inodes)")
+    rs.add_argument("--path", action="append", dest="paths", metavar="P",
+                    help="restore only this path (relative to the session root; a file, a "
+                         "directory, or absent in REF: then it is removed); repeatable")
     add_json(rs)
     rs.set_defaults(handler=cmd_restore)
 
@@ -199,6 +206,11 @@ def _spec_from_args(args: argparse.Namespace, base: dict[str, Any] | None) -> di
         spec.pop("paths", None)
     else:
         spec["paths"] = paths.to_spec()
+    for key in ("quota_bytes", "quota_inodes"):
+        if getattr(args, key, None) is not None:
+            spec[key] = getattr(args, key)
+    if (spec.get("quota_bytes") or spec.get("quota_inodes")) and spec["backend"] == "fallback":
+        raise UsageError("quotas are enforced by the FUSE layer: not with --no-fuse")
     return spec
 
 
@@ -454,16 +466,21 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     ref = str(parse_ref(args, args.ref, session=args.id))
     t0 = time.monotonic()
-    reply = _ask(args, args.id, {"op": "restore", "ref": ref, "discard": args.discard,
-                                 "timeout_s": args.timeout,
-                                 "wait_writers_s": args.wait_writers})
-    emit(args, {"id": args.id, "ref": ref, "pre_restore": reply.get("pre_restore"),
-                "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}, ref)
+    req = {"op": "restore", "ref": ref, "discard": args.discard, "timeout_s": args.timeout,
+           "wait_writers_s": args.wait_writers}
+    if args.paths is not None:
+        req["paths"] = args.paths
+    reply = _ask(args, args.id, req)
+    out = {"id": args.id, "ref": reply.get("ref") or ref, "pre_restore": reply.get("pre_restore"),
+           "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}
+    if args.paths is not None:
+        out["source"], out["paths"] = ref, reply.get("paths")
+    emit(args, out, str(out["ref"]))
     return 0
 
 
 def cmd_log(args: argparse.Namespace) -> int:
-    from fusefs.session.journal import STEP, Journal, event_dict, step_dict
+    from fusefs.session.journal import STEP, Journal, event_dict, restore_detail, step_dict
     from rewindfs.cmd_live import step_lines
     from store.objects import Store
 
@@ -477,7 +494,8 @@ def cmd_log(args: argparse.Namespace) -> int:
             if not args.changes:
                 del steps[e.seq]["changes"]
     if getattr(args, "json", False):
-        emit(args, [steps.get(e.seq) or event_dict(e) for e in events])
+        emit(args, [steps.get(e.seq) or dict(event_dict(e), **restore_detail(store, e))
+                    for e in events])
         return 0
     for e in events:
         when = datetime.datetime.fromtimestamp(e.time_ns / 1e9).isoformat(timespec="seconds")
@@ -487,7 +505,12 @@ def cmd_log(args: argparse.Namespace) -> int:
         else:
             what = ("checkpoint " + f"{e.trigger}/{e.consistency}"
                     if e.event == "WorkspaceCheckpointed" else "restore")
-        print(f"{e.seq:>4}  {when}  {what:<26} epoch {e.epoch}  {e.ref}")
+        detail = restore_detail(store, e)
+        if detail:
+            what = "restore --path"
+        print(f"{e.seq:>4}  {when}  {what:<26} epoch {e.epoch}  {e.ref}"
+              + (f"  {', '.join(detail.get('paths') or [])} from {detail.get('source')}"
+                 if detail else ""))
         if st is not None and args.changes:
             for line in step_lines(st["changes"]):
                 print("      " + line)

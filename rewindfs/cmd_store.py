@@ -120,13 +120,33 @@ def parse_ref(args: argparse.Namespace, text: str, session: str | None = None) -
 
 
 def size_arg(text: str) -> int:
-    """A byte count: digits, optionally followed by K or M (powers of 1024)."""
+    """A byte count: digits, optionally followed by K, M, G or T (powers of 1024; KiB, MB
+    ... are read the same)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
     digits = t[:-1] if mult > 1 else t
     if not digits.isdigit():
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 512K, 1M)")
     return int(digits) * mult
+
+
+def count_arg(text: str) -> int:
+    """A count >= 0 (an argparse type)."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}")
+    return int(text)
+
+
+def add_quota_args(p: argparse.ArgumentParser) -> None:
+    """``--quota-bytes`` and ``--quota-inodes``: caps on a session's upper layer, recorded
+    in its state directory (given again they replace the recorded ones; 0 removes one)."""
+    p.add_argument("--quota-bytes", type=size_arg, default=None, metavar="SIZE",
+                   help="cap on the content bytes of the upper layer (changes since the "
+                        "last checkpoint), e.g. 10M, 2G; beyond it writes fail with EDQUOT; "
+                        "recorded in the state, kept by remounts; 0 removes the cap")
+    p.add_argument("--quota-inodes", type=count_arg, default=None, metavar="N",
+                   help="cap on the inodes of the upper layer; beyond it creates fail with "
+                        "EDQUOT; recorded in the state, kept by remounts; 0 removes the cap")
 
 
 def inner_path(text: str) -> bytes:

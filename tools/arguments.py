@@ -20,7 +20,8 @@ from typing import Any
 from tools import messages as M
 
 _JSON_TYPES: dict[str, type | tuple[type, ...]] = {
-    "string": str, "integer": int, "number": (int, float), "boolean": bool}
+    "string": str, "integer": int, "number": (int, float), "boolean": bool,
+    "array": list}  # an array of strings
 
 
 class ArgumentError(ValueError):
@@ -45,6 +46,8 @@ class Arg:
 
     def schema(self, alias_of: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
+        if self.type == "array":
+            out["items"] = {"type": "string"}
         if alias_of is None:
             text = self.description
         else:
@@ -76,6 +79,8 @@ class Arg:
             ok = False
         if self.type == "integer" and isinstance(value, float) and value.is_integer():
             value, ok = int(value), True
+        if ok and self.type == "array" and not all(isinstance(v, str) for v in value):
+            ok = False
         if not ok:
             raise ArgumentError(M.ARG_BAD_TYPE.format(name=given, type=self.type,
                                                       got=type(value).__name__))
@@ -256,6 +261,9 @@ DIFF = ToolSpec("diff", M.DESCRIBE_DIFF, (
 
 RESTORE = ToolSpec("restore", M.DESCRIBE_RESTORE, (
     Arg("ref", "string", "The ref to restore (v1:blake3:...).", required=True),
+    Arg("paths", "array", "Restore only these paths (relative to the workspace root; each "
+        "becomes what the ref holds there, or is removed where it holds nothing); the rest "
+        "stays as it is."),
 ), read_only=False, destructive=True, idempotent=False)
 
 CHANGES = ToolSpec("changes", M.DESCRIBE_CHANGES, (

@@ -66,7 +66,7 @@ class CanDiff(Protocol):
 class CanRestore(Protocol):
     """Optional: point the workspace at another Ref; returns a short text."""
 
-    def restore(self, ref: str) -> str: ...
+    def restore(self, ref: str, paths: list[str] | None = None) -> str: ...
 
 
 @runtime_checkable

@@ -131,7 +131,8 @@ def build_server(binding: SessionBinding, allow_restore: bool = False,
     if "diff" in caps:
         session_calls["diff"] = lambda a: b.diff(a.get("ref_a"), a.get("ref_b"))
     if "restore" in caps and allow_restore:
-        session_calls["restore"] = lambda a: b.restore(a["ref"])
+        session_calls["restore"] = lambda a: (b.restore(a["ref"]) if a.get("paths") is None
+                                              else b.restore(a["ref"], a["paths"]))
     if "step" in caps:
         session_calls["changes"] = lambda a: b.changes(a.get("step"))
     specs = {s.name: s for s in A.TOOLS}

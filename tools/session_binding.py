@@ -187,12 +187,18 @@ class SessionToolBinding:
             text = M.SESSION_CHECKPOINTED_LABEL.format(ref=ref, label=label)
         return text
 
-    def restore(self, ref: str) -> str:
+    def restore(self, ref: str, paths: list[str] | None = None) -> str:
         """Restore the workspace to ``ref`` through the session process (the state before is
-        checkpointed first). Raises InvalidRefError, or the session's error as HostError."""
+        checkpointed first); with ``paths`` (relative to the root) only those paths.
+        Raises InvalidRefError, or the session's error as HostError."""
         target = str(Ref.parse(ref.strip()))
-        reply = self._ask({"op": "restore", "ref": target})
+        req: dict[str, object] = {"op": "restore", "ref": target}
+        if paths is not None:
+            req["paths"] = list(paths)
+        reply = self._ask(req)
         pre = reply.get("pre_restore")
+        if paths is not None:
+            target = f"{', '.join(reply.get('paths') or paths)} from {target}"
         if pre:
             return M.SESSION_RESTORED_UNDO.format(ref=target, pre=pre)
         return M.SESSION_RESTORED.format(ref=target)

@@ -63,7 +63,8 @@ class SessionHandle(Protocol):
 
     def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
                 cancel: threading.Event | None = None,
-                wait_writers_s: float | None = None) -> Ref | None: ...
+                wait_writers_s: float | None = None,
+                paths: list[str] | None = None) -> Ref | None: ...
 
     def turn_done(self, label: str | None = None) -> dict[str, Any] | None: ...
 
@@ -183,9 +184,15 @@ class Session:
     def restore(self, ref: Ref | str, discard: bool = False,
                 timeout_s: float | None = None,
                 cancel: threading.Event | None = None,
-                wait_writers_s: float | None = None) -> Ref | None:
+                wait_writers_s: float | None = None,
+                paths: list[str] | None = None) -> Ref | None:
         """Make the live tree ``ref`` (CONTRACT 3.2, 4.7); return the pre_restore checkpoint
-        (None with ``discard``). Never waits for open files: on a FUSE root, what they hold
+        (None with ``discard``). ``paths`` (relative to the root, ``/``-separated): restore
+        only those paths (each a file, a directory, or absent in ``ref``: then removed)
+        and leave the rest of the tree as it is; journaled as ``WorkspaceRestored`` of the
+        tree that makes, with the paths and ``ref`` as source (``log()[-1].ref`` is that
+        tree). A hostile path (absolute, ``..``, NUL, the root) is RestoreError
+        path_escape, a path in neither tree path_not_found, both before anything changes. Never waits for open files: on a FUSE root, what they hold
         is detached (their later writes reach neither the restored tree nor any
         checkpoint). ``timeout_s`` (s, default the policy timeout) bounds the wait for write
         permits (tool calls in flight); ``wait_writers_s`` (s) instead waits that long for
@@ -194,6 +201,11 @@ class Session:
         InvalidRefError, RestoreError, and store errors for a target missing from the
         store."""
         h = self._h("restore")
+        if paths is not None:
+            if isinstance(paths, str | bytes):
+                raise TypeError("paths is a list of paths, not one path")
+            return h.restore(Ref.parse(ref), discard, timeout_s, cancel, wait_writers_s,
+                             [os.fsdecode(p) for p in paths])
         return h.restore(Ref.parse(ref), discard, timeout_s, cancel, wait_writers_s)
 
     def turn_done(self, label: str | None = None) -> dict[str, Any] | None:

@@ -53,6 +53,10 @@ class WorkspaceConfig:
     lease_ttl_s: float
     backend: str
     paths: PathPolicy = field(default_factory=PathPolicy)
+    # caps on each session's upper layer (FUSE roots; ``fusefs.overlay``): content bytes
+    # and inodes; None: no cap (recorded in the session's state directory when it opens)
+    quota_bytes: int | None = None
+    quota_inodes: int | None = None
 
     @property
     def configured(self) -> bool:
@@ -63,7 +67,9 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
            requires_workspace: bool = False, persistence_paths: Iterable[str] = (),
            state_base: str | os.PathLike[str] | None = None, leaser: Any = None,
            lease_ttl_s: float = DEFAULT_LEASE_TTL_S, backend: str = "auto",
-           path_policy: PathPolicy | None = None) -> WorkspaceConfig:
+           path_policy: PathPolicy | None = None,
+           quota_bytes: int | None = None,
+           quota_inodes: int | None = None) -> WorkspaceConfig:
     """Validate and return a workspace configuration.
 
     ``placements``: zero or one of ``session_workspaces``, ``exclusive_workspace``,
@@ -72,6 +78,9 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
     managed root. ``state_base`` defaults to ``<store root>/sessions``. ``leaser`` guards the
     session leases (default: the exclusive placement's leaser, else one over the store).
     ``path_policy``: the path policy (default: none).
+    ``quota_bytes``, ``quota_inodes``: caps on what each session's upper layer holds (FUSE
+    backend only; EDQUOT beyond them, see ``fusefs.overlay``); None keeps what a resumed
+    session recorded, 0 removes a cap.
 
     Raises SnapshotPolicyError, WorkspacePlacementError, PersistenceOverlapError or
     PathPolicyError, in the order given in the module docstring; ValueError for a bad ``backend`` or ``lease_ttl_s``.
@@ -80,6 +89,12 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if not lease_ttl_s > 0:
         raise ValueError(f"lease ttl {lease_ttl_s!r} is not a positive number of seconds")
+    for name, cap in (("quota_bytes", quota_bytes), ("quota_inodes", quota_inodes)):
+        if cap is not None and (not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"{name} {cap!r} is not a count >= 0")
+        if cap and backend == "fallback":
+            raise ValueError(f"{name}: quotas are enforced by the FUSE layer, not by the "
+                             "fallback backend")
     # 1. policy options
     resolved_policy = policy.resolved() if policy is not None else None
     # 2. placement resolution
@@ -132,7 +147,8 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
     if leaser is None and placement is not None:
         leaser = placement.leaser or _default_leaser(store)
     return WorkspaceConfig(store, placement, resolved_policy, base, leaser, float(lease_ttl_s),
-                           backend, path_policy if path_policy is not None else PathPolicy())
+                           backend, path_policy if path_policy is not None else PathPolicy(),
+                           quota_bytes, quota_inodes)
 
 
 def _default_leaser(store: Any) -> Any:

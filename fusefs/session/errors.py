@@ -224,13 +224,15 @@ class RestoreError(SessionError):
     LEASE_UNHEALTHY = "lease_unhealthy"
     SYMLINK_ROOT = "symlink_root"
     SYMLINK_COMPONENT = "symlink_component"
-    PATH_ESCAPE = "path_escape"
+    PATH_ESCAPE = "path_escape"  # also: a path restore's path is hostile (.., absolute, NUL)
+    PATH_NOT_FOUND = "path_not_found"  # a path restore's path is in neither tree
     SWAP_FAILED = "swap_failed"
     ROLLBACK_FAILED = "rollback_failed"
     APPEND_FAILED = "append_failed"
     KINDS: ClassVar[frozenset[str]] = frozenset({
         CONTEXT_DONE, FAULTED, CLOSING, PERMIT_FAILED, LEASE_UNHEALTHY, SYMLINK_ROOT,
-        SYMLINK_COMPONENT, PATH_ESCAPE, SWAP_FAILED, ROLLBACK_FAILED, APPEND_FAILED})
+        SYMLINK_COMPONENT, PATH_ESCAPE, PATH_NOT_FOUND, SWAP_FAILED, ROLLBACK_FAILED,
+        APPEND_FAILED})
 
     def __init__(self, kind: str, ref: str = "", cause: BaseException | str = "") -> None:
         assert kind in self.KINDS, kind

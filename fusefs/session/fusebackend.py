@@ -63,7 +63,9 @@ def spec_of(cfg: WorkspaceConfig) -> dict[str, Any]:
     return {"store": p.store.root, "placement": p.mode.value, "path": p.path,
             "policy": pol.trigger, "required": pol.priority == "required",
             "timeout_s": pol.timeout_s, "idle_s": pol.idle_s, "ttl": cfg.lease_ttl_s,
-            "state_base": cfg.state_base, "backend": "fuse", "paths": cfg.paths.to_spec()}
+            "state_base": cfg.state_base, "backend": "fuse", "paths": cfg.paths.to_spec(),
+            **{k: v for k, v in (("quota_bytes", cfg.quota_bytes),
+                                 ("quota_inodes", cfg.quota_inodes)) if v is not None}}
 
 
 # -- errors across the socket ------------------------------------------------------------------
@@ -290,15 +292,19 @@ class RemoteSession:
 
     def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
                 cancel: threading.Event | None = None,
-                wait_writers_s: float | None = None) -> Ref | None:
+                wait_writers_s: float | None = None,
+                paths: list[str] | None = None) -> Ref | None:
         from .errors import RestoreError
 
         if cancel is not None and cancel.is_set():
             raise RestoreError(RestoreError.CONTEXT_DONE, str(ref), "cancelled before start")
         if self._closed:
             raise RestoreError(RestoreError.CLOSING, str(ref))
-        out = self._call({"op": "restore", "ref": str(ref), "discard": discard,
-                          "timeout_s": timeout_s, "wait_writers_s": wait_writers_s})
+        req: dict[str, Any] = {"op": "restore", "ref": str(ref), "discard": discard,
+                               "timeout_s": timeout_s, "wait_writers_s": wait_writers_s}
+        if paths is not None:
+            req["paths"] = list(paths)
+        out = self._call(req)
         pre = out.get("pre_restore")
         return Ref.parse(pre) if pre else None
 

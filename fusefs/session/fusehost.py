@@ -175,11 +175,14 @@ class SessionProcess:
     def make_mount(self, rec: SessionRecord) -> Any:
         assert rec.root is not None and self.cfg.state_base is not None
         fixed = self.placement.fixed
-        return self._mount_cls(
+        m = self._mount_cls(
             self.cfg.store if self.cfg.store is not None else self.placement.store,
             rec.root, self._upper_dir(self.cfg, rec), fixed=fixed,
             consistency=self.placement.consistency, state_base=self.cfg.state_base,
             state_dir=rec.state_dir)
+        # The spec's caps (session new/resume --quota-*) go into the upper as it opens.
+        m.quota = (self.cfg.quota_bytes, self.cfg.quota_inodes)
+        return m
 
     def log_path(self, rec: SessionRecord) -> str:
         assert rec.root is not None and self.cfg.state_base is not None

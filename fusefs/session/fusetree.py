@@ -218,10 +218,12 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def open_overlay(store: Any, d: str, ref: Ref | None, cache_mib: int = 128) -> Overlay:
+def open_overlay(store: Any, d: str, ref: Ref | None, cache_mib: int = 128,
+                 quota: tuple[int | None, int | None] = (None, None)) -> Overlay:
     """Open (creating with base ``ref`` if new) and lock the upper in ``d`` and return the
-    overlay over its base. Raises StateLockedError, BaseMismatchError, NoBaseError and the
-    store's ObjectNotFoundError for a base missing from the store."""
+    overlay over its base; ``quota`` (bytes, inodes) is recorded in the upper first (None
+    keeps what it records, 0 removes a cap). Raises StateLockedError, BaseMismatchError,
+    NoBaseError and the store's ObjectNotFoundError for a base missing from the store."""
     from fusefs.lower import Lower
     from fusefs.overlay import Overlay
     from fusefs.upper import Upper
@@ -231,6 +233,7 @@ def open_overlay(store: Any, d: str, ref: Ref | None, cache_mib: int = 128) -> O
         _remove_leftovers(d)
     upper = Upper.open(d, store_root=store.root, chunk_size=store.chunk_size, ref=ref)
     try:
+        upper.set_quota(*quota)
         store.get_tree(upper.base.tree_id)
         return Overlay(Lower(store, upper.base, cache_bytes=cache_mib << 20), upper)
     except BaseException:
@@ -285,6 +288,8 @@ class FuseMount:
         self.persist_error: str | None = None  # set when the last persist failed (``leave``)
         self.served = False  # the mount served at some point (a fixed root is written back)
         self.live: Any = None  # fusefs.control.Live while serving
+        # caps recorded in the upper when it opens (bytes, inodes; None: keep the recorded)
+        self.quota: tuple[int | None, int | None] = (None, None)
         self.last: dict[str, Any] = {}  # the daemon's last checkpoint or restore reply
         # The step log's state a preserved upper continues from (``Journal.resume_point``)
         self.step_resume: tuple[dict[str, Any], dict[str, str]] | None = None
@@ -371,7 +376,7 @@ class FuseMount:
         try:
             self.prepare_root()
             register_state_dir(self.store, self.upper_dir)
-            ov = open_overlay(self.store, self.upper_dir, self.base, cache_mib)
+            ov = open_overlay(self.store, self.upper_dir, self.base, cache_mib, self.quota)
         except Exception as e:
             return self._failed(f"cannot open the upper: {type(e).__name__}: {e}")
         gate = _notifying_gate(self)
@@ -520,22 +525,32 @@ class FuseMount:
         return Ref.parse(out["ref"])
 
     def restore(self, ref: Ref, discard: bool, timeout_s: float,
-                on_pre: Callable[[Ref], None] | None, on_commit: OnCommit,
-                wait_writers_s: float | None = None) -> Ref | None:
+                on_pre: Callable[[Ref], None] | None, on_commit: Callable[..., None],
+                wait_writers_s: float | None = None,
+                paths: list[str] | None = None) -> Ref | None:
         """A live restore (CONTRACT 3.2): the pre-restore checkpoint (unless ``discard``)
-        goes to ``on_pre`` before the swap, ``on_commit`` right after it. Returns the
+        goes to ``on_pre`` before the swap, ``on_commit`` right after it (for a path
+        restore, ``paths``, as ``on_commit(tree made, normalized paths)``). Returns the
         pre-restore Ref. Raises RestoreError."""
         self.wait_serving()
         live = self.live
 
+        def committed(target: Ref) -> None:
+            if paths is None:
+                on_commit()
+            else:
+                from fusefs.restore import normalize_paths
+
+                on_commit(target, [os.fsdecode(p) for p in normalize_paths(paths)])
+
         async def run() -> dict[str, Any]:
             async with self._restore_lock:
                 live.on_pre_restore = on_pre
-                live.on_restored = lambda _target: on_commit()
+                live.on_restored = committed
                 try:
                     out: dict[str, Any] = await live.restore(
                         ref, discard=discard, timeout_s=timeout_s,
-                        wait_writers_s=wait_writers_s)
+                        wait_writers_s=wait_writers_s, paths=paths)
                     return out
                 finally:
                     live.on_pre_restore = None
@@ -776,14 +791,16 @@ class FuseTree:
         return ref
 
     def restore_live(self, ref: Ref, discard: bool, timeout_s: float,
-                     on_pre: Callable[[Ref], None] | None, on_commit: OnCommit,
-                     wait_writers_s: float | None = None) -> Ref | None:
+                     on_pre: Callable[[Ref], None] | None, on_commit: Callable[..., None],
+                     wait_writers_s: float | None = None,
+                     paths: list[str] | None = None) -> Ref | None:
         """Pause (waiting for writers only with ``wait_writers_s``), checkpoint
-        (``on_pre``), swap, ``on_commit``, resume, all inside the daemon (CONTRACT 3.2).
-        Raises RestoreError."""
+        (``on_pre``), swap, ``on_commit``, resume, all inside the daemon (CONTRACT 3.2);
+        ``paths``: a path restore (``Live.restore``). Raises RestoreError."""
         if not self._attached:
             raise RestoreError(RestoreError.SWAP_FAILED, str(ref), "the root is not mounted")
-        return self.mount.restore(ref, discard, timeout_s, on_pre, on_commit, wait_writers_s)
+        return self.mount.restore(ref, discard, timeout_s, on_pre, on_commit, wait_writers_s,
+                                  paths)
 
     def step(self) -> dict[str, Any]:
         """Close a step in the daemon (``fusefs.control.Live.step``): the paths changed since

@@ -12,7 +12,8 @@ that ``resume`` can start a host with the same configuration::
 
     {"store", "placement", "path", "policy", "required", "ttl", "idle_s"}
 
-and optionally ``paths`` (the path policy, ``{"hide": [...], "protect": [...], "exclude":
+and optionally ``quota_bytes``, ``quota_inodes`` (caps on the upper layer of a FUSE root),
+``paths`` (the path policy, ``{"hide": [...], "protect": [...], "exclude":
 [...]}``, see ``store.pathpolicy``), ``timeout_s`` (policy timeout), ``state_base`` and
 ``backend`` (``fallback`` when absent; ``auto`` or ``fuse`` open the session on the FUSE backend, whose own session
 process then serves it: this host reports it ready and exits).
@@ -35,6 +36,7 @@ from store.ref import Ref
 
 from .config import WorkspaceConfig, define
 from .control import CONTROL_FILE, error_reply, socket_dir
+from .errors import RestoreError
 from .placement import exclusive_workspace, session_workspaces, shared_workspace
 from .policy import SnapshotPolicy
 from .registry import write_json_atomic
@@ -65,7 +67,8 @@ def config_from_spec(spec: dict[str, Any]) -> WorkspaceConfig:
                             idle_s=float(spec.get("idle_s", 5.0)))
     return define(p, policy=policy, backend=spec.get("backend") or "fallback",
                   lease_ttl_s=float(spec.get("ttl", 30)), state_base=spec.get("state_base"),
-                  path_policy=PathPolicy.from_spec(spec.get("paths")))
+                  path_policy=PathPolicy.from_spec(spec.get("paths")),
+                  quota_bytes=spec.get("quota_bytes"), quota_inodes=spec.get("quota_inodes"))
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -124,9 +127,23 @@ class Host:
             ref = handle.checkpoint(trigger, req.get("timeout_s"))
             return {"ok": True, "ref": str(ref)}
         if op == "restore":
+            paths = req.get("paths")
+            if paths is not None and not (isinstance(paths, list)
+                                          and all(isinstance(p, str) for p in paths)):
+                raise RestoreError(RestoreError.PATH_ESCAPE, str(req.get("ref") or ""),
+                                   "paths must be a list of strings")
             pre = s.restore(Ref.parse(req.get("ref")), bool(req.get("discard")),
-                            req.get("timeout_s"), wait_writers_s=req.get("wait_writers_s"))
-            return {"ok": True, "ref": req.get("ref"), "pre_restore": str(pre) if pre else None}
+                            req.get("timeout_s"), wait_writers_s=req.get("wait_writers_s"),
+                            paths=paths)
+            out = {"ok": True, "ref": req.get("ref"), "pre_restore": str(pre) if pre else None}
+            if paths is not None:  # the tree the path restore made, as journaled
+                from fusefs.restore import normalize_paths
+
+                restores = [e for e in s.log() if e.event == "WorkspaceRestored"]
+                out.update(ref=str(restores[-1].ref) if restores else None,
+                           source=req.get("ref"),
+                           paths=[os.fsdecode(p) for p in normalize_paths(paths)])
+            return out
         if op in ("turn_done", "step_done"):
             done = s.turn_done if op == "turn_done" else s.step_done
             return {"ok": True, "step": done(req.get("label"))}

@@ -5,7 +5,10 @@ row), so they survive the session process and rebuild with the store. Three even
 
 - ``WorkspaceCheckpointed{ref, consistency, trigger}``: trigger is one of ``TRIGGERS``,
   consistency ``quiescent`` or ``fuzzy``;
-- ``WorkspaceRestored{ref}``;
+- ``WorkspaceRestored{ref}``; a path restore (only some paths taken from a Ref) is a
+  ``WorkspaceRestored`` of the tree it made (the live tree after it, a real Ref), with
+  ``paths`` (relative to the root) and ``source`` (the Ref they came from) kept in the
+  event's backend object (``Store.journal_record``), not in the journal's index row;
 - ``WorkspaceStep{step, label, changes}`` (issue 14.1, the step change log): ``step`` is 1,
   2, ... per session, ``changes`` the paths changed since the previous step, each
   ``{path, status, kind}`` (status ``added``, ``removed``, ``modified`` or
@@ -70,12 +73,17 @@ class Journal:
                                              trigger=trigger, consistency=consistency,
                                              fence=self._fence(epoch)))
 
-    def restored(self, ref: Ref, epoch: int) -> int:
-        """Append ``WorkspaceRestored``; return its seq. Raises JournalError if ``ref`` is not
+    def restored(self, ref: Ref, epoch: int, paths: list[str] | None = None,
+                 source: Ref | None = None) -> int:
+        """Append ``WorkspaceRestored``; return its seq. ``paths`` and ``source``: a path
+        restore (``ref`` is then the tree it made). Raises JournalError if ``ref`` is not
         in the store, FencedError as ``checkpointed``."""
         self._check_committed(ref)
+        detail = None
+        if paths is not None:
+            detail = {"paths": list(paths), "source": str(source) if source else None}
         return int(self.store.append_journal(self.session_id, RESTORED, ref, epoch=epoch,
-                                             fence=self._fence(epoch)))
+                                             fence=self._fence(epoch), data=detail))
 
     def _fence(self, epoch: int) -> str | None:
         # An epoch is that of the session lease: appends are fenced by it (none without).
@@ -164,3 +172,15 @@ def event_dict(e: JournalEvent) -> dict[str, object]:
         d["trigger"] = e.trigger
         d["consistency"] = e.consistency
     return d
+
+
+def restore_detail(store: Any, e: JournalEvent) -> dict[str, Any]:
+    """``paths`` and ``source`` of a path restore event (empty for any other event, or
+    when its durable record cannot be read)."""
+    if e.event != RESTORED:
+        return {}
+    try:
+        got = store.journal_record(e.session, e.seq)
+    except (KeyError, ValueError, OSError):  # a lost record: the index row still stands
+        return {}
+    return {k: got[k] for k in ("paths", "source") if k in got}

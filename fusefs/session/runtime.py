@@ -391,10 +391,13 @@ class SessionCore:
 
     def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
                 cancel: threading.Event | None = None,
-                wait_writers_s: float | None = None) -> Ref | None:
+                wait_writers_s: float | None = None,
+                paths: list[str] | None = None) -> Ref | None:
         """Make the live tree ``ref``, journaling ``WorkspaceRestored{ref}``. Unless
         ``discard``, the current state is checkpointed first (trigger pre_restore) and that
-        Ref returned, so the restore can be undone.
+        Ref returned, so the restore can be undone. With ``paths``, only those paths
+        (relative to the root) are made ``ref``'s; the journal then names the tree that
+        made, with the paths and ``ref`` as its source (``Journal.restored``).
 
         Raises RestoreError (kinds of CONTRACT 4.8) and the store's errors for a target
         that is not complete in the store (ObjectNotFoundError, IntegrityError).
@@ -413,12 +416,14 @@ class SessionCore:
                 raise RestoreError(RestoreError.PERMIT_FAILED, sref,
                                    f"writers did not finish within {timeout} s")
             try:
-                return self._restore_locked(ref, discard, cancel, timeout, wait_writers_s)
+                return self._restore_locked(ref, discard, cancel, timeout, wait_writers_s,
+                                            paths)
             finally:
                 self.gate.release_exclusive()
 
     def _restore_locked(self, ref: Ref, discard: bool, cancel: threading.Event | None,
-                        timeout_s: float, wait_writers_s: float | None = None) -> Ref | None:
+                        timeout_s: float, wait_writers_s: float | None = None,
+                        paths: list[str] | None = None) -> Ref | None:
         sref = str(ref)
         if cancel is not None and cancel.is_set():
             raise RestoreError(RestoreError.CONTEXT_DONE, sref, "cancelled")
@@ -426,22 +431,43 @@ class SessionCore:
             raise RestoreError(RestoreError.LEASE_UNHEALTHY, sref)
         restore_live = getattr(self.tree, "restore_live", None)
         if restore_live is not None:
-            return self._restore_live(ref, discard, restore_live, timeout_s, wait_writers_s)
+            return self._restore_live(ref, discard, restore_live, timeout_s, wait_writers_s,
+                                      paths)
+        wanted = None
+        if paths is not None:
+            from fusefs.restore import normalize_paths
+
+            wanted = normalize_paths(paths)
+            self._check_paths_plain(ref, wanted)
         pre = None
-        if not discard:
+        if not discard or wanted is not None:
             try:
+                # A path restore on a plain directory takes its target from the tree as it
+                # is, so it captures it also with ``discard`` (then not journaled).
                 pre = self.tree.capture("checkpoint")
             except Exception as e:
                 raise RestoreError(RestoreError.SWAP_FAILED, sref,
                                    f"pre-restore checkpoint failed: {e}") from e
-            self.journal.checkpointed(pre, "pre_restore", self._consistency(), self.epoch)
+            if not discard:
+                self.journal.checkpointed(pre, "pre_restore", self._consistency(),
+                                          self.epoch)
         verify_complete(self.store, ref)
+        target = ref
+        if wanted is not None:
+            assert pre is not None
+            target = self._path_target(pre, ref, wanted)
+            if discard:
+                pre = None
 
         def on_commit() -> None:
-            self.journal.restored(ref, self.epoch)
+            if wanted is None:
+                self.journal.restored(ref, self.epoch)
+            else:
+                self.journal.restored(target, self.epoch,
+                                      [os.fsdecode(p) for p in wanted], ref)
 
         try:
-            self.tree.swap(ref, self.journal.last_seq(), on_commit)
+            self.tree.swap(target, self.journal.last_seq(), on_commit)
         except RestoreError as e:
             if e.kind == RestoreError.ROLLBACK_FAILED:
                 self._fault_terminal(f"restore rollback failed: {e.cause}")
@@ -450,8 +476,30 @@ class SessionCore:
             raise
         return pre
 
+    def _check_paths_plain(self, source: Ref, wanted: list[bytes]) -> None:
+        """RestoreError(path_not_found), before anything changes, for a path of a path
+        restore that is in neither the plain directory root nor ``source``."""
+        from fusefs.restore import _Trees
+
+        self.store.root_tree(source)  # RefNotFoundError first
+        src = _Trees(self.store, source.tree_id)
+        root = os.fsencode(str(getattr(self.tree, "root", "")))
+        for p in wanted:
+            if src.entry(p) is None and not os.path.lexists(os.path.join(root, p)):
+                raise RestoreError(RestoreError.PATH_NOT_FOUND, str(source),
+                                   f"{os.fsdecode(p)!r} is in neither the live tree nor "
+                                   f"{source}")
+
+    def _path_target(self, base: Ref, source: Ref, wanted: list[bytes]) -> Ref:
+        """The tree of a path restore on a plain directory: ``base`` (the captured root)
+        with ``wanted`` from ``source``."""
+        from fusefs.restore import path_target
+
+        return path_target(self.store, base, source, wanted)
+
     def _restore_live(self, ref: Ref, discard: bool, restore_live: Any,
-                      timeout_s: float, wait_writers_s: float | None) -> Ref | None:
+                      timeout_s: float, wait_writers_s: float | None,
+                      paths: list[str] | None = None) -> Ref | None:
         """A tree that restores inside its daemon (FUSE): the daemon pauses, checkpoints,
         verifies and swaps in the order of CONTRACT 3.2; the journal appends happen from
         its hooks, the pre-restore checkpoint before the swap and ``WorkspaceRestored``
@@ -464,12 +512,15 @@ class SessionCore:
             self.journal.checkpointed(pre, "pre_restore", self.tree.consistency, self.epoch)
             pres.append(pre)
 
-        def on_commit() -> None:
-            self.journal.restored(ref, self.epoch)
+        def on_commit(done: Ref | None = None, wanted: list[str] | None = None) -> None:
+            if wanted is None:
+                self.journal.restored(ref, self.epoch)
+            else:  # a path restore: ``done`` is the tree it made
+                self.journal.restored(done or ref, self.epoch, wanted, ref)
 
         try:
             restore_live(ref, discard, timeout_s, None if discard else on_pre, on_commit,
-                         wait_writers_s)
+                         wait_writers_s, paths)
         except RestoreError as e:
             if e.kind == RestoreError.ROLLBACK_FAILED:
                 self._fault_terminal(f"restore rollback failed: {e.cause}")
