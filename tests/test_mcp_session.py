@@ -126,3 +126,29 @@ def test_unknown_session_fails_to_start(sessions: Sessions) -> None:
     missing = sessions.place / "no-store"
     p = sessions.cli("--store", str(missing), "mcp", "--session", "x", check=False)
     assert p.returncode != 0 and not missing.exists()
+
+
+def test_mcp_restore_of_one_path(sessions: Sessions) -> None:
+    sid, root = sessions.new(sessions.project())
+    original = (root / "calc.py").read_text()
+    seed = str(Journal(Store(sessions.store), sid).events()[0].ref)
+    answers: list[str] = []
+
+    async def agent() -> None:
+        async with Client(server(sessions, sid, "--allow-restore"),
+                          read_timeout_seconds=120) as client:
+            for path, content in (("calc.py", "broken\n"), ("notes.txt", "kept\n")):
+                r = await client.call_tool("WriteFile", {"path": path, "content": content})
+                assert not r.is_error, text(r)
+            r = await client.call_tool("restore", {"ref": seed, "paths": ["calc.py"]})
+            assert not r.is_error, text(r)
+            answers.append(text(r))
+            r = await client.call_tool("restore", {"ref": seed, "paths": ["../etc"]})
+            assert r.is_error and "path_escape" in text(r), text(r)
+
+    anyio.run(agent)
+    assert answers[0].startswith(f"restored the workspace to calc.py from {seed}; ")
+    assert (root / "calc.py").read_text() == original
+    assert (root / "notes.txt").read_text() == "kept\n"
+    last = Journal(Store(sessions.store), sid).events()[-1]
+    assert last.event == "WorkspaceRestored" and str(last.ref) != seed
