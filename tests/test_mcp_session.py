@@ -137,6 +137,8 @@ def test_mcp_restore_of_one_path(sessions: Sessions) -> None:
     async def agent() -> None:
         async with Client(server(sessions, sid, "--allow-restore"),
                           read_timeout_seconds=120) as client:
+            r = await client.call_tool("ReadFile", {"path": "calc.py"})  # before writing it
+            assert not r.is_error, text(r)
             for path, content in (("calc.py", "broken\n"), ("notes.txt", "kept\n")):
                 r = await client.call_tool("WriteFile", {"path": path, "content": content})
                 assert not r.is_error, text(r)
