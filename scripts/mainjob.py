@@ -67,6 +67,17 @@ TEXT_SUFFIXES = (".py", ".md", ".txt", ".rst", ".toml", ".cfg", ".js", ".html", 
 """Files the job prefers to edit when it breaks things."""
 
 
+WRITER = """
+import sys
+f = open(sys.argv[1], "a", buffering=1)
+for line in sys.stdin:
+    f.write(line)
+    f.flush()
+    print("ok", flush=True)
+"""
+"""A process that keeps a file open for writing across the restore (a log writer)."""
+
+
 class CheckFailed(Exception):
     """A step found something other than what rewindfs promises."""
 
@@ -451,7 +462,9 @@ class MainJob:
         self.checkpointed: dict[str, tuple[Any, ...]] = {}
         self.git_state = ""
         self.broken: dict[str, str] = {}
+        self.writer: subprocess.Popen[str] | None = None
         self.steps: list[tuple[str, Callable[[], str]]] = [
+            ("check the machine (rewindfs doctor)", self.doctor),
             ("open the default store", self.open_store),
             ("stage a copy of the project", self.stage),
             ("snapshot it (the seed)", self.snapshot_seed),
@@ -461,7 +474,7 @@ class MainJob:
             ("checkpoint", self.checkpoint),
             ("break things", self.break_things),
             ("what changed since the checkpoint (rewindfs diff)", self.diff_live),
-            ("restore the checkpoint", self.restore),
+            ("restore the checkpoint while a process holds a file open", self.restore),
             ("the tree is back", self.compare),
             ("the history", self.history),
             ("mount the seed read-only and read from it", self.browse_old),
@@ -526,6 +539,7 @@ class MainJob:
                 problems.append(f"{what} failed: {type(e).__name__}: {e}")
 
         try:
+            attempt("ending the writer process", self.end_writer)
             if self.live is not None:
                 attempt(f"stopping the {self.live.kind}", self.live.cleanup)
             attempt("unmounting the read-only mount", lambda: lazy_unmount(self.ro))
@@ -548,6 +562,28 @@ class MainJob:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     # -- steps ---------------------------------------------------------------------------
+
+    def doctor(self) -> str:
+        """``rewindfs doctor``: what this machine offers; only shown, never a failed check
+        (a missing piece the walk-through needs fails its own step)."""
+        data, _ = self.r.rw("doctor", check=False)
+        if not data:
+            raise CheckFailed("rewindfs doctor printed no JSON")
+        counts = {k: sum(c["status"] == k for c in data["checks"]) for k in ("ok", "warn", "fail")}
+        for c in data["checks"]:
+            if c["status"] != "ok":
+                print(f"         {c['status']}: {c['name']}: {c['detail']}")
+                if c.get("fix"):
+                    print(f"           fix: {c['fix']}")
+        binding = next((c["detail"] for c in data["checks"] if c["name"] == "fuse_binding"), "?")
+        return (f"{counts['ok']} ok, {counts['warn']} warning(s), {counts['fail']} failed; "
+                f"binding: {binding}")
+
+    def end_writer(self) -> None:
+        w, self.writer = self.writer, None
+        if w is not None and w.poll() is None:
+            w.kill()
+            w.wait(timeout=30)
 
     def open_store(self) -> str:
         data, _ = self.r.rw("init")
@@ -732,12 +768,39 @@ class MainJob:
                 f"dirty byte(s); diff -u shows the edit: {hunk[0]!r}")
 
     def restore(self) -> str:
+        """Restore while a process (a log writer, say) holds a file that the restore removes
+        open for writing: the restore goes through at once, the writer keeps working on
+        the detached file, and what it writes afterwards reaches neither the restored
+        tree (``compare`` checks the tree is exactly the checkpoint's) nor any checkpoint."""
         assert self.live is not None
+        log = self.root / "MAINJOB-WRITER.log"
+        self.writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(log)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True)
+        assert self.writer.stdin is not None and self.writer.stdout is not None
+        self.writer.stdin.write("before the restore\n")
+        self.writer.stdin.flush()
+        if self.writer.stdout.readline() != "ok\n":
+            raise CheckFailed("the writer process could not write into the mount")
+        t0 = time.perf_counter()
         pre, note = self.live.restore(self.refs["work"])
+        took = time.perf_counter() - t0
         if pre:
             self.refs["pre_restore"] = pre
-        return (f"back at {self.refs['work']} ({note}); the broken state was checkpointed "
-                f"first as {pre or '(none)'}")
+        self.writer.stdin.write("after the restore\n")
+        self.writer.stdin.flush()
+        if self.writer.stdout.readline() != "ok\n":
+            raise CheckFailed("the writer's handle stopped working after the restore")
+        self.writer.stdin.close()
+        if self.writer.wait(timeout=60) != 0:
+            raise CheckFailed("the writer process failed after the restore")
+        self.writer = None
+        if log.exists():
+            raise CheckFailed(f"{log.name} is in the restored tree")
+        return (f"back at {self.refs['work']} ({note}; {took:.2f} s with the writer holding "
+                f"{log.name} open: no wait); the broken state was checkpointed first as "
+                f"{pre or '(none)'}; the writer kept writing to its detached file, which is "
+                "not in the restored tree")
 
     def compare(self) -> str:
         now = manifest(self.root)
