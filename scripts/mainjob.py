@@ -19,8 +19,9 @@ goes through the ``rewindfs`` CLI on the default store (``$REWINDFS_STORE``, els
    (``--test-cmd``; default: two quick test files of this repository, else
    ``python -m compileall`` of the project's top-level packages);
 4. checkpoint; break things (``rm -rf`` a directory, edit, truncate, chmod, rename, add);
-   ``rewindfs diff`` of the live tree; restore the checkpoint and show the tree is back
-   exactly (every path's kind, mode, size, mtime and content; git sees the same state);
+   ``rewindfs diff`` of the live tree; restore the checkpoint while a process holds a file
+   open for writing (the restore does not wait; the writer's later writes reach neither
+   the tree nor a checkpoint) and show the tree is back exactly (every path's kind, mode, size, mtime and content; git sees the same state);
    the history (``rewindfs log ID``, or the snapshot list in mount mode);
 5. mount the seed read-only and read from it while the session is live; shut down; verify
    the store.
@@ -32,7 +33,8 @@ SIGINT, SIGTERM), every mount it made is unmounted (``fusermount3 -uz`` as the l
 and every daemon it started is gone before it exits. Exit status 0 when every check held,
 1 when one failed, 2 for bad arguments, 130 after SIGINT, 143 after SIGTERM.
 
-Steps are methods of ``MainJob`` listed in ``MainJob.steps``.
+``rewindfs doctor`` runs first and its findings are shown. Steps are methods of
+``MainJob`` listed in ``MainJob.steps``.
 """
 
 from __future__ import annotations
