@@ -6,6 +6,13 @@ trailers and the append-only history objects. It runs in WAL mode. Tables are cr
 sqlite-utils here and nowhere else (``dirs_cache`` with plain SQL, below); hot paths use
 plain prepared SQL.
 
+On a shared store (store/config.py) the catalog tables (``objects``, ``packs``,
+``snapshots``, ``journal``, ``named_refs``, ``state_dirs`` with a ``host`` column,
+``sessions``, ``leases``, ``config``) live in the PostgreSQL catalog instead
+(store/pgcatalog.py, its own versioned migrations), read and written only through
+store/catalog.py; this host's file keeps ``files_cache`` and ``dirs_cache``, trusted against
+the catalog's object index.
+
 Invariants, each checked by ``verify`` (store/verify.py, which keeps the same list in
 ``INVARIANTS``) under the stable name given in brackets:
 
