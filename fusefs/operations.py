@@ -291,16 +291,20 @@ class Operations(pyfuse3.Operations):
         if changes could not be written anywhere (they are lost), UpperSpilledError if they
         were kept in the spill for the next mount."""
         upper = self.ov.upper
-        if upper is not None:
-            failed, self._failed = self._failed, []
-            try:
-                sync_paths(self._unsynced, upper.data_dir)
-                for b in failed:
-                    upper.write(b)
-            except BaseException:
-                upper.close()
-                raise
-        self.ov.close()
+        try:
+            if upper is not None:
+                failed, self._failed = self._failed, []
+                try:
+                    sync_paths(self._unsynced, upper.data_dir)
+                    for b in failed:
+                        upper.write(b)
+                except BaseException:
+                    upper.close()
+                    raise
+            self.ov.close()
+        except OSError as e:
+            raise OSError(e.errno, f"{e.strerror}; the changes since the last successful "
+                          "commit are lost", e.filename) from e
         if upper is not None and upper.spilled:
             raise UpperSpilledError(upper.state_dir, len(upper.spilled))
 
