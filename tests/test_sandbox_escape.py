@@ -254,6 +254,22 @@ def test_file_size_and_memory_are_bounded(arena: Arena) -> None:
     assert "ALLOCATED" in arena.outside(alloc)
 
 
+def test_memory_backed_file_systems_are_bounded(arena: Arena) -> None:
+    # tmpfs pages count against no process's RLIMIT_AS: an unsized /tmp or /dev (with
+    # /dev/shm) holds up to half of the host's memory each, per command.
+    needs_root_outside()
+    fill = ("for d in /tmp /dev/shm /dev; do head -c 134217728 /dev/zero > $d/fill "
+            "&& echo WROTE $d; rm -f $d/fill; done")
+    r = arena.inside(fill, max_tmp_bytes=64 << 20)
+    assert "WROTE" not in r["text"], r
+    assert "No space left" in r["text"] and "Read-only file system" in r["text"], r
+    outside = arena.outside(fill.replace("/dev/shm /dev", "/dev/shm"), old_sandbox=True,
+                            as_root=True)
+    assert "WROTE /tmp" in outside and "WROTE /dev/shm" in outside, outside
+    assert "WROTE /dev" in arena.outside("head -c 1048576 /dev/zero > /dev/fill && "
+                                         "echo WROTE /dev", old_sandbox=True, as_root=True)
+
+
 # -- host secrets ------------------------------------------------------------------------------
 
 
@@ -474,6 +490,32 @@ def test_dotdot_symlink_and_hard_link_do_not_leave_the_root(arena: Arena) -> Non
     assert not (arena.root / "hard").exists()
     arena.outside(hard)
     assert (h / "file").read_text() == "changed\n"
+
+
+def _set_id_files(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.stat().st_mode & 0o6000)
+
+
+def test_no_set_user_id_program_is_left_in_the_root(arena: Arena) -> None:
+    # The sandbox's uid is the server's, and a plain workspace directory has no nosuid:
+    # a set-user-ID copy of a shell left there is root (or the server's user) for any
+    # local user who runs it. io_uring's openat would pass the mode unseen by seccomp.
+    plant = ("cp /usr/bin/true chmod-u && chmod u+s chmod-u; "
+             "cp /usr/bin/true chmod-g && chmod g+s chmod-g; "
+             "install -m 4755 /usr/bin/true install-u; "
+             "python3 -c \"import os; os.close(os.open('open-u', os.O_CREAT | os.O_WRONLY, "
+             "0o4755))\"; "
+             "python3 -c \"import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+             "fd = libc.syscall(425, 4, ctypes.create_string_buffer(120)); "
+             "print('IO_URING' if fd >= 0 else os.strerror(ctypes.get_errno()))\"")
+    r = arena.inside(plant)
+    assert _set_id_files(arena.root) == [], r
+    assert "Operation not permitted" in r["text"] and "IO_URING" not in r["text"], r
+    for p in list(arena.root.iterdir()):
+        p.unlink()
+    out = arena.outside(plant)
+    assert _set_id_files(arena.root) == ["chmod-g", "chmod-u", "install-u", "open-u"], out
+    assert "IO_URING" in out, out
 
 
 # -- the session mount ---------------------------------------------------------------------

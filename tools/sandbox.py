@@ -80,7 +80,10 @@ class SandboxPolicy:
     passed on to commands besides the allowlist. ``unsafe_no_sandbox``: where no sandbox
     can be built, run commands unconfined instead of refusing. ``max_processes``: processes
     and threads of one command at once; ``max_memory_bytes``: address space of each of its
-    processes (RLIMIT_AS); ``max_file_bytes``: largest file it may write (RLIMIT_FSIZE).
+    processes (RLIMIT_AS); ``max_file_bytes``: largest file it may write (RLIMIT_FSIZE);
+    ``max_tmp_bytes``: size of each of its memory-backed file systems, /tmp and /dev/shm
+    (tmpfs pages are no process's address space, so RLIMIT_AS does not bound them; an
+    unsized tmpfs may take half of the host's memory).
     """
 
     network: bool = False
@@ -90,6 +93,7 @@ class SandboxPolicy:
     max_processes: int = 1024
     max_memory_bytes: int = 16 * _GIB
     max_file_bytes: int = 64 * _GIB
+    max_tmp_bytes: int = 4 * _GIB
 
 
 # -- environment ---------------------------------------------------------------------------
@@ -135,7 +139,16 @@ _REFUSED = (
     "swapon", "swapoff", "reboot", "acct", "quotactl", "quotactl_fd", "syslog",
     "iopl", "ioperm", "userfaultfd", "open_by_handle_at", "lookup_dcookie",
     "fanotify_init", "nfsservctl", "uselib", "_sysctl", "vm86", "vm86old",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
 )
+# Calls giving a file a mode, and the argument holding it: a mode with the set-user-ID or
+# set-group-ID bit fails with EPERM. The sandbox's uid is the server's (root, often) and a
+# plain --root workspace is a host directory without nosuid, so such a file would be a
+# set-user-ID-root program left on the host for any local user to run. (io_uring, whose
+# openat a filter cannot see, is refused above; openat2's mode is in a struct: ENOSYS.)
+_MODE_ARG = (("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("fchmodat2", 2),
+             ("open", 2), ("openat", 3), ("creat", 1), ("mknod", 1), ("mknodat", 2))
+_SET_ID_BITS = (stat.S_ISUID, stat.S_ISGID)
 _CLONE_NEWUSER = 0x10000000
 _TIOCSTI = 0x5412            # push characters into a terminal's input
 _TIOCLINUX = 0x541C
@@ -145,9 +158,10 @@ _TIOCLINUX = 0x541C
 def seccomp_program() -> bytes:
     """The sandbox's seccomp filter as a BPF program (what ``bwrap --seccomp FD`` reads),
     built with libseccomp (through pyseccomp): the calls in ``_REFUSED`` fail with EPERM,
-    as do clone and unshare asking for a new user namespace and the TIOCSTI/TIOCLINUX
-    ioctls; clone3, whose flags a filter cannot read, fails with ENOSYS so that the C
-    library falls back to clone. Calls of any other architecture (32-bit x86 on x86-64)
+    as do clone and unshare asking for a new user namespace, the TIOCSTI/TIOCLINUX
+    ioctls, and a mode with the set-user-ID or set-group-ID bit given to a file
+    (``_MODE_ARG``); clone3 and openat2, whose flags and mode a filter cannot read, fail
+    with ENOSYS so that the C library falls back to clone (openat2 it never uses). Calls of any other architecture (32-bit x86 on x86-64)
     kill the process; x32 calls get the same rules. Raises ImportError or OSError when
     libseccomp cannot build it."""
     import pyseccomp as sc
@@ -165,8 +179,13 @@ def seccomp_program() -> bytes:
     newuser = sc.Arg(0, sc.MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER)
     f.add_rule(eperm, "unshare", newuser)
     f.add_rule(eperm, "clone", newuser)
-    with contextlib.suppress(OSError, ValueError, RuntimeError):
-        f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for name, arg in _MODE_ARG:
+        for bit in _SET_ID_BITS:
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                f.add_rule(eperm, name, sc.Arg(arg, sc.MASKED_EQ, bit, bit))
+    for name in ("clone3", "openat2"):
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            f.add_rule(sc.ERRNO(errno.ENOSYS), name)
     for req in (_TIOCSTI, _TIOCLINUX):
         f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, req))
     fd = os.memfd_create("rewindfs-seccomp")
@@ -322,7 +341,12 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
     if resolv_fd is not None and os.path.isfile("/etc/resolv.conf") \
             and not os.path.islink("/etc/resolv.conf"):
         argv += ["--ro-bind-data", str(resolv_fd), "/etc/resolv.conf"]
-    argv += ["--dev", "/dev", *_proc_view(), "--tmpfs", "/tmp", "--bind", root, root]
+    # /dev's own tmpfs is read-only and /dev/shm and /tmp are sized: each would otherwise
+    # hold up to half of the host's memory, which no limit of a process counts.
+    tmp_size = str(policy.max_tmp_bytes)
+    argv += ["--dev", "/dev", "--size", tmp_size, "--tmpfs", "/dev/shm",
+             "--remount-ro", "/dev", *_proc_view(), "--size", tmp_size, "--tmpfs", "/tmp",
+             "--bind", root, root]
     for h in hidden:
         if _under(h, root) and h != root:
             argv += _mask(h)
