@@ -34,9 +34,11 @@ def holder_name(pid: int, nonce: str) -> str:
 
 def holder_is_dead(holder: str) -> bool:
     """True if ``holder`` (``host:pid:nonce``) names a process of this host (same host id)
-    that no longer exists: its lease can be taken over before it expires (a holder killed
-    with -9). A holder of another host, of another form, or whose pid is alive (even if
-    reused) is trusted until its lease expires."""
+    that no longer exists or has exited and waits to be reaped (a zombie: state ``Z`` or
+    ``X`` in ``/proc/PID/stat``, proc(5)): its lease can be taken over before it expires (a
+    holder killed with -9, whose parent, often init in a container, reaps it later). A
+    holder of another host, of another form, or whose pid is alive (even if reused) is
+    trusted until its lease expires."""
     import errno
     import os
 
@@ -50,7 +52,12 @@ def holder_is_dead(holder: str) -> bool:
         os.kill(pid, 0)
     except OSError as e:
         return e.errno == errno.ESRCH
-    return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return False  # no procfs to tell: trusted, as any live pid
+    return state in ([b"Z"], [b"X"])
 
 
 class Leaser:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +117,8 @@ def test_epochs_survive_reopen(tmp_path: str) -> None:
 
 _RACER = r"""
 import sys
+import time
+from pathlib import Path
 from store.objects import Store
 from store.lease import Leaser
 from store.errors import LeaseBusyError
@@ -177,6 +181,19 @@ def test_a_dead_holder_of_this_host_is_taken_over_before_expiry(tmp_path, monkey
     assert not holder_is_dead(dead)
     assert holder_is_dead(f"hostB:{child.pid}:abcd")
     monkeypatch.delenv("REWINDFS_HOST_ID")
+    # A holder killed with -9 that its parent has not reaped yet (a zombie: init reaps
+    # orphans late in some containers) is dead too; `session resume` right after the kill
+    # was refused for the whole lease ttl while it lingered.
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2].split()[0] \
+                != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert holder_is_dead(f"{host_id()}:{zombie.pid}:abcd")
+    finally:
+        zombie.wait()
     leaser = Leaser(store)
     first = leaser.acquire("session/x", dead, 3600)
     second = leaser.acquire("session/x", "me:1:zz", 3600)

@@ -201,3 +201,46 @@ def test_shutdown_of_a_root_in_use_refuses_and_lists_the_users(cli: Cli) -> None
         reader.close()
         user.kill()
         user.wait()
+
+
+def test_gc_stopped_never_removes_a_session_while_it_starts(cli: Cli) -> None:
+    """A session being started (``new``, ``resume``) has a record before its process holds
+    the lease; `session gc --stopped` run beside it (a harness sweeping stopped sessions
+    while another starts one) removed it in that window, so the start failed with "no
+    session" (exit 4)."""
+    import threading
+
+    stop = threading.Event()
+    removed: list[str] = []
+
+    def sweep() -> None:
+        while not stop.is_set():
+            p = cli.run("session", "gc", "--stopped", "--json", ok=False)
+            if p.returncode == 0:
+                removed.extend(json.loads(p.stdout)["removed"])
+
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    try:
+        started = [cli.new()[0] for _ in range(3)]
+    finally:
+        stop.set()
+        sweeper.join()
+    assert not set(started) & set(removed)
+    assert all(cli.listed().get(sid) == "running" for sid in started)
+    cli.run("session", "shutdown", started[0])
+    sweeper = threading.Thread(target=sweep)
+    stop.clear()
+    sweeper.start()
+    try:  # a resume racing the sweep: either it wins and runs, or the sweep removed it
+        p = cli.run("session", "resume", started[0], ok=False)
+    finally:
+        stop.set()
+        sweeper.join()
+    if p.returncode == 0:
+        assert cli.listed().get(started[0]) == "running" and started[0] not in removed
+    else:
+        assert p.returncode == 4 and started[0] in removed, p.stderr
+    for sid in started:
+        if sid not in removed:
+            cli.run("session", "shutdown", sid)

@@ -277,7 +277,10 @@ def remove_session(store: Any, registry: Registry, session_id: str, leaser: Any,
     the record (None when only the leftovers of an interrupted removal were there).
 
     Refused while a live process holds the session lease (SessionBusyError: shut it down
-    first); the lease is held during the removal, so no resume can start meanwhile. A
+    first) or starts the session (SessionStartingError, a SessionBusyError: ``new``,
+    ``fork`` or ``resume`` under way hold the start lock, ``registry.START_LOCK``, until the
+    session process holds the lease); both are held during the removal, so no resume can
+    start meanwhile. A
     dead mount a killed session process left at a per-session root is lazily unmounted; a
     live one is refused. GC: the upper is unlisted from the store's ``state_dirs`` before
     it is deleted, so what it alone pinned becomes collectable and GC never meets a listed
@@ -299,33 +302,33 @@ def remove_session(store: Any, registry: Registry, session_id: str, leaser: Any,
     from .runtime import holder_id
 
     state_dir = registry.state_dir(session_id)
-    try:
-        rec: SessionRecord | None = registry.load(session_id)
-    except SessionNotFoundError:
-        if not os.path.isdir(state_dir):
-            raise
-        rec = None
-    try:
-        lease = leaser.acquire(f"session/{session_id}", holder_id(), ttl_s)
-    except LeaseBusyError as e:
-        from .errors import SessionBusyError
+    with registry.starting(session_id, wait=False):  # SessionStartingError while one starts
+        try:
+            rec: SessionRecord | None = registry.load(session_id)
+        except SessionNotFoundError:
+            rec = None
+        try:
+            lease = leaser.acquire(f"session/{session_id}", holder_id(), ttl_s)
+        except LeaseBusyError as e:
+            from .errors import SessionBusyError
 
-        wait = None if e.expires_ns is None else max(0.0, (e.expires_ns - time.time_ns()) / 1e9)
-        raise SessionBusyError(session_id, e.epoch, e.holder, wait) from None
-    try:
-        root = rec.root if rec is not None and rec.mode == Mode.PER_SESSION.value else None
-        if root is not None and is_mounted(root):
-            clear_dead_mounts(root)
-        if rec is not None:
-            os.unlink(os.path.join(state_dir, RECORD))
-            _fsync_dir(state_dir)
-        if rec is None or rec.mode != Mode.SHARED.value:
-            unregister_state_dir(store, os.path.join(state_dir, UPPER))
-        force_rmtree(state_dir)
-        if root is not None:
-            force_rmtree(root)
-    finally:
-        leaser.release(lease)
+            wait = None if e.expires_ns is None else max(
+                0.0, (e.expires_ns - time.time_ns()) / 1e9)
+            raise SessionBusyError(session_id, e.epoch, e.holder, wait) from None
+        try:
+            root = rec.root if rec is not None and rec.mode == Mode.PER_SESSION.value else None
+            if root is not None and is_mounted(root):
+                clear_dead_mounts(root)
+            if rec is not None:
+                os.unlink(os.path.join(state_dir, RECORD))
+                _fsync_dir(state_dir)
+            if rec is None or rec.mode != Mode.SHARED.value:
+                unregister_state_dir(store, os.path.join(state_dir, UPPER))
+            force_rmtree(state_dir)
+            if root is not None:
+                force_rmtree(root)
+        finally:
+            leaser.release(lease)
     return rec
 
 
@@ -428,14 +431,16 @@ class Workspace:
         rec = SessionRecord(sid, cfg.placement.fingerprint, cfg.placement.mode.value,
                             cfg.placement.root_for(sid), self.registry.state_dir(sid),
                             backend.name, time.time_ns(), parent)
-        self.registry.create(rec)
-        try:
-            handle = backend.open_new(cfg, rec, seed_ref)
-        except BaseException:
-            force_rmtree(rec.state_dir)
-            if cfg.placement.mode is Mode.PER_SESSION and rec.root is not None:
-                force_rmtree(rec.root)
-            raise
+        # The start lock, held until the session process holds the lease, keeps a
+        # concurrent `session gc --stopped` from deleting the session while it starts.
+        with self.registry.creating(rec):
+            try:
+                handle = backend.open_new(cfg, rec, seed_ref)
+            except BaseException:
+                force_rmtree(rec.state_dir)
+                if cfg.placement.mode is Mode.PER_SESSION and rec.root is not None:
+                    force_rmtree(rec.root)
+                raise
         return self._remember(Session(self, rec, handle))
 
     def resume_session(self, session_id: str) -> Session:
@@ -448,13 +453,15 @@ class Workspace:
         cfg = self.config
         if cfg.placement is None or self.registry is None:
             raise SessionNotFoundError(session_id)
-        rec = self.registry.load(session_id)
-        cfg.placement.check_drift(session_id, rec.fingerprint or "")
-        backend = self.backend
-        if rec.backend != backend.name:
-            raise SessionError(f"session {session_id} runs on the {rec.backend} backend, "
-                               f"not {backend.name}")
-        return self._remember(Session(self, rec, backend.open_existing(cfg, rec)))
+        with self.registry.starting(session_id):  # no removal meanwhile (see new_session)
+            rec = self.registry.load(session_id)
+            cfg.placement.check_drift(session_id, rec.fingerprint or "")
+            backend = self.backend
+            if rec.backend != backend.name:
+                raise SessionError(f"session {session_id} runs on the {rec.backend} "
+                                   f"backend, not {backend.name}")
+            handle = backend.open_existing(cfg, rec)
+        return self._remember(Session(self, rec, handle))
 
     def fork_session(self, id_or_ref: str | Ref) -> Session:
         """Start a session from another session's current state (checkpointed there with

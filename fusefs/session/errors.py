@@ -129,6 +129,17 @@ class SessionBusyError(SessionError):
         super().__init__(msg)
 
 
+class SessionStartingError(SessionBusyError):
+    """Another process is starting the session (``new``, ``fork`` or ``resume``: it holds
+    the session's start lock, ``registry.START_LOCK``, until the session process holds
+    the lease), so it is not removed."""
+
+    def __init__(self, session: str) -> None:
+        super().__init__(session, 0)
+        self.args = (f"session {session} is being started by another process; it is "
+                     "not removed",)
+
+
 class RootInUseError(SessionError):
     """A session's root is still used by processes (their cwd, root, open files or
     mappings are inside it), so it is not shut down: like umount(8) on EBUSY. ``users``
@@ -246,6 +257,6 @@ class RestoreError(SessionError):
 __all__ = [
     "CheckpointError", "PersistenceOverlapError", "PlacementDriftError", "RestoreError",
     "RootInUseError", "SeedError", "SessionBusyError", "SessionClosedError", "SessionError",
-    "SessionFaultedError", "SessionNotFoundError", "SnapshotPolicyError",
+    "SessionFaultedError", "SessionNotFoundError", "SessionStartingError", "SnapshotPolicyError",
     "WorkspaceNotConfiguredError", "WorkspacePlacementError", "WorkspaceRootBusyError",
 ]

@@ -12,16 +12,24 @@ upper layer, the control socket path). This module never touches a live root.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from .errors import SessionNotFoundError
+from .errors import SessionNotFoundError, SessionStartingError
 from .placement import check_session_id
 
 RECORD = "session.json"
+START_LOCK = "start.lock"
+"""In a state directory: flock'ed exclusively by the process that starts the session (new,
+fork or resume) until the session process holds the session lease, and by a removal; a
+removal finding it held refuses (``SessionStartingError``), so ``session gc --stopped``
+never deletes a session whose start is under way (before the lease, nothing else says so)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,29 @@ class Registry:
         write_json_atomic(os.path.join(record.state_dir, RECORD), asdict(record))
         return record
 
+    @contextlib.contextmanager
+    def creating(self, record: SessionRecord) -> Iterator[SessionRecord]:
+        """``create`` the session, holding its start lock (``START_LOCK``) from before the
+        record exists until the block ends: open the session in the block. Raises
+        FileExistsError if the session id is taken."""
+        os.makedirs(self.state_base, mode=0o700, exist_ok=True)
+        os.mkdir(record.state_dir, 0o700)
+        with _start_lock(record.state_dir, wait=True):
+            write_json_atomic(os.path.join(record.state_dir, RECORD), asdict(record))
+            yield record
+
+    @contextlib.contextmanager
+    def starting(self, session_id: str, wait: bool = True) -> Iterator[None]:
+        """Hold the start lock (``START_LOCK``) of session ``session_id``, whose state
+        directory exists, for the block: around opening it again (resume), or removing
+        it. ``wait``: block while another process holds it, else raise
+        SessionStartingError. Raises SessionNotFoundError (no state directory)."""
+        d = self.state_dir(session_id)
+        if not os.path.isdir(d):
+            raise SessionNotFoundError(session_id)
+        with _start_lock(d, wait):
+            yield
+
     def load(self, session_id: str) -> SessionRecord:
         """The record of ``session_id``. Raises SessionNotFoundError."""
         try:
@@ -108,3 +139,19 @@ class Registry:
             except SessionNotFoundError:
                 continue
         return sorted(out, key=lambda r: (r.created_ns, r.id))
+
+
+@contextlib.contextmanager
+def _start_lock(state_dir: str, wait: bool) -> Iterator[None]:
+    """flock ``START_LOCK`` in ``state_dir`` (a session's) exclusively for the block;
+    SessionStartingError if ``wait`` is false and another process holds it."""
+    fd = os.open(os.path.join(state_dir, START_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise SessionStartingError(os.path.basename(state_dir)) from None
+        yield
+    finally:
+        os.close(fd)
