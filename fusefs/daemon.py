@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from .errors import FuseFSError, MountError, describe, leaf_errors
 from .mounts import (
     EXIT_SUFFIX,
+    claim_mountpoint,
     mount_device,
     mount_id,
     remove_record,
@@ -285,9 +286,13 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         cfg.log_path = os.path.join(cfg.state_dir, "daemon.log")
     _setup_logging(cfg.log_path, cfg.debug)
     _raise_fd_limit()
+    claim: int | None = None  # held until this daemon is done with the mount point
     try:
+        claim = claim_mountpoint(cfg.mountpoint)  # before the state directory is touched
         store, ov = _open(cfg)
     except Exception as e:
+        if claim is not None:
+            os.close(claim)
         log.error("cannot mount %s: %s", cfg.mountpoint, e)
         ready(str(e))
         raise
@@ -392,6 +397,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                 log.error("closing the %s after the failed start: %s", what, describe(e))
         log.error("%s", err)
         ready(str(err))
+        os.close(claim)
         raise err
     ready("the kernel ended the session before it was initialized")  # no-op once ready
     failure: str | None = None
@@ -425,6 +431,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         pass
     store.close()
     log.info("unmounted %s (%d requests)", cfg.mountpoint, sum(ops.counts.values()))
+    os.close(claim)
     return code
 
 

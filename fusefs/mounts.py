@@ -10,6 +10,7 @@ Light on imports: the CLI uses it without loading FUSE.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -146,6 +147,33 @@ def served_refs(store_root: str) -> list[str]:
         elif rec.get("ref"):
             out.append(str(rec["ref"]))
     return out
+
+
+def claim_mountpoint(mountpoint: str) -> int:
+    """Make this process the one daemon that mounts at ``mountpoint``: flock (exclusive,
+    not waiting) its lock file in the runtime directory, held through the returned
+    descriptor until the daemon closes it, then check that nothing is mounted there. Two
+    ``rewindfs mount`` started together both passed the CLI's check and stacked two mounts
+    at one path (the second hid the first; its record and control socket were replaced).
+
+    Raises MountError (another daemon of this user holds the path, or a mount is there)
+    and RuntimeDirError."""
+    from .errors import MountError
+
+    fd = os.open(record_path(mountpoint, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MountError(mountpoint, "another rewindfs daemon is mounting or serving "
+                                         "there") from None
+        if is_mounted(mountpoint):
+            raise MountError(mountpoint, "something is already mounted there")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def take_exit_record(mountpoint: str) -> dict[str, Any] | None:

@@ -93,7 +93,7 @@ class Box:
         return sorted(p.name for p in d.iterdir() if p.name != "roots") if d.is_dir() else []
 
     def assert_nothing_left(self) -> None:
-        mounted = [m for _, m in fh.mount_table() if m.startswith(str(self.base) + "/")]
+        mounted = [m for m, _ in fh.mount_table() if m.startswith(str(self.base) + "/")]
         assert mounted == [], mounted
         deadline = time.monotonic() + 30  # a process reports before its exit completes
         while _procs_naming(self.base) and time.monotonic() < deadline:
@@ -162,6 +162,9 @@ def test_a_runtime_dir_of_another_user_is_refused_and_nothing_starts(box: Box) -
     assert "\n" not in line and str(rt) in line and "belongs to uid 65534" in line, line
     assert "XDG_RUNTIME_DIR" in line  # what to do
     assert "belongs to uid 65534" in (state / "daemon.log").read_text()
+    # Refused before the state directory was opened: it records no base, so a retry on
+    # another Ref is not refused for a mount that never happened.
+    assert sorted(p.name for p in state.iterdir()) == ["daemon.log"]
     p = box.rw("session", "new", "--base", str(box.base / "ws"), ok=False)
     assert p.returncode != 0 and "belongs to uid 65534" in p.stderr, p.stderr
     assert box.sessions() == []
@@ -262,4 +265,35 @@ def test_resume_and_fork_that_fail_leave_the_session_as_it_was(box: Box) -> None
     box.rw("session", "resume", sid)
     assert (root / "work").read_text() == "un-checkpointed\n"
     box.rw("session", "shutdown", sid)
+    box.assert_nothing_left()
+
+
+def test_two_mounts_started_together_at_one_mount_point_give_one_mount(box: Box) -> None:
+    """Both passed the CLI's "already mounted" check and stacked two mounts at one path:
+    the second hid the first, replaced its record and control socket, and `umount` then
+    left the first one serving there. Now the daemon claims the mount point (a lock in the
+    runtime directory) before it opens anything: one mount, the other start fails exit 9
+    naming the cause and leaves nothing."""
+    box.runtime("xdg")
+    mnt = box.base / "mnt"
+    mnt.mkdir()
+    argv = [sys.executable, "-m", "rewindfs", "--store", str(box.store)]
+    procs = [subprocess.Popen([*argv, "mount", box.ref, str(mnt), "--state",
+                               str(box.base / f"state{i}")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=str(box.base),
+                              env=box.env) for i in range(2)]
+    outs = [(p.wait(300), p.stderr.read() if p.stderr else "") for p in procs]
+    for p in procs:
+        for f in (p.stdout, p.stderr):
+            if f is not None:
+                f.close()
+    assert sorted(code for code, _ in outs) == [0, 9], outs
+    err = next(e for code, e in outs if code == 9).strip()
+    assert "\n" not in err and ("already mounted" in err or "another rewindfs daemon" in err)
+    assert [m for m, _ in fh.mount_table()].count(str(mnt)) == 1
+    loser = next(i for i, (code, _) in enumerate(outs) if code == 9)
+    assert not (box.base / f"state{loser}" / "upper.sqlite").exists()
+    (mnt / "b").write_text("upper\n")
+    box.rw("umount", str(mnt))
+    assert not fh.is_fuse_mounted(str(mnt))
     box.assert_nothing_left()
