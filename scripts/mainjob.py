@@ -598,8 +598,12 @@ class MainJob:
         and the CLI's own virtualenv."""
         if is_under(self.source, self.store_root):
             raise CheckFailed(f"the project {self.source} is inside the store")
+        # A .git that is a file (a worktree's or submodule's gitlink) names a repository
+        # outside the project: copied as it is, git in the mount would commit into that
+        # real repository. The copy gets a repository of its own at the same HEAD instead.
+        gitlink = (self.source / ".git").is_file()
         candidates = [p for p in (self.store_root, self.scratch, REPO / "agent-data",
-                                  REPO / ".venv")
+                                  REPO / ".venv", *([self.source / ".git"] if gitlink else []))
                       if is_under(p, self.source) and p != self.source]
         excluded = sorted({p for p in candidates
                            if not any(q != p and is_under(p, q) for q in candidates)})
@@ -608,6 +612,10 @@ class MainJob:
                         for p in excluded)
         self.r.sh(f"tar --format=posix -cf - {excl} . | tar -xpf - -C {shlex.quote(str(self.staged))}",
                   self.source)
+        if gitlink:
+            q = shlex.quote
+            self.r.sh(f"git init -q && git fetch -q --depth 1 {q('file://' + str(self.source))} "
+                      "HEAD && git reset -q FETCH_HEAD", self.staged)
         files = size = 0
         for dirpath, _dirs, names in os.walk(self.staged):
             for n in names:
@@ -618,7 +626,9 @@ class MainJob:
         if files < 3:
             raise CheckFailed("the project needs at least 3 regular files")
         left_out = ", ".join(str(p.relative_to(self.source)) for p in excluded) or "nothing"
-        return f"{files:,} files, {size / 1e6:.1f} MB (left out: {left_out})"
+        own = "; .git was a link to a repository outside the project (a worktree): the copy " \
+              "got a repository of its own at the same HEAD" if gitlink else ""
+        return f"{files:,} files, {size / 1e6:.1f} MB (left out: {left_out}){own}"
 
     def snapshot_seed(self) -> str:
         data, _ = self.r.rw("snapshot", str(self.staged), "--label", "mainjob: seed")

@@ -99,6 +99,32 @@ def test_main_job_passes_on_a_small_project_and_leaves_only_the_store(work: Path
     assert {p: p.stat().st_mtime_ns for p in proj.rglob("*")} == before
 
 
+def test_a_worktree_project_keeps_its_real_repository_untouched(work: Path) -> None:
+    """A git worktree's .git is a file naming the real repository; git in the mount must
+    commit into a repository of the copy's own, never into that one."""
+    proj = small_project(work)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
+
+    def git(cwd: Path, *args: str) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, env=env, check=True,
+                              capture_output=True, text=True).stdout
+
+    git(proj, "init", "-q")
+    git(proj, "add", "-A")
+    git(proj, "commit", "-q", "-m", "first")
+    wt = work / "wt"
+    git(proj, "worktree", "add", "-q", "-b", "side", str(wt))
+    (wt / "README.md").write_text("calc, edited in the worktree\n")
+    refs = git(proj, "for-each-ref")
+    p = run_job(work, str(wt))
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert "a repository of its own at the same HEAD" in out
+    assert git(proj, "for-each-ref") == refs
+    assert git(wt, "status", "--porcelain") == " M README.md\n"
+
+
 def test_a_failed_check_exits_nonzero_and_unmounts_everything(work: Path) -> None:
     proj = small_project(work)
     p = run_job(work, str(proj), "--test-cmd", "echo the tests fail; exit 3")
