@@ -678,10 +678,13 @@ async def _connection(live: Live, stream: Any) -> None:
 # -- client side -----------------------------------------------------------------------------
 
 _ERRORS: dict[str, Callable[[dict[str, Any]], Exception]] = {
-    "RestoreError": lambda r: RestoreError(r.get("kind") or RestoreError.SWAP_FAILED,
-                                           str(r.get("ref") or ""), str(r.get("message"))),
-    "CheckpointError": lambda r: CheckpointError(str(r.get("trigger") or "manual"),
-                                                 str(r.get("message"))),
+    # the cause, not the message (which already says "restore ... failed (kind): ")
+    "RestoreError": lambda r: RestoreError(
+        r.get("kind") or RestoreError.SWAP_FAILED, str(r.get("ref") or ""),
+        str((r.get("fields") or {}).get("cause") or r.get("message"))),
+    "CheckpointError": lambda r: CheckpointError(
+        str(r.get("trigger") or (r.get("fields") or {}).get("trigger") or "manual"),
+        str((r.get("fields") or {}).get("cause") or r.get("message"))),
     "RefNotFoundError": lambda r: RefNotFoundError(str(r.get("ref") or "")),
 }
 

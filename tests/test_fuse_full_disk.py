@@ -457,3 +457,36 @@ def test_session_shutdown_after_a_failed_persist_fails_and_resume_loses_nothing(
             if os.path.exists(f"/proc/{pid}"):
                 os.kill(pid, signal.SIGKILL)
         subprocess.run(["umount", "-l", str(base)], capture_output=True)
+
+
+def test_a_checkpoint_into_a_full_store_fails_naming_enospc_and_succeeds_once_freed(
+        disk: Path, tmp_path: Path) -> None:
+    """The store (not the state directory) on the full disk: the checkpoint fails exit 10
+    with one cause (the CLI said "checkpoint (manual) failed: checkpoint (manual) failed:
+    ..."), the mount keeps every change, and the next checkpoint succeeds once space is
+    freed."""
+    store = disk / "store"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("lower\n")
+    ref = fh.snapshot(store, src)
+    m = Mount(store, ref, tmp_path / "mnt", tmp_path / "state")
+    try:
+        m.mount()
+        filler = disk / "filler"
+        fill(filler)
+        data = os.urandom(4 * MIB)  # incompressible: its pack cannot fit
+        (m.mnt / "big").write_bytes(data)
+        r = cli(store, "checkpoint", str(m.mnt))
+        assert r.returncode == 10, r.stderr + m.log()
+        line = r.stderr.strip()
+        assert "\n" not in line and line.count("checkpoint (manual) failed") == 1, line
+        assert "No space left" in line or "ENOSPC" in line, line
+        filler.unlink()
+        r = cli(store, "checkpoint", str(m.mnt))
+        assert r.returncode == 0, r.stderr + m.log()
+        assert " big" in cli(store, "ls", r.stdout.strip()).stdout
+        assert (m.mnt / "big").read_bytes() == data
+        assert m.umount().returncode == 0
+    finally:
+        m.teardown()

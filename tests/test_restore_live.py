@@ -232,7 +232,7 @@ def test_wait_writers_waits_then_refuses(mounter: fh.Mounter, fuse_store: Path,
         assert ei.value.kind == "permit_failed" and time.monotonic() - t0 >= 0.3
         r = cli(fuse_store, "restore", str(m), lower_ref, "--wait-writers", "0.2",
                 check=False)
-        assert r.returncode == 10 and "permit_failed" in r.stderr
+        assert r.returncode == 10 and r.stderr.count("failed (permit_failed)") == 1, r.stderr
         r = cli(fuse_store, "session", "restore", "x", lower_ref, "--wait-writers", "-1",
                 check=False)
         assert r.returncode == 2 and "--wait-writers" in r.stderr
