@@ -302,6 +302,8 @@ def processes_using(path: str, *, exclude: tuple[int, ...] = ()) -> list[tuple[i
         try:
             with open(f"{base}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            # one line per process (an argument may hold a line break or escapes)
+            cmd = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in cmd)
         except OSError:
             continue  # gone meanwhile
         out.append((int(name), cmd or f"[{name}]"))

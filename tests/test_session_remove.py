@@ -244,3 +244,23 @@ def test_gc_stopped_never_removes_a_session_while_it_starts(cli: Cli) -> None:
     for sid in started:
         if sid not in removed:
             cli.run("session", "shutdown", sid)
+
+
+def test_the_users_of_a_root_are_listed_one_line_each(tmp_path: Path) -> None:
+    """`session shutdown` lists the processes using a root in its one-line error; a
+    command line holding a line break (python -c with two statements) broke that line."""
+    from fusefs.mounts import processes_using
+
+    user = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(300)"],
+                            cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        # until it runs python (between fork and exec it still shows this command line)
+        while not any("time.sleep" in c for _, c in processes_using(str(tmp_path))):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        [(pid, cmd)] = processes_using(str(tmp_path))
+        assert pid == user.pid and "\n" not in cmd and "import time\\x0atime.sleep" in cmd
+    finally:
+        user.kill()
+        user.wait()
