@@ -64,6 +64,16 @@ MIGRATIONS: list[str] = [
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
+_INSERT_OBJECT = ("INSERT INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
+                  "inner_offset, raw_length) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
+                  "ON CONFLICT (id) DO NOTHING")
+"""One object index row; an id already indexed (another writer's copy) is kept."""
+
+
+def _object_row(r: Location) -> tuple[Any, ...]:
+    return (bytes(r.oid), int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
+            r.inner_offset, r.raw_length)
+
 
 class PostgresCatalog:
     """The catalog in the PostgreSQL database at ``dsn`` (a ``postgresql://`` URL or a
@@ -165,12 +175,7 @@ class PostgresCatalog:
 
     def add_objects(self, rows: list[Location], packs: list[PackRow]) -> None:
         with self._tx() as c, c.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
-                "inner_offset, raw_length) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (id) DO NOTHING",
-                [(bytes(r.oid), int(r.kind), r.pack, r.rec_offset, r.rec_length,
-                  int(r.codec), r.inner_offset, r.raw_length) for r in rows])
+            cur.executemany(_INSERT_OBJECT, [_object_row(r) for r in rows])
             cur.executemany("INSERT INTO packs(key, size, objects) VALUES (%s, %s, %s) "
                             "ON CONFLICT (key) DO NOTHING", packs)
 
@@ -399,12 +404,7 @@ class PostgresCatalog:
                 cur.execute("INSERT INTO packs(key, size, objects) VALUES (%s, %s, %s)",
                             (key, size, len(rows)))
                 before = cur.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
-                cur.executemany(
-                    "INSERT INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
-                    "inner_offset, raw_length) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
-                    "ON CONFLICT (id) DO NOTHING",
-                    [(bytes(r.oid), int(r.kind), r.pack, r.rec_offset, r.rec_length,
-                      int(r.codec), r.inner_offset, r.raw_length) for r in rows])
+                cur.executemany(_INSERT_OBJECT, [_object_row(r) for r in rows])
                 n += int(cur.execute("SELECT COUNT(*) FROM objects").fetchone()[0]) - int(before)
             cur.executemany("INSERT INTO snapshots(ref, time_ns, origin, label, key) "
                             "VALUES (%s, %s, %s, %s, %s)", snapshots)

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,13 +50,7 @@ def _servers() -> Any:
     return servers
 
 
-def rewindfs(store: Path, *args: str) -> dict[str, Any]:
-    r = subprocess.run([PY, "-m", "rewindfs", "--store", str(store), *args, "--json"],
-                       capture_output=True, text=True, cwd=common.REPO)
-    if r.returncode != 0:
-        raise RuntimeError(f"rewindfs {' '.join(args)}: {r.stderr.strip()}")
-    out = r.stdout.strip().splitlines()
-    return json.loads(out[-1]) if out else {}
+rewindfs = common.rewindfs_json
 
 
 class Shared:

@@ -192,3 +192,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def rewindfs_json(store: Path, *args: str) -> dict[str, Any]:
+    """``rewindfs --store STORE ARGS --json`` with this interpreter, from the repository
+    root: the last JSON line it printed ({} for none). Raises RuntimeError with its stderr
+    when it fails."""
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(store), *args,
+                        "--json"], capture_output=True, text=True, cwd=REPO)
+    if r.returncode != 0:
+        raise RuntimeError(f"rewindfs {' '.join(args)}: {r.stderr.strip()}")
+    out = r.stdout.strip().splitlines()
+    return dict(json.loads(out[-1])) if out else {}
