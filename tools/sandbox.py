@@ -586,6 +586,10 @@ class _Spawner:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(5)
+        # The last command's tasks may still be listed (the listing lags the sandbox's
+        # pid namespace teardown): wait, bounded, for the cgroup to empty, as remove() does,
+        # so a server that exits leaves no cgroup behind.
+        _kill_members(self.path)
         with contextlib.suppress(OSError):
             os.rmdir(self.path)
 
