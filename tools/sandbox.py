@@ -587,9 +587,10 @@ class _Spawner:
         self._jobs.put(None)
         self._thread.join(5)
         # The last command's tasks may still be listed (the listing lags the sandbox's
-        # pid namespace teardown): wait, bounded, for the cgroup to empty, as remove() does,
-        # so a server that exits leaves no cgroup behind.
-        _kill_members(self.path)
+        # pid namespace teardown): wait, bounded, for them to go, as remove() does, so a
+        # server that exits leaves no cgroup behind. By thread id, keeping the spawner's
+        # own: a process listing would name this very process while that thread lingers.
+        _kill_members(self.path, keep=self.tid)
         with contextlib.suppress(OSError):
             os.rmdir(self.path)
 
