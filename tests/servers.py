@@ -114,7 +114,8 @@ class SeaweedS3:
         self.start()
 
     def start(self) -> None:
-        args = [self.binary, "mini", f"-dir={self.dir}/data", "-ip=127.0.0.1",
+        # -logdir keeps glog's files in the server's temp dir (its default is /tmp).
+        args = [self.binary, f"-logdir={self.dir}", "mini", f"-dir={self.dir}/data", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-webdav=false", "-admin.ui=false",
                 "-master.volumeSizeLimitMB=64", f"-s3.config={self.dir}/s3.json",
                 f"-filer.localSocket={self.dir}/filer.sock",
