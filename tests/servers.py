@@ -115,7 +115,8 @@ class SeaweedS3:
 
     def start(self) -> None:
         # -logdir keeps glog's files in the server's temp dir (its default is /tmp).
-        args = [self.binary, f"-logdir={self.dir}", "mini", f"-dir={self.dir}/data", "-ip=127.0.0.1",
+        args = [self.binary, f"-logdir={self.dir}", "mini", f"-dir={self.dir}/data",
+                "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-webdav=false", "-admin.ui=false",
                 "-master.volumeSizeLimitMB=64", f"-s3.config={self.dir}/s3.json",
                 f"-filer.localSocket={self.dir}/filer.sock",
