@@ -92,10 +92,15 @@ def register(sub: Any) -> None:
     add_json(f)
     f.set_defaults(handler=cmd_fork)
 
-    sd = ss.add_parser("shutdown", help="stop a session (no checkpoint is made)")
+    sd = ss.add_parser("shutdown", help="stop a session (no checkpoint is made unless "
+                                        "--checkpoint)")
     sd.add_argument("id")
     sd.add_argument("--force", action="store_true",
                     help="unmount even while processes use the root (they lose the tree)")
+    sd.add_argument("--checkpoint", action="store_true",
+                    help="checkpoint first (trigger shutdown; if it fails the session keeps "
+                         "running), so the session holds no un-checkpointed change and can "
+                         "be resumed on another host of a shared store")
     add_json(sd)
     sd.set_defaults(handler=cmd_shutdown)
 
@@ -385,7 +390,8 @@ def cmd_shutdown(args: argparse.Namespace) -> int:
             raise RootInUseError(args.id, str(root), [f"{p} {cmd}" for p, cmd in users])
     # A FUSE session replies once it is shut down; its process lives on while other
     # sessions of the same shared root use it ("exits": false).
-    exits = raise_reply(request(path, {"op": "shutdown"})).get("exits", True)
+    done = raise_reply(request(path, {"op": "shutdown", "checkpoint": args.checkpoint}))
+    exits = done.get("exits", True)
     deadline = time.monotonic() + 120
     while exits and time.monotonic() < deadline:
         try:
@@ -396,7 +402,9 @@ def cmd_shutdown(args: argparse.Namespace) -> int:
     else:
         if exits:
             raise RuntimeError(f"the host of {args.id} (pid {pid}) did not exit")
-    emit(args, {"id": args.id, "state": "stopped"}, f"{args.id} stopped")
+    ref = done.get("ref")
+    emit(args, {"id": args.id, "state": "stopped", "ref": ref},
+         f"{args.id} stopped" + (f" at {ref}" if ref else ""))
     return 0
 
 

@@ -154,3 +154,22 @@ def test_unknown_session(cli: Cli) -> None:
     cli.run("session", "shutdown", s["id"])
     p = cli.run("session", "checkpoint", s["id"], check=False)
     assert p.returncode == 10 and "closed" in p.stderr
+
+
+def test_shutdown_checkpoints_only_when_asked(cli: Cli) -> None:
+    s = cli.new()
+    root = Path(s["root"])
+    (root / "f").write_text("kept by the shutdown checkpoint\n")
+    # The default makes no checkpoint (CONTRACT 4.9): the journal holds the seed alone.
+    out = cli.json("session", "shutdown", s["id"])
+    assert out["ref"] is None  # type: ignore[index]
+    assert [e["trigger"] for e in cli.json("log", s["id"])] == ["seed"]  # type: ignore
+    cli.run("session", "resume", s["id"])
+    (root / "g").write_text("and this\n")
+    want = str(ref_of(root))
+    out = cli.json("session", "shutdown", s["id"], "--checkpoint")
+    assert out["state"] == "stopped" and out["ref"] == want  # type: ignore[index]
+    log = cli.json("log", s["id"])
+    assert [(e["trigger"], e["ref"]) for e in log][-1] == ("shutdown", want)  # type: ignore
+    states = {r["id"]: r["state"] for r in cli.json("session", "list")}  # type: ignore
+    assert states == {s["id"]: "stopped"}

@@ -262,12 +262,19 @@ class Session:
 
         return restore_pointer(self.log())
 
-    def shutdown(self) -> None:
+    def shutdown(self, checkpoint: bool = False) -> Ref | None:
         """Stop checkpoint work, unmount or detach, release the root lease, then the session
-        lease (CONTRACT 4.9). No checkpoint is made. Idempotent."""
+        lease (CONTRACT 4.9). No checkpoint is made unless ``checkpoint`` (amended 4.9):
+        then the live tree is checkpointed first (trigger ``shutdown``) and its Ref
+        returned; if that checkpoint fails the error is raised and the session keeps
+        running. Idempotent (a closed session returns None)."""
+        ref = None
+        if checkpoint and self._handle is not None and self.workspace._is_open(self):
+            ref = self._handle.checkpoint("shutdown", None)
         if self._handle is not None:
             self._handle.shutdown()
         self.workspace._closed(self)
+        return ref
 
 
 def remove_session(store: Any, registry: Registry, session_id: str, leaser: Any,
@@ -356,6 +363,10 @@ class Workspace:
         if self._backend is None:
             self._backend = select_backend(self.config)
         return self._backend
+
+    def _is_open(self, s: Session) -> bool:
+        with self._lock:
+            return self._open.get(s.id) is s
 
     def _closed(self, s: Session) -> None:
         with self._lock:

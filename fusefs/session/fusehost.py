@@ -39,7 +39,7 @@ from store.ref import Ref
 from ..errors import MountError, describe
 from .control import error_reply, socket_dir
 from .fusetree import ATTACH_FILE
-from .host import Host, config_from_spec
+from .host import Host, config_from_spec, shutdown_checkpoint
 from .registry import Registry, SessionRecord, write_json_atomic
 
 log = logging.getLogger("rewindfs.session")
@@ -111,8 +111,9 @@ class FuseHost(Host):
             s._h("mutated").mutated()
             return {"ok": True}
         if op == "shutdown":
+            ref = shutdown_checkpoint(s, req)
             s.shutdown()
-            return {"ok": True, "exits": self.process.last_one(self)}
+            return {"ok": True, "ref": ref, "exits": self.process.last_one(self)}
         return Host.dispatch(self, req)
 
     def stop(self) -> None:

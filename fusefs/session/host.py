@@ -71,6 +71,16 @@ def config_from_spec(spec: dict[str, Any]) -> WorkspaceConfig:
                   quota_bytes=spec.get("quota_bytes"), quota_inodes=spec.get("quota_inodes"))
 
 
+def shutdown_checkpoint(session: Any, req: dict[str, Any]) -> str | None:
+    """The checkpoint of a ``shutdown`` request with ``"checkpoint": true`` (``session
+    shutdown --checkpoint``, amended CONTRACT 4.9), taken before anything stops, trigger
+    ``shutdown``; its Ref as text, or None when not asked. A failure raises (the session
+    keeps running: nothing is stopped)."""
+    if not req.get("checkpoint"):
+        return None
+    return str(session._h("checkpoint").checkpoint("shutdown", req.get("timeout_s")))
+
+
 class _Handler(socketserver.StreamRequestHandler):
     server: _Server
 
@@ -148,8 +158,9 @@ class Host:
             done = s.turn_done if op == "turn_done" else s.step_done
             return {"ok": True, "step": done(req.get("label"))}
         if op == "shutdown":
+            ref = shutdown_checkpoint(s, req)
             self.done.set()
-            return {"ok": True}
+            return {"ok": True, "ref": ref}
         raise ValueError(f"unknown control request {op!r}")
 
     def replied(self, req: Any) -> None:

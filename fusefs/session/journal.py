@@ -35,7 +35,7 @@ CHECKPOINTED = "WorkspaceCheckpointed"
 RESTORED = "WorkspaceRestored"
 STEP = "WorkspaceStep"
 TRIGGERS = ("manual", "idle", "interrupt", "turn_done", "step_done", "seed", "pre_restore",
-            "fork")
+            "fork", "shutdown")
 CONSISTENCIES = ("quiescent", "fuzzy")
 
 
