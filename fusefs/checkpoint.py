@@ -230,7 +230,7 @@ def _dirty_dirs(ov: Overlay, uppers: list[Node]) -> tuple[set[int] | None, bool]
         o = n.origin
         if o is not None and o[:1] == b"g":
             groups = True  # its lower names are found by the group walk
-        elif n.kind is Kind.FILE and n.nlink > 1:
+        elif n.nlink > 1:  # any kind but a directory (a fifo, symlink or device too)
             groups = True
         if o is not None and o[:1] == b"p" and n.lower_links > 0:
             mark(int.from_bytes(o[1:9], "little"))
@@ -343,14 +343,15 @@ class _Planner:
             self.plan.placements.append(Placement(n, n.ino, n.ctime_ns, d.ino, name, dp, idx))
             if n.kind is Kind.DIR:
                 walk.append((idx, n, cpath))
-            elif n.kind is Kind.FILE:
+                continue
+            if n.kind is Kind.FILE:
                 upper = ov.upper
                 data = upper.data_path(n.ino) if (n.has_data and upper is not None) else None
                 dp.files[idx] = FileJob(n.size, n.lower_chunks, n.lower_len,
                                         frozenset(n.present), data,
                                         bytes(n.inline) if n.inline is not None else None)
-                if self.groups and n.nlink > 1:
-                    self._member(n.ino, (n, n.ino, n.ctime_ns), cpath, dp, idx, d.ino, name)
+            if self.groups and n.nlink > 1:  # every kind but a directory can be hard-linked
+                self._member(n.ino, (n, n.ino, n.ctime_ns), cpath, dp, idx, d.ino, name)
         return dp, walk
 
     def run(self) -> Plan:

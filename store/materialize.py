@@ -39,7 +39,7 @@ Hardening:
 - Names are checked when a tree is decoded (one component, 1..255 bytes, no NUL, not ``.``
   or ``..``; duplicates are non-canonical), paths are capped at 4096 bytes, symlink targets
   must be 1..4095 bytes without NUL, xattr names must be ``user.*``, and a hard-link group
-  may hold only files whose entries agree.
+  may hold only non-directories whose entries agree.
 - Caps: ``max_entries`` counts every entry processed (sockets and hard links included),
   ``max_bytes`` the content bytes actually written (holes are not written); a dir entry
   that repeats a subtree id is expanded again and counted again, so a tree cannot multiply
@@ -291,8 +291,14 @@ class _Extractor:
         for k, _ in e.xattrs:
             if not k.startswith(b"user.") or len(k) <= 5 or b"\0" in k or len(k) > 255:
                 raise ArchiveEntryError(os.fsdecode(rel), f"xattr name {k!r} is not user.*")
-        if e.link_group is not None and e.kind is not Kind.FILE:
-            raise ArchiveEntryError(os.fsdecode(rel), "only files can be hard-linked")
+        if e.link_group is not None and e.kind is Kind.DIR:
+            raise ArchiveEntryError(os.fsdecode(rel), "a directory cannot be hard-linked")
+        if (e.link_group is not None and e.link_group in self.links
+                and e.kind is not Kind.DIR):
+            self.link(d, e, rel)
+            if self.progress is not None:
+                self.progress(self.entries, self.written)
+            return None
         if e.kind is Kind.DIR:
             assert e.tree_id is not None
             entries = self.tree(e.tree_id, rel)
@@ -305,10 +311,7 @@ class _Extractor:
                 raise
             return _Open(fd, e.name, (st.st_dev, st.st_ino), rel, entries, meta=e)
         if e.kind is Kind.FILE:
-            if e.link_group is not None and e.link_group in self.links:
-                self.link(d, e, rel)
-            else:
-                self.file(d, e, rel)
+            self.file(d, e, rel)
         elif e.kind is Kind.SYMLINK:
             if not e.target or b"\0" in e.target or len(e.target) >= PATH_MAX:
                 raise ArchiveEntryError(os.fsdecode(rel), "symlink target is empty, too long "
@@ -318,13 +321,17 @@ class _Extractor:
                 os.chown(e.name, e.uid, e.gid, dir_fd=d.fd, follow_symlinks=False)
             os.utime(e.name, ns=(time.time_ns(), e.mtime_ns), dir_fd=d.fd,
                      follow_symlinks=False)
+            self.first_link(d, e, rel)
         elif e.kind is Kind.FIFO:
             os.mkfifo(e.name, 0o600, dir_fd=d.fd)
             fd = os.open(e.name, _FIFO_FLAGS, dir_fd=d.fd)
             try:
-                if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if not stat.S_ISFIFO(st.st_mode):
                     raise OSError(errno.EEXIST, "replaced while being created", rel)
                 self.apply_meta(fd, e, rel)
+                if e.link_group is not None:
+                    self.links[e.link_group] = (rel, (st.st_dev, st.st_ino), e)
             finally:
                 os.close(fd)
         elif e.kind is Kind.SOCKET:
@@ -332,6 +339,7 @@ class _Extractor:
         elif e.kind.is_device:
             if self.as_root:
                 self.device(d, e, rel)
+                self.first_link(d, e, rel)
             else:
                 self.devices += 1
         if self.progress is not None:
@@ -398,12 +406,24 @@ class _Extractor:
         os.utime(e.name, ns=(time.time_ns(), e.mtime_ns), dir_fd=d.fd,
                  follow_symlinks=False)
 
+    def first_link(self, d: _Open, e: Entry, rel: bytes) -> None:
+        """Record the node just made by name for entry ``e`` as its hard-link group's
+        first member (a no-op outside a group); checked to be of ``e``'s kind."""
+        if e.link_group is None:
+            return
+        st = os.stat(e.name, dir_fd=d.fd, follow_symlinks=False)
+        if stat.S_IFMT(st.st_mode) != e.kind.s_ifmt:
+            raise OSError(errno.EEXIST, "replaced while being created", rel)
+        self.links[e.link_group] = (rel, (st.st_dev, st.st_ino), e)
+
     def link(self, d: _Open, e: Entry, rel: bytes) -> None:
+        """A further name of a hard-link group whose first member was written (a group
+        of sockets, or of devices when not root, was skipped whole: never linked)."""
         assert e.link_group is not None
         first_rel, ident, first = self.links[e.link_group]
-        if (e.kind, e.mode, e.uid, e.gid, e.mtime_ns, e.size, e.chunks, e.xattrs) != (
-                first.kind, first.mode, first.uid, first.gid, first.mtime_ns, first.size,
-                first.chunks, first.xattrs):
+        if (e.kind, e.mode, e.uid, e.gid, e.mtime_ns, e.size, e.chunks, e.xattrs, e.target,
+                e.rdev) != (first.kind, first.mode, first.uid, first.gid, first.mtime_ns,
+                            first.size, first.chunks, first.xattrs, first.target, first.rdev):
             raise ArchiveEntryError(os.fsdecode(rel), "hard-link group members differ from "
                                     f"{os.fsdecode(first_rel)!r}")
         os.link(first_rel, e.name, src_dir_fd=self.dest_fd, dst_dir_fd=d.fd,

@@ -21,8 +21,8 @@ How the walk stays safe and bounded:
   time (plus at most ``_INFLIGHT`` chunks queued for compression), the entries of the
   directories on the path to a hard-linked file (below), and the dirs cache rows under the
   root when there are at most ``_PREFETCH_ROWS`` of them (else they are read per directory).
-- Hard links: a file with ``st_nlink > 1`` seen at two or more places in the tree is a
-  hard-link group whose id is ``blake3(b"\\0".join(sorted member paths))``, the paths
+- Hard links: a non-directory of any kind (file, symlink, fifo, socket, device) with
+  ``st_nlink > 1`` seen at two or more places in the tree is a hard-link group whose id is ``blake3(b"\\0".join(sorted member paths))``, the paths
   root-relative and ``/``-joined. Whether a file has a partner in the tree is known only at
   the end of the walk, so a directory holding such a file (and its ancestors) is encoded
   after the walk; every other directory is encoded as soon as its last entry is done. A
@@ -550,22 +550,30 @@ class _Walker:
                 raise self.oserror(rel, e) from None
             if _sig(st) != _sig(st2) or len(target) != st.st_size:
                 raise self.fail(rel, "changed while read")
-            d.entries.append(Entry(name, Kind.SYMLINK, stat.S_IMODE(m), st.st_uid, st.st_gid,
-                                   st.st_mtime_ns, len(target), target=target))
-            d.used.append((name, st))
+            self._add(d, Entry(name, Kind.SYMLINK, stat.S_IMODE(m), st.st_uid, st.st_gid,
+                               st.st_mtime_ns, len(target), target=target), rel, st)
         elif stat.S_ISFIFO(m) or stat.S_ISSOCK(m):
             kind = Kind.FIFO if stat.S_ISFIFO(m) else Kind.SOCKET
-            d.entries.append(Entry(name, kind, stat.S_IMODE(m), st.st_uid, st.st_gid,
-                                   st.st_mtime_ns))
-            d.used.append((name, st))
+            self._add(d, Entry(name, kind, stat.S_IMODE(m), st.st_uid, st.st_gid,
+                               st.st_mtime_ns), rel, st)
         elif stat.S_ISCHR(m) or stat.S_ISBLK(m):
             kind = Kind.CHAR if stat.S_ISCHR(m) else Kind.BLOCK
-            d.entries.append(Entry(name, kind, stat.S_IMODE(m), st.st_uid, st.st_gid,
-                                   st.st_mtime_ns, rdev=st.st_rdev))
-            d.used.append((name, st))
+            self._add(d, Entry(name, kind, stat.S_IMODE(m), st.st_uid, st.st_gid,
+                               st.st_mtime_ns, rdev=st.st_rdev), rel, st)
         else:
             raise self.fail(rel, f"has an unsupported file type {stat.S_IFMT(m):o}")
         return None
+
+    def _add(self, d: _Dir, ent: Entry, rel: bytes, st: os.stat_result) -> None:
+        """Append the non-directory entry ``ent`` (at ``rel``, lstat ``st``) to ``d``; a
+        name of an inode with more than one link, of any kind, joins its hard-link group
+        (its id is filled in by ``_finish_late`` once every name is known)."""
+        if st.st_nlink > 1:
+            key = (st.st_dev, st.st_ino)
+            self.links.setdefault(key, []).append(rel)
+            d.late.append((len(d.entries), key))
+        d.entries.append(ent)
+        d.used.append((ent.name, st))
 
     def _finish_dir(self, d: _Dir, parent: _Dir | None) -> None:
         try:
@@ -650,13 +658,8 @@ class _Walker:
                                               chunks, xattrs)
         finally:
             os.close(fd)
-        ent = Entry(name, Kind.FILE, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid,
-                    st.st_mtime_ns, st.st_size, chunks, xattrs=xattrs)
-        if st.st_nlink > 1:
-            self.links.setdefault(key, []).append(rel)
-            d.late.append((len(d.entries), key))
-        d.entries.append(ent)
-        d.used.append((name, st))
+        self._add(d, Entry(name, Kind.FILE, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid,
+                           st.st_mtime_ns, st.st_size, chunks, xattrs=xattrs), rel, st)
         r = self.result
         r.files += 1
         r.bytes += st.st_size

@@ -26,7 +26,8 @@ share one layout and differ only in a file's ``content``::
                fifo, socket: nothing
     xattrs  := varint n, then n (len name, len value) pairs sorted by name; names are user.*
     link    := u8 0                          not hard-linked
-             | u8 1, 32-byte group id        a member of a hard-link group
+             | u8 1, 32-byte group id        a member of a hard-link group (any kind but a
+                                             dir: files, symlinks, fifos, sockets, devices)
 
 Which version: a tree is written in version 1 unless one of its files repeats chunk ids
 more than ``V1_REPEATS_MAX`` times (the number of chunk slots beyond the first of each run
@@ -266,7 +267,7 @@ class Entry:
     ``chunks`` holds the chunk ids of a file (a ``ChunkList``; any sequence of ids given is
     made one); ``tree_id`` the child tree of a dir;
     ``target`` the bytes of a symlink. ``xattrs`` is a tuple of (name, value) pairs sorted
-    by name. ``link_group`` is the 32-byte group id of a hard-linked file, else None.
+    by name. ``link_group`` is the 32-byte group id of a hard-linked non-directory, else None.
     ``rdev`` is the device number of a block or character device (0 for other kinds).
     """
 

@@ -217,3 +217,66 @@ def test_a_write_straddling_the_size_limit_is_short(lower: Path) -> None:
     finally:
         os.close(fd)
     os.unlink(p)
+
+
+# -- hard links of every non-directory kind --------------------------------------------------
+
+def make_linked_specials(root: Path) -> list[tuple[str, str, int]]:
+    """A fifo, a symlink and (as root) a character device, each with a second name in
+    another directory; returns ``(first, second, S_IFMT)`` per pair."""
+    (root / "a").mkdir()
+    (root / "b").mkdir()
+    pairs = [("a/fifo", "b/fifo2", stat.S_IFIFO), ("a/sym", "b/sym2", stat.S_IFLNK)]
+    os.mkfifo(root / "a/fifo", 0o640)
+    os.symlink("../target", root / "a/sym")
+    if os.geteuid() == 0:
+        os.mknod(root / "a/tty", stat.S_IFCHR | 0o620, os.makedev(4, 1))
+        pairs.append(("a/tty", "b/tty2", stat.S_IFCHR))
+    for first, second, _fmt in pairs:
+        os.link(root / first, root / second, follow_symlinks=False)
+    return pairs
+
+
+def assert_linked(root: Path, pairs: list[tuple[str, str, int]]) -> None:
+    for first, second, fmt in pairs:
+        a, b = os.lstat(root / first), os.lstat(root / second)
+        assert stat.S_IFMT(a.st_mode) == fmt, first
+        assert (a.st_nlink, b.st_nlink) == (2, 2), (first, a.st_nlink, b.st_nlink)
+        assert a.st_ino == b.st_ino, (first, second)
+    assert os.readlink(root / "b/sym2") == "../target"
+
+
+def test_hard_links_of_fifos_symlinks_and_devices_survive_checkpoint_and_materialize(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str, tmp_path: Path) -> None:
+    d = mounter.rw(lower_ref)
+    pairs = make_linked_specials(d.mnt)
+    assert_linked(d.mnt, pairs)
+    ref = cli(fuse_store, "checkpoint", str(d.mnt)).stdout.strip()
+    assert_linked(d.mnt, pairs)  # served from the new lower
+    # One link more on the frozen group: the group id is computed again from its names.
+    os.link(d.mnt / "a/fifo", d.mnt / "fifo3")
+    assert os.lstat(d.mnt / "b/fifo2").st_nlink == 3
+    os.unlink(d.mnt / "fifo3")
+    assert cli(fuse_store, "checkpoint", str(d.mnt)).stdout.strip() == ref
+    mounter.unmount(d)
+    d2 = mounter.rw(None, state=d.state, mnt=d.mnt)
+    assert_linked(d2.mnt, pairs)
+    assert_linked(mounter.ro(ref).mnt, pairs)
+    dest = tmp_path / "out"
+    cli(fuse_store, "materialize", ref, str(dest))
+    assert_linked(dest, pairs)
+    assert cli(fuse_store, "snapshot", str(dest)).stdout.strip() == ref
+    out = json.loads(cli(fuse_store, "materialize", ref, str(dest), "--json").stdout)
+    assert out["already_equal"]
+
+
+def test_snapshot_dir_keeps_hard_links_of_every_kind(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    pairs = make_linked_specials(src)
+    store = tmp_path / "store"
+    ref = cli(store, "snapshot", str(src)).stdout.strip()
+    dest = tmp_path / "out"
+    cli(store, "materialize", ref, str(dest))
+    assert_linked(dest, pairs)
+    assert cli(store, "snapshot", str(dest)).stdout.strip() == ref
