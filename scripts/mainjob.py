@@ -2,29 +2,43 @@
 
 Usage (from the repository root; ``scripts/mainjob.sh`` runs the set-up first)::
 
-    .venv/bin/python scripts/mainjob.py [SOURCE_DIR | --sdist] [--mode auto|session|mount]
-        [--test-cmd CMD] [--scratch DIR]
+    .venv/bin/python scripts/mainjob.py [SOURCE_DIR | --sdist]
+        [--mode auto|session|mount|fallback] [--test-cmd CMD] [--scratch DIR]
 
 SOURCE_DIR defaults to this repository; ``--sdist`` takes the pinned Django sdist of the
 benchmarks instead (downloaded with pip once, see ``scripts/bench/common.py``). Every step
 goes through the ``rewindfs`` CLI on the default store (``$REWINDFS_STORE``, else
 ``./agent-data/store``) and ordinary programs (git, the project's tests, rm, a text edit):
 
-1. stage a copy of the project (leaving out the store, this job's scratch directory and,
-   for this repository, ``agent-data/`` and ``.venv``) and snapshot it: the seed Ref;
+1. ``rewindfs doctor``; stage a copy of the project (leaving out the store, this job's
+   scratch directory and, for this repository, ``agent-data/`` and ``.venv``) and snapshot
+   it: the seed Ref;
 2. start a session on that seed: its root is a FUSE mount (``rewindfs session new --seed
    REF``; when the CLI's sessions run without FUSE here, ``rewindfs mount REF MNT --state
    DIR`` serves the same overlay and the live commands act on the mount point);
 3. work in the mount: git (commit, or init + add + commit), the project's tests
    (``--test-cmd``; default: two quick test files of this repository, else
-   ``python -m compileall`` of the project's top-level packages);
+   ``python -m compileall`` of the project's top-level packages); close a step
+   (``rewindfs session step``);
 4. checkpoint; break things (``rm -rf`` a directory, edit, truncate, chmod, rename, add);
-   ``rewindfs diff`` of the live tree; restore the checkpoint while a process holds a file
-   open for writing (the restore does not wait; the writer's later writes reach neither
-   the tree nor a checkpoint) and show the tree is back exactly (every path's kind, mode, size, mtime and content; git sees the same state);
-   the history (``rewindfs log ID``, or the snapshot list in mount mode);
+   ``rewindfs diff``, ``status`` and ``diff -u`` of the live tree; close a step and show
+   the step change log (``log ID --changes``, ``diff ID --step N``: exactly the paths
+   broken); restore the checkpoint while a process holds a file open for writing (the
+   restore does not wait; the writer's later writes reach neither the tree nor a
+   checkpoint) and show the tree is back exactly (every path's kind, mode, size, mtime and
+   content; git sees the same state); break two places again and restore one of them
+   alone (``restore ROOT REF --path P``); the history (``rewindfs log ID``, or the
+   snapshot list in mount mode);
 5. mount the seed read-only and read from it while the session is live; shut down; verify
    the store.
+
+Where this user cannot use FUSE (``/dev/fuse`` missing or not openable, e.g. mode 0600,
+or no ``fusermount3``), or with ``--mode fallback``, the same walk-through runs on the
+sessions' no-FUSE fallback and says so: the root is a plain directory; ``session
+checkpoint ID`` and ``session restore ID REF [--path P]`` replace the live-mount forms;
+the changes are the diff of the checkpoint and a checkpoint of the broken tree (there is
+no ``status``: nothing keeps a dirty set); ``session step`` is shown refused (no step log
+there); ``materialize`` and ``cat`` of the seed replace the read-only mount.
 
 Each step prints the commands it ran with their wall-clock time, and its own time. The job
 works in a scratch directory (default ``agent-data/mainjob/``) that it removes at the end,
@@ -45,7 +59,6 @@ import hashlib
 import json
 import os
 import shlex
-import shutil
 import signal
 import stat
 import subprocess
@@ -294,10 +307,29 @@ class Live:
         data, _ = self.r.rw("checkpoint", str(self.root), "--label", label)
         return data["ref"], f"{daemon_ms(data)} inside the daemon"
 
-    def restore(self, ref: str) -> tuple[str, str]:
-        """``rewindfs restore ROOT REF``: (the pre_restore Ref, a note on its timing)."""
-        data, _ = self.r.rw("restore", str(self.root), ref)
+    def restore(self, ref: str, paths: Sequence[str] = ()) -> tuple[str, str]:
+        """``rewindfs restore ROOT REF [--path P]...``: (the pre_restore Ref, a note on its
+        timing)."""
+        data, _ = self.r.rw("restore", str(self.root), ref, *path_args(paths))
         return data.get("pre_restore") or "", f"{daemon_ms(data)} inside the daemon"
+
+    def step(self, label: str) -> dict[str, Any] | None:
+        """Close a step of the session's change log (``rewindfs session step ID``): the step
+        (``step``, ``seq``, ``changes``), or None where the workspace keeps no step log."""
+        return None
+
+    def changes_since(self, ref: str) -> tuple[list[dict[str, Any]], str]:
+        """The live tree's changes since ``ref`` (its last checkpoint), as ``rewindfs diff
+        MNT`` lists them (``path``, ``status``), and the unified diff text; shows the
+        status of the live mount too."""
+        data, _ = self.r.rw("diff", str(self.root))
+        status, _ = self.r.rw("status", str(self.root))
+        _, p = self.r.rw("diff", "-u", str(self.root), json_out=False)
+        self.status_note = (f"status: {status['dirty_inodes']} dirty inode(s), "
+                            f"{status['dirty_bytes']:,} dirty byte(s)")
+        return data["changes"], p.stdout
+
+    status_note = ""
 
     def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
         """(what, Ref) of the workspace's history, oldest first."""
@@ -309,6 +341,10 @@ class Live:
     def cleanup(self) -> None:
         """Unmount and end whatever is left, quietly; safe to call at any time."""
         raise NotImplementedError
+
+
+def path_args(paths: Sequence[str]) -> list[str]:
+    return [a for p in paths for a in ("--path", p)]
 
 
 def daemon_ms(data: Any) -> str:
@@ -366,6 +402,11 @@ class SessionLive(Live):
         except Exception:  # noqa: BLE001 - only used to make sure it ends
             return None
 
+    def step(self, label: str) -> dict[str, Any] | None:
+        assert self.id is not None
+        data, _ = self.r.rw("session", "step", self.id, "--label", label)
+        return dict(data)
+
     def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
         assert self.id is not None
         _, p = self.r.rw("log", self.id, json_out=False)
@@ -390,6 +431,61 @@ class SessionLive(Live):
             self.id = None
         lazy_unmount(self.root)
         end_pid(self.pid)
+
+
+class FallbackLive(SessionLive):
+    """A session on the no-FUSE fallback (``rewindfs session new`` where FUSE is not usable,
+    or ``--no-fuse``): the root is a plain directory, a checkpoint is a snapshot of it and a
+    restore a staged swap, so the live-mount commands (``checkpoint ROOT``, ``diff ROOT``,
+    ``status ROOT``) have nothing to talk to; the session commands do the same work."""
+
+    kind = "fallback session"
+
+    def __init__(self, run: Runner, base: Path, store_root: Path, forced: bool) -> None:
+        super().__init__(run, base, store_root)
+        self.forced = forced
+
+    def start(self, seed: str) -> str:
+        data, _ = self.r.rw("session", "new", "--seed", seed, "--base", str(self.base),
+                            *(["--no-fuse"] if self.forced else []))
+        self.id, self.root = data["id"], Path(data["root"])
+        self.pid = self._pid()
+        return f"session {self.id}, root {rel(str(self.root))}"
+
+    def checkpoint(self, label: str) -> tuple[str, str]:
+        """``rewindfs session checkpoint ID`` (the session form takes no label)."""
+        assert self.id is not None
+        data, _ = self.r.rw("session", "checkpoint", self.id)
+        return data["ref"], f"{daemon_ms(data)} end to end, a snapshot of the root"
+
+    def restore(self, ref: str, paths: Sequence[str] = ()) -> tuple[str, str]:
+        assert self.id is not None
+        data, _ = self.r.rw("session", "restore", self.id, ref, *path_args(paths))
+        return data.get("pre_restore") or "", f"{daemon_ms(data)} end to end"
+
+    def step(self, label: str) -> dict[str, Any] | None:
+        """The fallback keeps no step log (no dirty set): ``session step`` refuses (exit 10);
+        shown, then None."""
+        assert self.id is not None
+        data, p = self.r.rw("session", "step", self.id, "--label", label, check=False)
+        if p.returncode != 10:
+            raise CheckFailed(f"session step on the fallback exited {p.returncode}, not 10 "
+                              f"(refused): {p.stdout.strip()[:500]}")
+        print(f"         refused as documented: {(data or {}).get('error', p.stderr.strip())}")
+        return None
+
+    def changes_since(self, ref: str) -> tuple[list[dict[str, Any]], str]:
+        """No daemon keeps a dirty set here: checkpoint the broken tree (``session
+        checkpoint``) and diff the two Refs (``rewindfs diff A B``, ``-u``)."""
+        assert self.id is not None
+        data, _ = self.r.rw("session", "checkpoint", self.id)
+        broken = data["ref"]
+        diff, _ = self.r.rw("diff", ref, broken)
+        _, p = self.r.rw("diff", "-u", ref, broken, json_out=False)
+        self.status_note = ("no `status` on the fallback (nothing keeps a dirty set): the "
+                            f"broken tree was checkpointed as {broken} and diffed against the "
+                            "checkpoint")
+        return diff["changes"], p.stdout
 
 
 class MountLive(Live):
@@ -436,9 +532,13 @@ class MountLive(Live):
 
 
 class MainJob:
-    def __init__(self, source: Path, mode: str, test_cmd: str | None, scratch: Path) -> None:
+    def __init__(self, source: Path, mode: str, test_cmd: str | None, scratch: Path,
+                 no_fuse: str | None = None) -> None:
         self.source = source.resolve()
         self.mode = mode
+        self.no_fuse = no_fuse
+        """Why FUSE is not usable by this user (None when it is): the walk-through then
+        runs on the sessions' no-FUSE fallback."""
         self.scratch = scratch.resolve()
         self.staged = self.scratch / "project"
         self.ro = self.scratch / "ro"
@@ -465,6 +565,7 @@ class MainJob:
         self.git_state = ""
         self.broken: dict[str, str] = {}
         self.writer: subprocess.Popen[str] | None = None
+        self.last_step: dict[str, Any] | None = None
         self.steps: list[tuple[str, Callable[[], str]]] = [
             ("check the machine (rewindfs doctor)", self.doctor),
             ("open the default store", self.open_store),
@@ -476,10 +577,14 @@ class MainJob:
             ("checkpoint", self.checkpoint),
             ("break things", self.break_things),
             ("what changed since the checkpoint (rewindfs diff)", self.diff_live),
+            ("the step change log (session step, log --changes, diff --step)",
+             self.step_log),
             ("restore the checkpoint while a process holds a file open", self.restore),
             ("the tree is back", self.compare),
+            ("break again, restore only some paths (restore --path)", self.path_restore),
             ("the history", self.history),
-            ("mount the seed read-only and read from it", self.browse_old),
+            ("mount the seed read-only and read from it" if self.no_fuse is None else
+             "write the seed out and read from it (rewindfs materialize)", self.browse_old),
             ("shut the session down", self.stop),
             ("verify the store", self.verify),
         ]
@@ -488,6 +593,13 @@ class MainJob:
 
     def run(self) -> int:
         print(f"rewindfs main job: project {self.source}")
+        if self.no_fuse is not None:
+            print(f"note: FUSE is not usable here ({self.no_fuse}), so the walk-through runs "
+                  "on the sessions' no-FUSE fallback: the session root is a plain directory, "
+                  "a checkpoint is a snapshot of it and a restore a staged swap; commands "
+                  "that need a live mount (checkpoint/restore/diff/status ROOT, the step log, "
+                  "mount --ro) are replaced by their session and Ref forms, and `rewindfs "
+                  "doctor` below names the fix")
         if is_under(self.source, self.scratch):
             print(f"mainjob: the project may not be inside {self.scratch}", file=sys.stderr)
             return 2
@@ -520,8 +632,9 @@ class MainJob:
         else:
             print("clean-up: nothing mounted or running")
         store = rel(str(self.store_root)) if self.store_root != Path() else "(none)"
-        print(f"main job {'done' if ok else 'FAILED'} in {time.perf_counter() - total0:.1f} s; "
-              f"left behind: the store {store}")
+        on = " on the no-FUSE fallback" if self.no_fuse is not None else ""
+        print(f"main job{on} {'done' if ok else 'FAILED'} in "
+              f"{time.perf_counter() - total0:.1f} s; left behind: the store {store}")
         return 0 if ok else (code or 1)
 
     def cleanup(self) -> list[str]:
@@ -578,6 +691,12 @@ class MainJob:
                 if c.get("fix"):
                     print(f"           fix: {c['fix']}")
         binding = next((c["detail"] for c in data["checks"] if c["name"] == "fuse_binding"), "?")
+        if self.no_fuse is not None:
+            named = [c for c in data["checks"] if c["name"] in ("fuse_device", "fusermount3")
+                     and c["status"] == "fail" and c.get("fix")]
+            if not named:
+                raise CheckFailed(f"FUSE is not usable ({self.no_fuse}) but rewindfs doctor "
+                                  "names no cause and fix for it")
         return (f"{counts['ok']} ok, {counts['warn']} warning(s), {counts['fail']} failed; "
                 f"binding: {binding}")
 
@@ -638,6 +757,18 @@ class MainJob:
 
     def start(self) -> str:
         notes = []
+        if self.no_fuse is not None or self.mode == "fallback":
+            live = FallbackLive(self.r, self.scratch / "workspaces", self.store_root,
+                                forced=self.no_fuse is None)
+            self.live = live
+            what = live.start(self.refs["seed"])
+            fs = mounted(live.root)
+            if fs is not None:
+                raise CheckFailed(f"the fallback session root {live.root} is a {fs} mount, "
+                                  "not a plain directory")
+            entries = len(os.listdir(live.root))
+            return (f"{what}; a plain directory (the no-FUSE fallback), {entries} entries "
+                    "at its root")
         if self.mode in ("auto", "session"):
             live: Live = SessionLive(self.r, self.scratch / "workspaces", self.store_root)
             self.live = live
@@ -699,7 +830,12 @@ class MainJob:
                        f"{' '.join(shlex.quote(d) for d in pkgs) or '.'}")
         p = self.r.sh(cmd, self.root)
         tail = (p.stdout.strip().splitlines() or ["(no output)"])[-1]
-        return f"passed: {tail}"
+        # close a step here, so that the one after breaking things holds just that
+        assert self.live is not None
+        self.last_step = self.live.step("git and the tests")
+        closed = (f"; step {self.last_step['step']} closed ({len(self.last_step['changes'])} "
+                  "path(s))" if self.last_step else "")
+        return f"passed: {tail}{closed}"
 
     def checkpoint(self) -> str:
         assert self.live is not None
@@ -757,27 +893,61 @@ class MainJob:
                 f"MAINJOB-NEW-FILE.txt; git status now lists {p.stdout.strip()} path(s)")
 
     def diff_live(self) -> str:
-        data, _ = self.r.rw("diff", str(self.root))
-        got = {c["path"]: c["status"] for c in data["changes"]}
-        shown = [c for c in data["changes"] if c["path"] != ".git"
+        assert self.live is not None
+        changes, unified = self.live.changes_since(self.refs["work"])
+        got = {c["path"]: c["status"] for c in changes}
+        shown = [c for c in changes if c["path"] != ".git"
                  and not c["path"].startswith(".git/")]
         for c in shown[:12]:
             print(f"         {c['status']:<9} {c['path']}")
         more = len(shown) - 12 if len(shown) > 12 else 0
-        in_git = len(data["changes"]) - len(shown)
+        in_git = len(changes) - len(shown)
         if more or in_git:
             print(f"         ... and {more} more, {in_git} under .git")
         wrong = {p: s for p, s in self.broken.items() if got.get(p) != s}
         if wrong:
             raise CheckFailed(f"diff missed or misreported {wrong}")
-        status, _ = self.r.rw("status", str(self.root))
-        _, p = self.r.rw("diff", "-u", str(self.root), json_out=False)
-        hunk = [ln for ln in p.stdout.splitlines() if "broken by the rewindfs main job" in ln]
+        hunk = [ln for ln in unified.splitlines() if "broken by the rewindfs main job" in ln]
         if not hunk:
             raise CheckFailed("diff -u does not show the edit")
         return (f"{len(got)} change(s), the {len(self.broken)} made above among them; "
-                f"status: {status['dirty_inodes']} dirty inode(s), {status['dirty_bytes']:,} "
-                f"dirty byte(s); diff -u shows the edit: {hunk[0]!r}")
+                f"{self.live.status_note}; diff -u shows the edit: {hunk[0]!r}")
+
+    def step_log(self) -> str:
+        """Close a step after breaking things (``rewindfs session step ID``): it lists the
+        paths changed since the step closed after the tests, each with its status; ``log
+        --changes`` shows them and ``diff ID --step N`` gives them back from the journal."""
+        assert self.live is not None
+        step = self.live.step("break things")
+        if step is None:
+            return ("no step log here: " + ("the no-FUSE fallback has no dirty set to take "
+                    "steps from" if self.no_fuse is not None or self.mode == "fallback"
+                    else "a plain mount is not a session"))
+        got = {c["path"]: c["status"] for c in step["changes"]}
+        wrong = {p: (s, got.get(p)) for p, s in self.broken.items() if got.get(p) != s}
+        if wrong:
+            raise CheckFailed(f"step {step['step']} misses or misreports {wrong} "
+                              "(expected, found)")
+        extra = sorted(set(got) - set(self.broken))
+        if extra:
+            raise CheckFailed(f"step {step['step']} lists paths nothing changed: {extra[:10]}")
+        sid = getattr(self.live, "id", None)
+        assert sid is not None
+        _, p = self.r.rw("log", sid, "--changes", json_out=False)
+        lines = p.stdout.splitlines()
+        at = next((i for i, ln in enumerate(lines) if f"step {step['step']} break things" in ln),
+                  None)
+        if at is None:
+            raise CheckFailed(f"log --changes does not show step {step['step']}")
+        for ln in lines[at:at + 1 + len(got)]:
+            print(f"         {ln}")
+        data, _ = self.r.rw("diff", sid, "--step", str(step["step"]))
+        back = {c["path"]: c["status"] for c in data["changes"]}
+        if back != got:
+            raise CheckFailed(f"diff --step {step['step']} gives {back}, the step said {got}")
+        return (f"step {step['step']} holds exactly the {len(got)} path(s) broken above (after "
+                f"step {self.last_step['step'] if self.last_step else '?'}, git and the "
+                f"tests); log --changes lists them; diff --step {step['step']} gives them back")
 
     def restore(self) -> str:
         """Restore while a process (a log writer, say) holds a file that the restore removes
@@ -826,6 +996,33 @@ class MainJob:
         return (f"all {len(now):,} paths equal in kind, mode, size, mtime and content; "
                 "git status clean at the same HEAD")
 
+    def path_restore(self) -> str:
+        """Break the tree again in two places, then ``restore ROOT REF --path P`` only one
+        of them: P is the checkpoint's again (every path below it), the other change stays."""
+        assert self.live is not None
+        victim = next((p for p, s in self.broken.items() if s == "removed"
+                       and self.checkpointed.get(p, ("",))[0] == "dir"), None)
+        edited = next(p for p, s in self.broken.items() if s == "modified")
+        target = victim or edited
+        q = shlex.quote
+        self.r.sh(f"rm -rf {q(target)} && echo 'kept by the path restore' > "
+                  "MAINJOB-KEPT.txt", self.root)
+        _, note = self.live.restore(self.refs["work"], [target])
+        now = manifest(self.root)
+
+        def under(m: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+            return {k: v for k, v in m.items() if k == target or k.startswith(target + "/")}
+
+        bad = manifest_diff(under(self.checkpointed), under(now))
+        if bad:
+            raise CheckFailed(f"{target} differs from the checkpoint after the path "
+                              "restore:\n" + "\n".join(bad))
+        if not (self.root / "MAINJOB-KEPT.txt").is_file():
+            raise CheckFailed("the path restore removed MAINJOB-KEPT.txt, outside its path")
+        self.r.sh("rm MAINJOB-KEPT.txt", self.root)
+        return (f"{target} is the checkpoint's again ({len(under(now)):,} path(s) equal; "
+                f"{note}); MAINJOB-KEPT.txt, outside the path, was left as it was")
+
     def history(self) -> str:
         assert self.live is not None
         events = self.live.history(self.refs)
@@ -837,6 +1034,8 @@ class MainJob:
         return f"{len(events)} event(s): " + ", ".join(w for w, _ in events)
 
     def browse_old(self) -> str:
+        if self.no_fuse is not None:
+            return self.write_out_old()
         self.ro.mkdir()
         data, _ = self.r.rw("mount", "--ro", self.refs["seed"], str(self.ro))
         self.ro_pid = int(data["pid"])
@@ -857,6 +1056,25 @@ class MainJob:
             raise CheckFailed(f"the read-only daemon {pid} still runs after umount")
         return (f"the seed reads back as staged ({len(old):,} paths, all equal) while the "
                 "session is live; writes refused (EROFS); unmounted")
+
+    def write_out_old(self) -> str:
+        """Without FUSE there is no read-only mount: ``rewindfs materialize`` writes the seed
+        out as a real directory (every chunk verified) and ``rewindfs cat`` reads one file
+        of it straight from the store."""
+        copy = self.scratch / "seed-copy"
+        data, _ = self.r.rw("materialize", self.refs["seed"], str(copy))
+        old = manifest(copy)
+        bad = manifest_diff(manifest(self.staged), old)
+        if bad:
+            raise CheckFailed("the seed written out differs from the staged project:\n" +
+                              "\n".join(bad))
+        some = next(k for k, v in sorted(old.items()) if v[0] == "file")
+        _, p = self.r.rw("cat", self.refs["seed"], some, json_out=False)
+        if p.stdout != (copy / some).read_text(errors="replace"):
+            raise CheckFailed(f"rewindfs cat of {some} differs from the file written out")
+        return (f"the seed written out reads back as staged ({len(old):,} paths, all equal, "
+                f"{data['entries']:,} entries in {daemon_ms(data)}); `rewindfs cat` of {some} "
+                "gives the same bytes (read-only mounts need FUSE)")
 
     def stop(self) -> str:
         assert self.live is not None
@@ -887,9 +1105,12 @@ def main(argv: list[str]) -> int:
                     "repository)")
     ap.add_argument("--sdist", action="store_true",
                     help="use the pinned Django sdist of the benchmarks as the project")
-    ap.add_argument("--mode", choices=("auto", "session", "mount"), default="auto",
+    ap.add_argument("--mode", choices=("auto", "session", "mount", "fallback"),
+                    default="auto",
                     help="session: `rewindfs session new`; mount: `rewindfs mount --state`; "
-                    "auto: a session when its root is a FUSE mount, else a mount")
+                    "fallback: a session on the no-FUSE fallback (`--no-fuse`); auto: a "
+                    "session when its root is a FUSE mount, else a mount, and the fallback "
+                    "where FUSE is not usable")
     ap.add_argument("--test-cmd", help="the project's test command, run in the mount root")
     ap.add_argument("--scratch", type=Path, default=REPO / "agent-data" / "mainjob",
                     help="scratch directory, removed at the end (default agent-data/mainjob)")
@@ -906,9 +1127,12 @@ def main(argv: list[str]) -> int:
     if not source.is_dir():
         print(f"mainjob: {source} is not a directory", file=sys.stderr)
         return 2
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK) or shutil.which("fusermount3") is None:
-        print("mainjob: FUSE is not usable here (/dev/fuse or fusermount3 missing)",
-              file=sys.stderr)
+    from fusefs.session.fallback import fuse_unavailable_reason
+
+    no_fuse = fuse_unavailable_reason()
+    if no_fuse is not None and args.mode in ("session", "mount"):
+        print(f"mainjob: FUSE is not usable here ({no_fuse}); --mode {args.mode} needs it "
+              "(--mode auto runs on the no-FUSE fallback)", file=sys.stderr)
         return 1
     os.umask(0o022)
 
@@ -917,7 +1141,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
-    return MainJob(source, args.mode, args.test_cmd, args.scratch).run()
+    return MainJob(source, args.mode, args.test_cmd, args.scratch, no_fuse).run()
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MAINJOB = REPO / "scripts" / "mainjob.py"
 
-pytestmark = pytest.mark.skipif(
+needs_fuse = pytest.mark.skipif(
     not os.access("/dev/fuse", os.R_OK | os.W_OK), reason="needs /dev/fuse")
 
 
@@ -73,14 +74,74 @@ def small_project(root: Path) -> Path:
     return proj
 
 
-def run_job(work: Path, *args: str, **kw: object) -> subprocess.Popen[str]:
+def run_job(work: Path, *args: str, prefix: Sequence[str] = (),
+            **kw: object) -> subprocess.Popen[str]:
     env = {**os.environ, "REWINDFS_STORE": str(work / "store")}
     return subprocess.Popen(
-        [sys.executable, str(MAINJOB), *args, "--scratch", str(work / "scratch")],
+        [*prefix, sys.executable, str(MAINJOB), *args, "--scratch", str(work / "scratch")],
         cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         **kw)  # type: ignore[call-overload]
 
 
+def fuse_opens() -> bool:
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+        return True
+    except OSError:
+        return False
+
+
+def without_dev_fuse(work: Path) -> list[str]:
+    """A command prefix under which /dev/fuse exists but this user cannot open it, as on
+    machines where it is 0600 root: as root, a private mount namespace with a 0600 copy of
+    the device node owned by nobody bound over /dev/fuse, and the command run without
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (uid 0 still owns everything else it uses).
+    Empty when this user already cannot open it; the test is skipped when neither holds."""
+    if not fuse_opens():
+        return []
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root (a private mount namespace) to make /dev/fuse unopenable")
+    dev = work / "fuse-0600"
+    st = os.stat("/dev/fuse")
+    os.mknod(dev, 0o600 | stat.S_IFCHR, st.st_rdev)
+    os.chown(dev, 65534, 65534)
+    drop = "-dac_override,-dac_read_search"
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'mount --bind "$0" /dev/fuse && exec setpriv --bounding-set {drop} '
+            f'--inh-caps {drop} -- "$@"', str(dev)]
+
+
+def test_without_access_to_dev_fuse_the_main_job_runs_on_the_fallback(work: Path) -> None:
+    """A user who cannot open /dev/fuse gets the whole walk-through on the sessions' no-FUSE
+    fallback (told so), with ``rewindfs doctor`` naming the cause and the fix: the session
+    root is a plain directory, the session forms of checkpoint and restore (path restore
+    included) do the work, and nothing is left behind."""
+    proj = small_project(work)
+    prefix = without_dev_fuse(work)
+    probe = subprocess.run([*prefix, sys.executable, "-c",
+                            "import os; os.open('/dev/fuse', os.O_RDWR)"],
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and "PermissionError" in probe.stderr, probe
+    p = run_job(work, str(proj), prefix=prefix)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert "FUSE is not usable here (/dev/fuse cannot be opened: Permission denied)" in out
+    assert "runs on the sessions' no-FUSE fallback" in out
+    assert "fail: fuse_device: /dev/fuse cannot be opened" in out and "fix: " in out
+    assert "a plain directory (the no-FUSE fallback)" in out
+    for step in ("checkpoint", "restore the checkpoint", "the tree is back",
+                 "break again, restore only some paths (restore --path)", "verify the store"):
+        assert f"] {step}" in out
+    assert "all " in out and "paths equal in kind, mode, size, mtime and content" in out
+    assert "$ rewindfs session restore " in out and " --path calc" in out
+    assert "is the checkpoint's again" in out
+    assert "main job on the no-FUSE fallback done" in out
+    assert mounts_under(work) == []
+    assert processes_mentioning(str(work / "scratch")) == []
+    assert not (work / "scratch").exists()
+
+
+@needs_fuse
 def test_main_job_passes_on_a_small_project_and_leaves_only_the_store(work: Path) -> None:
     proj = small_project(work)
     before = {p: p.stat().st_mtime_ns for p in proj.rglob("*")}
@@ -99,6 +160,7 @@ def test_main_job_passes_on_a_small_project_and_leaves_only_the_store(work: Path
     assert {p: p.stat().st_mtime_ns for p in proj.rglob("*")} == before
 
 
+@needs_fuse
 def test_a_worktree_project_keeps_its_real_repository_untouched(work: Path) -> None:
     """A git worktree's .git is a file naming the real repository; git in the mount must
     commit into a repository of the copy's own, never into that one."""
@@ -125,6 +187,7 @@ def test_a_worktree_project_keeps_its_real_repository_untouched(work: Path) -> N
     assert git(wt, "status", "--porcelain") == " M README.md\n"
 
 
+@needs_fuse
 def test_a_failed_check_exits_nonzero_and_unmounts_everything(work: Path) -> None:
     proj = small_project(work)
     p = run_job(work, str(proj), "--test-cmd", "echo the tests fail; exit 3")
@@ -136,6 +199,7 @@ def test_a_failed_check_exits_nonzero_and_unmounts_everything(work: Path) -> Non
     assert not (work / "scratch").exists()
 
 
+@needs_fuse
 def test_the_clean_up_ends_mounts_it_did_not_make_and_never_crashes(work: Path) -> None:
     """A command of the job leaves a mount (and its daemon) under the scratch directory
     that the job knows nothing of, then fails: the clean-up finds, unmounts and ends them,
@@ -160,6 +224,7 @@ echo left a mount; exit 3
     assert not scratch.exists()
 
 
+@needs_fuse
 def test_sigterm_in_the_middle_unmounts_everything(work: Path) -> None:
     proj = small_project(work)
     p = run_job(work, str(proj), "--test-cmd", "touch tests-running; sleep 60")
@@ -198,6 +263,7 @@ def _end_sessions_of(runtime: Path, under: Path) -> None:
         subprocess.run(["fusermount3", "-uz", m], capture_output=True)
 
 
+@needs_fuse
 def test_the_readme_python_example_runs() -> None:
     """The README's Python API example runs as printed and journals what it says. It runs
     with its own temporary and runtime directories, so that whatever it leaves (when it

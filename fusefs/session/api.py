@@ -38,7 +38,13 @@ from .errors import (
     SessionNotFoundError,
     WorkspaceNotConfiguredError,
 )
-from .fallback import FixedTree, PerSessionTree, force_rmtree, fuse_available
+from .fallback import (
+    FixedTree,
+    PerSessionTree,
+    force_rmtree,
+    fuse_available,
+    fuse_unavailable_reason,
+)
 from .journal import Journal
 from .live import LiveTree
 from .placement import Mode
@@ -130,9 +136,10 @@ def select_backend(cfg: WorkspaceConfig) -> SessionBackend:
         if mod is None:
             raise SessionError("the FUSE session backend is not installed; use the fallback "
                                "(--no-fuse)")
-        if not fuse_available():
-            raise SessionError("FUSE is not available here (/dev/fuse or fusermount3 "
-                               "missing); use the fallback (--no-fuse)")
+        why = fuse_unavailable_reason()
+        if why is not None:
+            raise SessionError(f"FUSE is not available here ({why}); use the fallback "
+                               "(--no-fuse)")
     if mod is not None and fuse_available():
         backend: SessionBackend = mod.FuseBackend()
         return backend

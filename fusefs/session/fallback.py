@@ -405,6 +405,20 @@ class FixedTree(_DirTree):
             os.unlink(self.log_path)
 
 
+def fuse_unavailable_reason() -> str | None:
+    """Why this process cannot mount FUSE file systems, or None when it can: /dev/fuse
+    must exist and open read-write for this user (it is mode 0600 on some machines), and
+    ``fusermount3`` must be on PATH. Opening the device creates a FUSE connection that
+    closing it ends; nothing is mounted."""
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC))
+    except OSError as e:
+        return f"/dev/fuse cannot be opened: {os.strerror(e.errno or 0)}"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not on PATH"
+    return None
+
+
 def fuse_available() -> bool:
-    """True if this machine can mount FUSE file systems (/dev/fuse and fusermount3)."""
-    return os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+    """True if this process can mount FUSE file systems (see fuse_unavailable_reason)."""
+    return fuse_unavailable_reason() is None
