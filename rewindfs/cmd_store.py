@@ -57,7 +57,14 @@ def register(sub: Any) -> None:
     add_json(p)
     p.set_defaults(handler=cmd_forget)
 
-    p = sub.add_parser("materialize", help="write a snapshot out as a real directory")
+    p = sub.add_parser(
+        "materialize", help="write a snapshot out as a real directory",
+        description="Write snapshot REF out at DEST. Run as root, entries get their recorded "
+        "owners; run as another user, every entry is owned by that user (owners are not "
+        "applied) and device nodes are skipped; sockets are always skipped, setuid and "
+        "setgid bits always dropped. A non-empty DEST is compared, not written: it holds "
+        "the same tree (exit 0, nothing written) when it equals what this materialize "
+        "would write, so a second run by the same user into the same DEST succeeds.")
     p.add_argument("ref")
     p.add_argument("dest", help="missing or empty: extract; non-empty: compare")
     add_json(p)

@@ -13,16 +13,19 @@ The three destination cases:
   surface as themselves; an OS error (disk full, permission, a concurrent change in the
   destination) becomes ``MaterializeError(ref, dest, cause)``, and so does any failure
   whose wipe failed too (its message says so: the destination needs removing by hand).
-- a non-empty directory: its Ref is computed (``snapshot.compute_ref``); equal -> success
-  with ``already_equal`` and no write; different or unreadable -> ``DestNotEmptyError`` and
-  nothing touched.
+- a non-empty directory: its Ref is computed (``snapshot.compute_ref``); equal to what an
+  extraction by this process writes -> success with ``already_equal`` and no write;
+  different or unreadable -> ``DestNotEmptyError`` and nothing touched.
 - anything else, a symlink included: ``NotDirError``.
 
 What is not written: sockets (a socket is made by the program that listens on it) and,
 unless running as root, block and character devices (``mknod`` of a device needs
-CAP_MKNOD); both are skipped and counted in the result. The compare of a non-empty
-destination ignores the same entries: it holds "the same tree" when it equals the snapshot
-without them.
+CAP_MKNOD); both are skipped and counted in the result. Nor are setuid and setgid bits,
+nor, unless running as root, owners: a non-root extraction leaves every entry owned by its
+own uid and gid (new files' default), whoever owns it in the snapshot. The compare of a
+non-empty destination ignores exactly what is not written: it holds "the same tree" when it
+equals the snapshot without those entries, without those bits and (not as root) with
+owners left out on both sides.
 
 A materialize killed outright (``kill -9``, power loss) cannot wipe: ``dest`` keeps what was
 written so far (directories still 0700, the last file possibly short). That partial tree is
@@ -78,7 +81,7 @@ from .objects import Store
 from .pack import Location
 from .ref import ObjectId, Ref, object_id
 from .snapshot import compute_ref_fd
-from .tree import PATH_MAX, Entry, Kind, encode_tree
+from .tree import PATH_MAX, Entry, Kind, decode_tree, encode_tree
 
 DEFAULT_MAX_ENTRIES = 1_048_576
 DEFAULT_MAX_BYTES = 8 << 30
@@ -590,39 +593,58 @@ def _materialize_at(store: Store, ref: Ref, shown: str, parent_fd: int, name: by
 
 
 def _compare(store: Store, ref: Ref, shown: str, dest_fd: int) -> MaterializeResult:
+    """``already_equal`` if the directory open at ``dest_fd`` holds what an extraction of
+    ``ref`` by this process writes (see ``_as_written``), else DestNotEmptyError."""
+    trees: dict[ObjectId, bytes] = {}
     try:
-        got = str(compute_ref_fd(dest_fd, shown, store.chunk_size))
+        got = compute_ref_fd(dest_fd, shown, store.chunk_size, trees)
     except SnapshotError as e:
-        got = f"an unreadable tree ({e.cause})"
-    if got != str(ref):
-        skip = {Kind.SOCKET} if os.geteuid() == 0 else {Kind.SOCKET, Kind.BLOCK, Kind.CHAR}
-        if got != str(_without(store, ref, skip)):
-            raise DestNotEmptyError(shown, str(ref), got)
+        raise DestNotEmptyError(shown, str(ref), f"an unreadable tree ({e.cause})") from None
+    if got != ref:
+        as_root = os.geteuid() == 0
+        skip = {Kind.SOCKET} if as_root else {Kind.SOCKET, Kind.BLOCK, Kind.CHAR}
+        want = _as_written(lambda t: store.get_tree(t).entries, ref.tree_id, skip, as_root)
+        have = _as_written(lambda t: decode_tree(trees[t], t.hex()).entries, got.tree_id,
+                           set(), as_root)
+        if want != have:
+            raise DestNotEmptyError(shown, str(ref), str(got))
     return MaterializeResult(0, 0, 0, already_equal=True)
 
 
-def _without(store: Store, ref: Ref, skip: set[Kind]) -> Ref:
-    """The Ref ``ref`` would have without its entries of the kinds in ``skip`` (what an
-    extraction leaves out); computed, nothing written. A subtree without such entries keeps
-    its id, so only the directories above a skipped entry are encoded again."""
+def _as_written(entries_of: Callable[[ObjectId], tuple[Entry, ...]], root: ObjectId,
+                skip: set[Kind], owners: bool) -> ObjectId:
+    """The id the tree ``root`` (its trees read with ``entries_of``) has once reduced to
+    what an extraction writes: without entries of the kinds in ``skip``, without setuid
+    and setgid bits, and (``owners`` False: not running as root, so every entry is owned
+    by the extracting user) with every uid and gid 0. Computed, nothing written; a
+    subtree the reduction leaves alone keeps its id, so only changed directories are
+    encoded again."""
     done: dict[ObjectId, ObjectId] = {}
-    stack: list[tuple[ObjectId, bool]] = [(ref.tree_id, False)]
+    stack: list[tuple[ObjectId, bool]] = [(root, False)]
     while stack:
         tid, expanded = stack.pop()
         if tid in done:
             continue
-        entries = store.get_tree(tid).entries
+        entries = entries_of(tid)
         subs = [e.tree_id for e in entries if e.kind is Kind.DIR and e.tree_id is not None]
         if not expanded:
             stack.append((tid, True))
             stack.extend((c, False) for c in subs if c not in done)
             continue
-        kept = [replace(e, tree_id=done[e.tree_id])
-                if e.kind is Kind.DIR and e.tree_id is not None else e
-                for e in entries if e.kind not in skip]
-        if len(kept) == len(entries) and all(
-                a.tree_id == b.tree_id for a, b in zip(kept, entries, strict=True)):
+        kept = []
+        for e in entries:
+            if e.kind in skip:
+                continue
+            r = e
+            if e.kind is Kind.DIR and e.tree_id is not None and done[e.tree_id] != e.tree_id:
+                r = replace(r, tree_id=done[e.tree_id])
+            if e.mode & _DROP_BITS:
+                r = replace(r, mode=e.mode & ~_DROP_BITS)
+            if not owners and (e.uid or e.gid):
+                r = replace(r, uid=0, gid=0)
+            kept.append(r)
+        if len(kept) == len(entries) and all(a is b for a, b in zip(kept, entries, strict=True)):
             done[tid] = tid
         else:
             done[tid] = object_id(encode_tree(kept))
-    return Ref(done[ref.tree_id])
+    return done[root]

@@ -631,3 +631,46 @@ def test_read_only_dirs_round_trip_and_wipe_as_unprivileged_user(nobody_base: Pa
     got = treegen.describe(nobody_base / "dest")
     assert _without_owner(got) == _without_owner(treegen.describe(src))
     assert {d[2] for d in got.values() if d[0] != "symlink"} == {65534}
+
+
+def test_non_root_materializes_a_root_owned_snapshot_twice(nobody_base: Path) -> None:
+    """A non-root materialize cannot give entries their recorded owners (the files are
+    its own), so a second one into the same destination must still find "the same tree"
+    (exit 0, already_equal) rather than refuse it as different (exit 6)."""
+    import json
+    import subprocess
+    import sys
+
+    src = nobody_base / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_bytes(b"print('root owned')\n")
+    (src / "README").write_bytes(b"owned by root, group 0\n")
+    os.symlink("pkg/mod.py", src / "link")
+    os.chmod(src / "pkg" / "mod.py", 0o4755)  # setuid: never written by materialize
+    os.chown(src / "README", 0, 4)
+    st = Store(nobody_base / "store")
+    ref = snapshot(st, src)
+    st.close()
+    _chown_tree(nobody_base / "store", 65534)
+    work = nobody_base / "work"
+    work.mkdir()
+    os.chown(work, 65534, 65534)
+    repo = Path(__file__).resolve().parent.parent
+
+    def as_nobody_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             sys.executable, "-m", "rewindfs", "--store", str(nobody_base / "store"), *args],
+            capture_output=True, text=True, cwd=repo, env={**os.environ, "HOME": str(work)})
+
+    first = as_nobody_cli("materialize", str(ref), str(work / "out"), "--json")
+    assert first.returncode == 0, first.stderr
+    assert not json.loads(first.stdout)["already_equal"]
+    assert os.stat(work / "out" / "README").st_uid == 65534
+    second = as_nobody_cli("materialize", str(ref), str(work / "out"), "--json")
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout)["already_equal"]
+    # Still "the same tree" only where it is one: different content is refused.
+    (work / "out" / "README").write_bytes(b"changed\n")
+    third = as_nobody_cli("materialize", str(ref), str(work / "out"))
+    assert third.returncode == 6, third.stderr
