@@ -31,6 +31,7 @@ from .mounts import (
     claim_mountpoint,
     mount_device,
     mount_id,
+    release_claim,
     remove_record,
     start_time,
     still_mounted,
@@ -292,7 +293,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         store, ov = _open(cfg)
     except Exception as e:
         if claim is not None:
-            os.close(claim)
+            release_claim(cfg.mountpoint, claim)
         log.error("cannot mount %s: %s", cfg.mountpoint, e)
         ready(str(e))
         raise
@@ -397,7 +398,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                 log.error("closing the %s after the failed start: %s", what, describe(e))
         log.error("%s", err)
         ready(str(err))
-        os.close(claim)
+        release_claim(cfg.mountpoint, claim)
         raise err
     ready("the kernel ended the session before it was initialized")  # no-op once ready
     failure: str | None = None
@@ -431,7 +432,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         pass
     store.close()
     log.info("unmounted %s (%d requests)", cfg.mountpoint, sum(ops.counts.values()))
-    os.close(claim)
+    release_claim(cfg.mountpoint, claim)
     return code
 
 

@@ -152,28 +152,73 @@ def served_refs(store_root: str) -> list[str]:
 def claim_mountpoint(mountpoint: str) -> int:
     """Make this process the one daemon that mounts at ``mountpoint``: flock (exclusive,
     not waiting) its lock file in the runtime directory, held through the returned
-    descriptor until the daemon closes it, then check that nothing is mounted there. Two
+    descriptor until ``release_claim``, then check that nothing is mounted there. Two
     ``rewindfs mount`` started together both passed the CLI's check and stacked two mounts
     at one path (the second hid the first; its record and control socket were replaced).
+
+    The lock file exists only while claimed: ``release_claim`` unlinks it while still
+    holding the lock, so a claimant that opened it just before may lock an unlinked file;
+    after locking, the claimant checks that the file it locked is still the one at the
+    path (same device and inode) and otherwise starts again on the new one.
 
     Raises MountError (another daemon of this user holds the path, or a mount is there)
     and RuntimeDirError."""
     from .errors import MountError
 
-    fd = os.open(record_path(mountpoint, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                 0o600)
-    try:
+    path = record_path(mountpoint, ".lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise MountError(mountpoint, "another rewindfs daemon is mounting or serving "
-                                         "there") from None
-        if is_mounted(mountpoint):
-            raise MountError(mountpoint, "something is already mounted there")
-    except BaseException:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise MountError(mountpoint, "another rewindfs daemon is mounting or "
+                                             "serving there") from None
+            if not _is_at(fd, path):
+                os.close(fd)  # released (unlinked) between our open and our lock
+                continue
+            if is_mounted(mountpoint):
+                try:
+                    _unlink_held(fd, path)
+                except OSError:
+                    pass
+                raise MountError(mountpoint, "something is already mounted there")
+        except BaseException:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            raise
+        return fd
+
+
+def _is_at(fd: int, path: str) -> bool:
+    """True if the file open at ``fd`` is the one named ``path`` now."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _unlink_held(fd: int, path: str) -> None:
+    """Unlink the lock file ``path`` whose lock this process holds through ``fd`` (only if
+    the path still names that file)."""
+    if _is_at(fd, path):
+        os.unlink(path)
+
+
+def release_claim(mountpoint: str, fd: int) -> None:
+    """End the claim ``claim_mountpoint`` returned: unlink the lock file while the lock
+    is still held (so no other claimant can be holding it meanwhile), then close ``fd``.
+    Never raises for a lock file already gone or a runtime directory that went away."""
+    try:
+        _unlink_held(fd, record_path(mountpoint, ".lock"))
+    except (OSError, RuntimeDirError):
+        pass
+    finally:
         os.close(fd)
-        raise
-    return fd
 
 
 def take_exit_record(mountpoint: str) -> dict[str, Any] | None:

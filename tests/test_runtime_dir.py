@@ -60,6 +60,7 @@ class Box:
         self.base = base
         self.store = base / "store"
         self.env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.rt: Path | None = None  # the runtime directory, once chosen
         src = base / "src"
         src.mkdir()
         (src / "a").write_text("lower\n")
@@ -73,12 +74,14 @@ class Box:
             xdg.mkdir(mode=0o700)
             self.env["XDG_RUNTIME_DIR"] = str(xdg)
             self.env.pop("TMPDIR", None)
-            return xdg / "rewindfs"
+            self.rt = xdg / "rewindfs"
+            return self.rt
         tmp = self.base / "tmp"
         tmp.mkdir()
         self.env.pop("XDG_RUNTIME_DIR", None)
         self.env["TMPDIR"] = str(tmp)
-        return tmp / f"rewindfs-{UID}"
+        self.rt = tmp / f"rewindfs-{UID}"
+        return self.rt
 
     def rw(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
         p = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(self.store),
@@ -99,6 +102,9 @@ class Box:
         while _procs_naming(self.base) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _procs_naming(self.base) == []
+        # A daemon's claim of its mount point (a lock file) goes when the daemon ends.
+        if self.rt is not None and (self.rt / "mounts").is_dir():
+            assert sorted(p.name for p in (self.rt / "mounts").glob("*.lock")) == []
 
 
 @pytest.fixture
@@ -297,3 +303,44 @@ def test_two_mounts_started_together_at_one_mount_point_give_one_mount(box: Box)
     box.rw("umount", str(mnt))
     assert not fh.is_fuse_mounted(str(mnt))
     box.assert_nothing_left()
+
+
+_CLAIMER = """
+import os, sys, time
+from fusefs.errors import MountError
+from fusefs.mounts import claim_mountpoint, release_claim
+mnt, marker, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+held = 0
+while held < rounds:
+    try:
+        fd = claim_mountpoint(mnt)
+    except MountError:
+        continue
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        sys.exit(3)  # two claimants hold the mount point at once
+    time.sleep(0.0005)
+    os.unlink(marker)
+    release_claim(mnt, fd)
+    held += 1
+"""
+
+
+def test_claims_of_one_mount_point_exclude_each_other_while_lock_files_come_and_go(
+        tmp_path: Path) -> None:
+    """The lock file is unlinked at every release: a claimant that opened it just before
+    locks an unlinked file, and must see that and start again, or two would hold the
+    mount point at once (each on its own file). Four processes claim and release one
+    mount point 300 times each; at no time do two hold it, and no lock file stays."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    marker = tmp_path / "inside"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, str(mnt), str(marker), "300"],
+                              env=env, cwd=str(REPO)) for _ in range(4)]
+    codes = [p.wait(300) for p in procs]
+    assert codes == [0, 0, 0, 0]
+    from fusefs.mounts import record_path
+
+    assert not os.path.exists(record_path(str(mnt), ".lock"))
