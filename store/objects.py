@@ -76,6 +76,34 @@ class JournalEvent:
     consistency: str | None
 
 
+class _Held:
+    """A thread's index connection (``Store.conn``): when the thread ends (its
+    ``threading.local`` entry is dropped), the connection goes back to the store's pool of
+    idle ones, unless a transaction was left open on it (then it is closed). Connections
+    are opened with ``check_same_thread=False`` so the next thread may use one; only one
+    thread holds a connection at a time."""
+
+    __slots__ = ("conn", "idle", "closed")
+
+    def __init__(self, conn: sqlite3.Connection, idle: list[sqlite3.Connection]) -> None:
+        self.conn = conn
+        self.idle = idle
+        self.closed = False
+
+    def __del__(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        c = self.conn
+        try:
+            if c.in_transaction:
+                c.close()
+            else:
+                self.idle.append(c)
+        except sqlite3.Error:
+            pass
+
+
 class Store:
     """A content-addressed store of chunks and trees, with snapshot list and journals.
 
@@ -107,6 +135,7 @@ class Store:
         self.catalog: Catalog = catalog if catalog is not None else SQLiteCatalog(
             lambda: self.conn)
         self._local = threading.local()
+        self._idle: list[sqlite3.Connection] = []  # connections of finished threads
         self._cache_lock = threading.Lock()
         self._trees: OrderedDict[bytes, Tree] = OrderedDict()
         self._records: OrderedDict[tuple[str, int], bytes] = OrderedDict()
@@ -147,20 +176,33 @@ class Store:
 
     @property
     def conn(self) -> sqlite3.Connection:
-        """This thread's connection to the index."""
-        c = getattr(self._local, "conn", None)
-        if c is None:
-            c = sqlite3.connect(self.index_path, timeout=60, isolation_level=None)
-            c.execute("PRAGMA busy_timeout=60000")
-            c.execute("PRAGMA synchronous=NORMAL")
-            self._local.conn = c
-        return c
+        """This thread's connection to the index: one a finished thread gave back (the
+        store's pool), else a new one. Opening a connection costs about a millisecond, and
+        servers answer each request on a new thread."""
+        held = getattr(self._local, "held", None)
+        if held is None:
+            try:
+                c = self._idle.pop()
+            except IndexError:
+                c = sqlite3.connect(self.index_path, timeout=60, isolation_level=None,
+                                    check_same_thread=False)
+                c.execute("PRAGMA busy_timeout=60000")
+                c.execute("PRAGMA synchronous=NORMAL")
+            held = self._local.held = _Held(c, self._idle)
+        return held.conn
 
     def close(self) -> None:
-        c = getattr(self._local, "conn", None)
-        if c is not None:
-            c.close()
-            self._local.conn = None
+        """Close this thread's connection and the idle ones of the pool."""
+        held = getattr(self._local, "held", None)
+        if held is not None:
+            self._local.held = None
+            held.closed = True
+            held.conn.close()
+        while self._idle:
+            try:
+                self._idle.pop().close()
+            except IndexError:
+                break
 
     def config_value(self, key: str) -> str | None:
         """A setting of the store (in the catalog: shared by its hosts)."""

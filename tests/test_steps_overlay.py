@@ -211,3 +211,28 @@ def test_steps_are_journal_rows_of_either_catalog_and_rebuild_from_the_backend(
                 for s in Journal(store, "s1").steps()] == want
         assert verify(store) == []
     store.close()
+
+
+def test_step_numbers_stay_consecutive_when_another_appender_adds_events(
+        tmp_path: Path) -> None:
+    """The journal numbers steps from what it appended itself while nobody else appended,
+    and from the journal when someone did (another Journal of the session: a checkpoint
+    of the mount, a restarted process)."""
+    from fusefs.session.journal import Journal
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("a\n")
+    store = Store(tmp_path / "store")
+    ref = snapshot(store, src)
+    mine, other = Journal(store, "s1"), Journal(store, "s1")
+    assert mine.step(ref, None, [], {}, 0) == (1, 1)
+    assert mine.step(ref, None, [], {}, 0) == (2, 2)
+    assert other.step(ref, "elsewhere", [], {}, 0) == (3, 3)
+    other.checkpointed(ref, "manual", "quiescent", 0)
+    assert mine.step(ref, None, [], {}, 0) == (5, 4)
+    mine.checkpointed(ref, "manual", "quiescent", 0)
+    assert mine.step(ref, None, [], {}, 0) == (7, 5)
+    assert other.step(ref, None, [], {}, 0) == (8, 6)
+    assert [s["step"] for s in Journal(store, "s1").steps()] == [1, 2, 3, 4, 5, 6]
+    store.close()

@@ -54,6 +54,9 @@ class Journal:
     def __init__(self, store: Any, session_id: str) -> None:
         self.store = store
         self.session_id = session_id
+        # (seq of the last event this object knows of, steps up to it): the next step's
+        # number without listing the journal, while no other appender added events.
+        self._known: tuple[int, int] | None = None
 
     def _check_committed(self, ref: Ref) -> None:
         if not self.store.has(ref.tree_id):
@@ -69,9 +72,9 @@ class Journal:
         if consistency not in CONSISTENCIES:
             raise ValueError(f"unknown consistency {consistency!r}")
         self._check_committed(ref)
-        return int(self.store.append_journal(self.session_id, CHECKPOINTED, ref, epoch=epoch,
-                                             trigger=trigger, consistency=consistency,
-                                             fence=self._fence(epoch)))
+        return self._appended(int(self.store.append_journal(
+            self.session_id, CHECKPOINTED, ref, epoch=epoch, trigger=trigger,
+            consistency=consistency, fence=self._fence(epoch))))
 
     def restored(self, ref: Ref, epoch: int, paths: list[str] | None = None,
                  source: Ref | None = None) -> int:
@@ -82,8 +85,9 @@ class Journal:
         detail = None
         if paths is not None:
             detail = {"paths": list(paths), "source": str(source) if source else None}
-        return int(self.store.append_journal(self.session_id, RESTORED, ref, epoch=epoch,
-                                             fence=self._fence(epoch), data=detail))
+        return self._appended(int(self.store.append_journal(
+            self.session_id, RESTORED, ref, epoch=epoch, fence=self._fence(epoch),
+            data=detail)))
 
     def _fence(self, epoch: int) -> str | None:
         # An epoch is that of the session lease: appends are fenced by it (none without).
@@ -95,11 +99,33 @@ class Journal:
         changes were seen on. Raises JournalError if ``ref`` is not in the store,
         FencedError as ``checkpointed``."""
         self._check_committed(ref)
-        n = 1 + sum(1 for e in self.events() if e.event == STEP)
+        n = 1 + self._step_count()
         data = {"step": n, "label": label, "changes": changes, "fingerprints": fingerprints}
         seq = int(self.store.append_journal(self.session_id, STEP, ref, epoch=epoch,
                                             fence=self._fence(epoch), data=data))
+        self._known = (seq, n) if seq == self._known_seq + 1 else None
         return seq, n
+
+    @property
+    def _known_seq(self) -> int:
+        return self._known[0] if self._known is not None else -1
+
+    def _step_count(self) -> int:
+        """How many steps the journal holds: from what this object appended, while the
+        journal's last seq is the one it knows (one indexed query), else by listing it."""
+        known = self._known
+        if known is not None and self.store.catalog.last_seq(self.session_id) == known[0]:
+            return known[1]
+        events = self.events()
+        n = sum(1 for e in events if e.event == STEP)
+        self._known = (events[-1].seq if events else 0, n)
+        return n
+
+    def _appended(self, seq: int) -> int:
+        """Note a non-step event appended at ``seq`` (the step count is unchanged)."""
+        known = self._known
+        self._known = (seq, known[1]) if known is not None and seq == known[0] + 1 else None
+        return seq
 
     def events(self) -> list[JournalEvent]:
         """Every event, oldest first."""
