@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from store.objects import Store
+from store.pack import Location
 from store.ref import ObjectId, Ref
 from store.tree import Kind, Tree
 
 # Chunks up to this plaintext size are read on the request thread; bigger ones are worth a
 # worker thread, since decompressing them would stall every other request.
 SMALL_CHUNK = 256 << 10
+LOCATE_AHEAD = 256  # chunks of a file located in one catalog query
 
 
 class Lower:
@@ -42,7 +44,8 @@ class Lower:
         self._lock = threading.Lock()
         self._subdirs: dict[bytes, int] = {}
         self._groups: dict[bytes, int] | None = None
-        self._small: dict[bytes, bool] = {}
+        # Where chunks are stored (read_object re-locates one that GC moved meanwhile).
+        self._locs: dict[bytes, Location] = {}
 
     @property
     def root_tree(self) -> ObjectId:
@@ -102,22 +105,34 @@ class Lower:
         """The plaintext of chunk ``cid`` (verified), through the cache."""
         data = self.cached(cid)
         if data is None:
-            data = self.store.read_object(ObjectId(cid))
+            data = self.store.read_object(ObjectId(cid), self._locs.get(cid))
             self._put(cid, data)
         return data
 
+    def locate_ahead(self, cids: Sequence[bytes]) -> None:
+        """Look up where the chunks ``cids`` (a file's, from the one read next) are stored,
+        in one catalog query, unless the first is known already: a sequential reader then
+        asks the catalog once per LOCATE_AHEAD chunks instead of once per chunk (a round
+        trip each on a shared catalog)."""
+        if not cids or cids[0] in self._locs:
+            return
+        found = self.store.locate_many(ObjectId(bytes(c)) for c in cids)
+        if len(self._locs) + len(found) > 1 << 16:
+            self._locs.clear()
+        self._locs.update(found)
+
     def is_small(self, cid: bytes) -> bool:
         """True if reading ``cid`` is cheap enough for the request thread."""
-        small = self._small.get(cid)
-        if small is None:
+        loc = self._locs.get(cid)
+        if loc is None:
             try:
-                small = self.store.locate(ObjectId(cid)).raw_length <= SMALL_CHUNK
+                loc = self.store.locate(ObjectId(cid))
             except KeyError:
                 return True  # let the read raise its own error on the request thread
-            if len(self._small) > 1 << 16:
-                self._small.clear()
-            self._small[cid] = small
-        return small
+            if len(self._locs) > 1 << 16:
+                self._locs.clear()
+            self._locs[cid] = loc
+        return loc.raw_length <= SMALL_CHUNK
 
     def load_chunks(self, cids: Iterable[bytes]) -> None:
         """Read chunks into the cache; safe to call from a worker thread."""

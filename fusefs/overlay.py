@@ -53,7 +53,7 @@ from store.ref import ObjectId
 from store.tree import NAME_MAX, ChunkList, Entry, Kind, decode_runs, encode_runs
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
-from .lower import Lower
+from .lower import LOCATE_AHEAD, Lower
 from .upper import INLINE_MAX, Batch, Loaded, Upper, bitmap, iter_data_files, unbitmap
 
 RENAME_NOREPLACE = 1
@@ -1088,7 +1088,10 @@ class Overlay:
         if off >= end:
             return []
         out = []
-        for i in range(off // self.cs, (end - 1) // self.cs + 1):
+        first = off // self.cs
+        if first < len(n.lower_chunks) and self.lower.cached(n.lower_chunks[first]) is None:
+            self.lower.locate_ahead(n.lower_chunks[first:first + LOCATE_AHEAD])
+        for i in range(first, (end - 1) // self.cs + 1):
             if i not in n.present and i < len(n.lower_chunks):
                 cid = n.lower_chunks[i]
                 if self.lower.cached(cid) is None and not self.lower.is_small(cid):

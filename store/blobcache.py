@@ -13,6 +13,20 @@ range (32 bytes) and then the range. A read checks the digest; a file that does 
 (torn by a crash, damaged on disk) is deleted and the range fetched again, so the cache
 never hands out wrong bytes (and the store verifies every object against its id anyway).
 
+Read-ahead: a reader that walks a pack sequentially (each range starting where one of its
+last few ranges ended: a big file's records lie back to back) is detected per pack after
+``READAHEAD_AFTER`` such ranges; from then on the pack is fetched in ``SEGMENT``-byte
+aligned segments, up to ``READAHEAD_DEPTH`` segments past the one being read, by
+``READAHEAD_WORKERS`` threads in parallel (one large ranged GET costs about what a small
+one does on S3, so this is what lets a cold read stream). A range is then cut out of the
+segments in memory and handed to the reader at once; it is written to the cache directory
+by a writer thread behind the reader (``drain()`` waits for those writes). Random ranges never start a stream, so they fetch
+exactly what they ask for. Segments are held in memory only while their stream is one of
+the ``READAHEAD_STREAMS`` most recent ones and not behind its reader, so the read-ahead
+holds at most about ``READAHEAD_STREAMS * (READAHEAD_DEPTH + 3) * SEGMENT`` bytes. A failed
+segment fetch is forgotten and the range fetched directly, so the reader sees the inner
+backend's own error.
+
 Bounded and LRU: the entries' sizes are summed at open and on every insert; when the sum
 passes ``max_bytes`` the directory is scanned again (other processes share it) and the
 least recently used files (by mtime, refreshed on a hit at most once a minute) are deleted
@@ -25,6 +39,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import blake3
 
@@ -33,11 +49,32 @@ from .backend import BlobBackend, check_key
 _DIGEST = 32
 _TOUCH_EVERY_NS = 60_000_000_000
 
+SEGMENT = 8 << 20  # bytes per read-ahead GET (aligned in the pack)
+READAHEAD_AFTER = 2  # back-to-back ranges of a pack before its read-ahead starts
+READAHEAD_DEPTH = 2  # segments fetched past the one being read
+READAHEAD_WORKERS = 3
+READAHEAD_STREAMS = 4  # packs read ahead at once (least recent ones dropped)
+_RECENT = 8  # range ends remembered per pack, to see a sequential run in parallel reads
+
+
+class _Stream:
+    """Read-ahead state of one pack: recent range ends, the run length of back-to-back
+    ranges and the segments fetched or in flight, by segment index."""
+
+    __slots__ = ("ends", "run", "segments", "size")
+
+    def __init__(self) -> None:
+        self.ends: list[int] = []
+        self.run = 0
+        self.segments: dict[int, Future[bytes]] = {}
+        self.size: int | None = None  # the pack's length, once a segment came back short
+
 
 class CachedBackend:
     """``inner`` with a range cache in ``directory`` of at most about ``max_bytes`` bytes
-    (see the module docstring). Counters ``hits``, ``misses`` and ``damaged`` say what the
-    cache did (for stats and tests)."""
+    and a read-ahead for sequential readers (see the module docstring). Counters ``hits``,
+    ``misses``, ``damaged``, ``prefetched`` (read-ahead segments) and ``fetched_bytes``
+    (bytes of packs read from ``inner``) say what the cache did (for stats and tests)."""
 
     def __init__(self, inner: BlobBackend, directory: str | os.PathLike[str],
                  max_bytes: int) -> None:
@@ -53,6 +90,12 @@ class CachedBackend:
         self.hits = 0
         self.misses = 0
         self.damaged = 0
+        self.prefetched = 0  # read-ahead segments fetched
+        self.fetched_bytes = 0  # bytes of packs read from ``inner``
+        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: set[Future[None]] = set()
 
     # -- cache files -----------------------------------------------------------------
 
@@ -144,6 +187,70 @@ class CachedBackend:
         with self._lock:
             self._used = total
 
+    # -- read-ahead ------------------------------------------------------------------
+
+    def _note(self, key: str, offset: int, length: int, missed: bool) -> list[Future[bytes]] | None:
+        """Record a range of ``key``; on a miss in a sequential run, start the segments
+        ahead of it and return the futures of the segments covering it (None otherwise).
+        Called with ``self._lock`` held."""
+        st = self._streams.get(key)
+        if st is None:
+            st = self._streams[key] = _Stream()
+            while len(self._streams) > READAHEAD_STREAMS:
+                self._streams.popitem(last=False)
+        else:
+            self._streams.move_to_end(key)
+        end = offset + length
+        first, last = offset // SEGMENT, (end - 1) // SEGMENT
+        if offset in st.ends:
+            st.run += 1
+        elif first not in st.segments:  # parallel readers may come a little out of order
+            st.run = 0
+        st.ends.append(end)
+        del st.ends[:-_RECENT]
+        for i in [i for i in st.segments if i < first - 1]:
+            del st.segments[i]  # behind the reader (one kept for a late parallel range)
+        if not missed or (st.run < READAHEAD_AFTER and first not in st.segments):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READAHEAD_WORKERS, thread_name_prefix="readahead")
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="cache-writer")
+        for i in range(first, last + READAHEAD_DEPTH + 1):
+            if i not in st.segments and (i == first or st.size is None
+                                         or i * SEGMENT < st.size):
+                st.segments[i] = self._pool.submit(self._segment, key, i)
+                self.prefetched += 1
+        return [st.segments[i] for i in range(first, last + 1)]
+
+    def _segment(self, key: str, i: int) -> bytes:
+        data = self.inner.get_range(key, i * SEGMENT, SEGMENT)
+        with self._lock:
+            self.fetched_bytes += len(data)
+            st = self._streams.get(key)
+            if st is not None and len(data) < SEGMENT:
+                st.size = i * SEGMENT + len(data)
+        return data
+
+    def _cut(self, key: str, offset: int, length: int,
+             segments: list[Future[bytes]]) -> bytes | None:
+        """The range cut out of its segments, or None if a segment fetch failed (it is
+        forgotten, so a later read fetches again)."""
+        parts = []
+        for f in segments:
+            try:
+                parts.append(f.result())
+            except Exception:
+                with self._lock:
+                    st = self._streams.get(key)
+                    if st is not None:
+                        for i, g in list(st.segments.items()):
+                            if g is f:
+                                del st.segments[i]
+                return None
+        start = offset - offset // SEGMENT * SEGMENT
+        return b"".join(parts)[start:start + length] if len(parts) > 1 \
+            else parts[0][start:start + length]
+
     # -- protocol --------------------------------------------------------------------
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
@@ -151,16 +258,42 @@ class CachedBackend:
             return self.inner.get_range(key, offset, length)
         path = self._path(key, offset, length)
         data = self._lookup(path)
-        if data is not None:
-            with self._lock:
+        with self._lock:
+            segments = self._note(key, offset, length, data is None)
+            if data is not None:
                 self.hits += 1
-            return data
+                return data
+            self.misses += 1
+        if segments is not None:
+            data = self._cut(key, offset, length, segments)
+            if data is not None:
+                if len(data) == length:  # cached behind the reader, off its path
+                    with self._lock:
+                        assert self._writer is not None
+                        w = self._writer.submit(self._insert, path, data)
+                        self._writes.add(w)
+                    w.add_done_callback(self._written)
+                return data
         data = self.inner.get_range(key, offset, length)
         with self._lock:
-            self.misses += 1
+            self.fetched_bytes += len(data)
         if len(data) == length:
             self._insert(path, data)
         return data
+
+    def _written(self, w: Future[None]) -> None:
+        with self._lock:
+            self._writes.discard(w)
+
+    def drain(self) -> None:
+        """Wait until every range read ahead so far is in the cache directory."""
+        while True:
+            with self._lock:
+                pending = list(self._writes)
+            if not pending:
+                return
+            for w in pending:
+                w.result()
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)
@@ -170,6 +303,8 @@ class CachedBackend:
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)
+        with self._lock:
+            self._streams.pop(key, None)
         if key.startswith("packs/"):
             import shutil
 

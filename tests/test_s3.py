@@ -139,10 +139,12 @@ def test_cache_is_bounded_and_evicts_least_recently_used(s3_env: object, s3_buck
     c = CachedBackend(remote, tmp_path / "c", 1_000_000)
     for i in range(10):
         c.get_range("packs/a.pack", i * 40_000, 40_000)
+    c.drain()  # (a sequential run is read ahead: its ranges are cached behind the reader)
     c.get_range("packs/a.pack", 0, 40_000)  # recently used: hit
     assert c.hits == 1
     for i in range(10, 40):
         c.get_range("packs/a.pack", i * 10_000 % 390_000, 150_000)
+        c.drain()
         assert c.cached_bytes() <= 1_000_000
     assert c.cached_bytes() > 500_000
 
@@ -162,3 +164,91 @@ def test_damaged_cache_file_is_refetched(s3_env: object, s3_bucket: str,
     assert c.damaged == 1 and c.misses == 2
     assert c.get_range("packs/d.pack", 1000, 5000) == data[1000:6000]
     assert c.hits == 1
+
+
+# -- read-ahead (store/blobcache.py) --------------------------------------------------------
+
+_MIB = 1 << 20
+
+
+def test_sequential_reader_is_read_ahead_in_segments(s3_env: object, s3_bucket: str,
+                                                     tmp_path: Path) -> None:
+    from store.blobcache import READAHEAD_DEPTH, SEGMENT
+
+    remote = _s3(s3_env, s3_bucket)
+    data = os.urandom(40 * _MIB + 12345)
+    remote.put("packs/seq.pack", data)
+    c = CachedBackend(remote, tmp_path / "c", 1 << 30)
+    ranges = [(off, min(_MIB, len(data) - off)) for off in range(0, len(data), _MIB)]
+    for off, n in ranges:  # as the store asks: the exact length of each record
+        assert c.get_range("packs/seq.pack", off, n) == data[off:off + n]
+    # Fetched in few large GETs, the segments past the pack's end never asked for, and
+    # hardly more bytes than the pack holds.
+    assert 0 < c.prefetched <= len(data) // SEGMENT + READAHEAD_DEPTH + 1
+    assert len(data) <= c.fetched_bytes <= len(data) + 4 * _MIB
+    c.drain()
+    # Every range read ahead was also cached: a restarted host reads them all locally.
+    again = CachedBackend(remote, tmp_path / "c", 1 << 30)
+    for off, n in ranges:
+        assert again.get_range("packs/seq.pack", off, n) == data[off:off + n]
+    assert again.misses == 0 and again.fetched_bytes == 0 and again.prefetched == 0
+
+
+def test_random_reader_fetches_only_what_it_asks(s3_env: object, s3_bucket: str,
+                                                 tmp_path: Path) -> None:
+    import random
+
+    remote = _s3(s3_env, s3_bucket)
+    data = os.urandom(32 * _MIB)
+    remote.put("packs/rnd.pack", data)
+    c = CachedBackend(remote, tmp_path / "c", 1 << 30)
+    rng = random.Random(13)
+    for _ in range(200):
+        off = rng.randrange(0, len(data) - 4096) // 4096 * 4096
+        assert c.get_range("packs/rnd.pack", off, 4096) == data[off:off + 4096]
+    assert c.prefetched == 0
+    assert c.fetched_bytes == 4096 * c.misses  # (an offset drawn twice is a hit)
+
+
+def test_parallel_readers_out_of_order_get_their_bytes(s3_env: object, s3_bucket: str,
+                                                       tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    remote = _s3(s3_env, s3_bucket)
+    data = os.urandom(48 * _MIB)
+    remote.put("packs/par.pack", data)
+    c = CachedBackend(remote, tmp_path / "c", 1 << 30)
+    # Ranges of uneven sizes back to back, read by four threads (as a mount's prefetching
+    # worker threads do): a run of them must still be seen and read ahead.
+    offs = [0]
+    while offs[-1] < len(data):
+        offs.append(min(len(data), offs[-1] + (300_000 if len(offs) % 3 else _MIB + 7)))
+    ranges = list(zip(offs, offs[1:], strict=False))
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda r: c.get_range("packs/par.pack", r[0], r[1] - r[0]), ranges))
+    assert got == [data[a:b] for a, b in ranges]
+    assert c.prefetched > 0
+
+
+def test_server_gone_during_read_ahead_is_typed_error_never_wrong_bytes(
+        own_seaweed: object, tmp_path: Path) -> None:
+    bucket = own_seaweed.new_bucket()  # type: ignore[attr-defined]
+    remote = _s3(own_seaweed, bucket, max_attempts=1, connect_timeout=1, read_timeout=2)
+    data = os.urandom(64 * _MIB)
+    remote.put("packs/gone.pack", data)
+    c = CachedBackend(remote, tmp_path / "c", 1 << 30)
+    for off in range(0, 4 * _MIB, _MIB):
+        assert c.get_range("packs/gone.pack", off, _MIB) == data[off:off + _MIB]
+    own_seaweed.stop(keep_data=True)  # type: ignore[attr-defined]
+    failed = 0
+    for off in range(4 * _MIB, len(data), _MIB):
+        try:
+            got = c.get_range("packs/gone.pack", off, _MIB)
+        except BackendError:
+            failed += 1
+        else:
+            assert got == data[off:off + _MIB]  # read ahead before the server went
+    assert failed > 0
+    own_seaweed.start()  # type: ignore[attr-defined]
+    for off in range(4 * _MIB, len(data), _MIB):
+        assert c.get_range("packs/gone.pack", off, _MIB) == data[off:off + _MIB]
