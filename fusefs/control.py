@@ -17,8 +17,7 @@ per line each way; requests ``{"op": ...}``:
   binding, no_open, kernel_inodes, quota}`` (``requests``: FUSE requests served so far by
   operation, those that reached a handler; ``binding``: ``fusefs.binding.info()``;
   ``kernel_inodes``: inodes the kernel holds a lookup on. In no-open mode
-  ``open_handles`` and ``writable_handles`` count only files created through the mount
-  and still open: files opened with open(2) are unseen)
+  ``open_handles`` and ``writable_handles`` are 0: no file has a handle)
 - ``checkpoint {label?, trigger?, timeout_s?}``: ``{ref, elapsed_ms, unchanged, packs,
   bytes}``
 - ``restore {ref, discard?, timeout_s?, wait_writers_s?, paths?}``: ``{ref, pre_restore,

@@ -436,6 +436,12 @@ class Operations(pyfuse3.Operations):
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         async with self.gate.mutation():
             fh, n = self.ov.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+            if self.no_open:
+                # The kernel sends no RELEASE on a no-open connection, not even for a
+                # file it created (fs/fuse/file.c, fuse_file_put): no handle is kept, and
+                # the file is addressed by inode like every other one.
+                self.ov.release(fh)
+                fh = 0
             return FileInfo(fh=FileHandleT(fh), keep_cache=True), self.attrs(n)
 
     @_boundary
@@ -490,9 +496,9 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken,
                       inode: InodeT | None = None) -> None:
         ov = self.ov
-        if not fh and inode:
-            fh = FileHandleT(ov.inode_dir_fh(inode, start_id))
-        for name, n, cookie in ov.readdir(fh, start_id):
+        entries = (ov.readdir_inode(inode, start_id) if not fh and inode
+                   else ov.readdir(fh, start_id))
+        for name, n, cookie in entries:
             dot = name in (b".", b"..")
             if not pyfuse3.readdir_reply(token, FileNameT(name), self.attrs(n), cookie):
                 if not dot:

@@ -67,6 +67,10 @@ XATTR_SIZE_MAX = 65536
 # upper dentry with cookie c. Lower trees are immutable and upper cookies only grow, so a
 # cookie names the same entry for the whole life of a directory (PYFUSE3.md trap 4).
 UPPER_BASE = 1 << 40
+# A listing without opendir (no-open mode) hands out cookies that also name the listing
+# state they belong to (``DirListings``): its generation, in the bits from GEN_SHIFT up.
+GEN_SHIFT = 48
+GEN_KEEP = 8  # listing states kept per directory (the newest ones)
 INLINE_BUDGET = 256 << 20  # inline content kept in memory at most; beyond, data files
 MAX_FILE_SIZE = 1 << 40  # 1 TiB: larger sizes get EFBIG (a checkpoint lists every chunk)
 
@@ -134,6 +138,45 @@ class DirHandle:
         self.lower_tree = self.node.lower_tree
 
 
+class DirListings:
+    """The listing states of a directory listed without opendir (no-open mode: the kernel
+    sends READDIR with handle 0, so listings cannot keep a ``DirHandle`` each).
+
+    A ``DirHandle`` per *generation*: a listing from the start takes the newest one,
+    refreshed, or a new generation once the directory's lower tree changed (a checkpoint
+    moved its upper entries into a new lower); cookies carry their generation
+    (``GEN_SHIFT``), so a listing part way through goes on in the state it started with,
+    whatever listings of the directory began since. The ``GEN_KEEP`` newest are kept."""
+
+    __slots__ = ("node", "gens", "newest")
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.newest = 0
+        self.gens: dict[int, DirHandle] = {0: DirHandle(node)}
+
+    def at(self, start: int) -> tuple[int, DirHandle]:
+        """The generation and listing state a READDIR from cookie ``start`` continues."""
+        if start == 0:
+            h = self.gens[self.newest]
+            if h.lower_tree == self.node.lower_tree:
+                h.refresh()
+                return self.newest, h
+            self.newest += 1
+            self.gens[self.newest] = DirHandle(self.node)
+            self.gens.pop(self.newest - GEN_KEEP, None)
+            return self.newest, self.gens[self.newest]
+        gen = start >> GEN_SHIFT
+        if gen not in self.gens:  # older than every state kept: go on in the oldest one
+            gen = min(self.gens)
+        return gen, self.gens[gen]
+
+    def refresh(self) -> None:
+        """After a restore: every state sees the directory as it is now (as open handles)."""
+        for h in self.gens.values():
+            h.refresh()
+
+
 class Overlay:
     """lower (+ upper): see the module docstring.
 
@@ -156,9 +199,10 @@ class Overlay:
         self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, DirHandle] = {}
         # No-open mode (the kernel sends handle 0): I/O by inode through handles keyed
-        # -ino, which count as neither open nor writable (``inode_fh``).
+        # -ino, which count as neither open nor writable (``inode_fh``); listings by
+        # directory inode (``readdir_inode``).
         self.inode_handles: dict[int, Handle] = {}
-        self.inode_dirs: dict[int, DirHandle] = {}
+        self.inode_dirs: dict[int, DirListings] = {}
         self._next_fh = 1
         self.next_ino = 2
         self.next_cookie = 1
@@ -371,7 +415,7 @@ class Overlay:
         if self.nodes.get(n.ino) is not n:
             return
         self.inode_handles.pop(-n.ino, None)
-        self.inode_dirs.pop(-n.ino, None)
+        self.inode_dirs.pop(n.ino, None)
         if not n.upper:
             del self.nodes[n.ino]
             self._drop_inline(n)
@@ -1054,17 +1098,6 @@ class Overlay:
             self.inode_handles[-ino] = Handle(n, os.O_RDWR)
         return -ino
 
-    def inode_dir_fh(self, ino: int, start: int) -> int:
-        """``inode_fh`` for listing directory ``ino``; a listing from the start (``start``
-        0) sees the entries as they are now."""
-        h = self.inode_dirs.get(-ino)
-        d = self._dir(ino)
-        if h is None or h.node is not d:
-            self.inode_dirs[-ino] = DirHandle(d)
-        elif start == 0:
-            h.refresh()
-        return -ino
-
     def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
         if h is None:
@@ -1312,12 +1345,29 @@ class Overlay:
         """Yield (name, node, cookie) from after cookie ``start`` (0: from the beginning).
         Entries that exist throughout a listing come exactly once. The caller counts a
         lookup (``remember``) for each entry it hands to the kernel, except "." and ".."."""
-        h = self.dirs.get(fh) if fh > 0 else self.inode_dirs.get(fh)
+        h = self.dirs.get(fh)
         if h is None:
             raise _err(errno.EBADF)
-        d = h.node
         if start == 0:
             h.refresh()
+        return self._list(h, start)
+
+    def readdir_inode(self, ino: int, start: int) -> Iterator[tuple[bytes, Node, int]]:
+        """``readdir`` of directory ``ino`` without a handle (no-open mode): the listing
+        state is the directory's (``DirListings``) and every cookie carries its generation,
+        so two listings of one directory never disturb each other. Raises ENOENT or
+        ENOTDIR for an inode that is not a directory in memory."""
+        d = self._dir(ino)
+        ls = self.inode_dirs.get(ino)
+        if ls is None or ls.node is not d:
+            ls = self.inode_dirs[ino] = DirListings(d)
+        gen, h = ls.at(start)
+        tag = gen << GEN_SHIFT
+        for name, n, cookie in self._list(h, start & ((1 << GEN_SHIFT) - 1)):
+            yield name, n, tag | cookie
+
+    def _list(self, h: DirHandle, start: int) -> Iterator[tuple[bytes, Node, int]]:
+        d = h.node
         if d.nlink == 0:
             return
         if start < 1:

@@ -446,8 +446,10 @@ def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
     root.nlink = 2 + ov.lower.subdirs(sp.target.tree_id)
     ov.by_origin = {o: i for o, i in ov.by_origin.items()
                     if (u := nodes.get(i)) is not None and u.upper and u.nlink > 0}
-    for h in [*ov.dirs.values(), *ov.inode_dirs.values()]:
+    for h in ov.dirs.values():
         h.refresh()
+    for ls in ov.inode_dirs.values():
+        ls.refresh()
 
 
 def known_to_kernel(ov: Overlay, inv: Invalidation) -> Invalidation:

@@ -24,6 +24,11 @@ patched_only = pytest.mark.skipif(not binding.EXTENDED,
                                   reason="the stock pyfuse3 cannot cache listings")
 
 
+# Handle mode (the default here) and no-open mode (patched binding only).
+MODES = [pytest.param([], id="default"),
+         pytest.param(["--no-open"], id="no-open", marks=patched_only)]
+
+
 def listing(d: Path) -> set[str]:
     return set(os.listdir(d))
 
@@ -97,12 +102,14 @@ def test_cached_listing_follows_every_change_through_the_mount(mounter: fh.Mount
     assert listing(d) == listing(d) == {"h", "s"}
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_a_listing_read_in_part_across_a_checkpoint_is_not_kept(mounter: fh.Mounter,
-                                                                lower_ref: str) -> None:
+                                                                lower_ref: str,
+                                                                mode: list[str]) -> None:
     # A checkpoint moves a directory's upper entries into the lower, under other readdir
     # cookies: the listing in progress goes on where it was, and a listing the kernel
     # cached only in part is not kept as the whole.
-    m = mounter.rw(lower_ref).mnt
+    m = mounter.rw(lower_ref, extra=mode).mnt
     d = m / "many"
     d.mkdir()
     names = {f"entry-{i:05d}-named-at-some-length" for i in range(3000)}
@@ -116,6 +123,35 @@ def test_a_listing_read_in_part_across_a_checkpoint_is_not_kept(mounter: fh.Moun
         assert len(seen) == len(set(seen)) and set(seen) == names, phase
         assert listing(d) == listing(d) == names, phase
         # the second round lists a lower directory with new upper entries beside it
+        extra = {f"new-{i:03d}" for i in range(300)}
+        for name in extra:
+            os.close(os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644))
+        names |= extra
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_listings_of_one_directory_across_a_checkpoint(mounter: fh.Mounter,
+                                                           lower_ref: str,
+                                                           mode: list[str]) -> None:
+    # One lister is part way through when a checkpoint moves the directory's entries into
+    # the lower, then a second lists it from the start: each sees every entry once (in
+    # no-open mode both listings reach the daemon without a handle of their own).
+    m = mounter.rw(lower_ref, extra=mode).mnt
+    d = m / "many"
+    d.mkdir()
+    names = {f"entry-{i:05d}-named-at-some-length" for i in range(3000)}
+    for name in sorted(names):
+        os.close(os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644))
+    for phase in ("upper entries", "lower entries"):
+        with os.scandir(d) as first:
+            seen = [next(first).name for _ in range(10)]
+            client(m).checkpoint()
+            with os.scandir(d) as second:
+                again = [next(second).name for _ in range(10)]
+                seen += [e.name for e in first]
+                again += [e.name for e in second]
+        for got in (seen, again):
+            assert len(got) == len(set(got)) and set(got) == names, phase
         extra = {f"new-{i:03d}" for i in range(300)}
         for name in extra:
             os.close(os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644))
@@ -181,6 +217,8 @@ def test_no_open_mode_reads_writes_and_lists_by_inode(mounter: fh.Mounter,
         f.write(b"short\n")
     assert (m / "plain.txt").read_bytes() == b"short\n"
     (m / "made.txt").write_bytes(b"made\n")
+    # the kernel sends no RELEASE here, not even for a created file: no handle is kept
+    assert client(m).status()["open_handles"] == 0
     assert listing(m / "dir") == listing(m / "dir")
     assert "made.txt" in listing(m)
     after = requests(m)
