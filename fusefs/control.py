@@ -296,11 +296,14 @@ class Live:
         tree is the target). Except append_failed, nothing changed."""
         import trio
 
+        from store.resolve import resolve_ref
+
         from . import checkpoint as ck
         from . import restore as rs
 
         t0 = time.perf_counter()
-        target = source = Ref.parse(ref)
+        # a Ref, or what a user typed (prefix, @label) read against this mount's store
+        target = source = resolve_ref(self.store, ref)
         wanted = None if paths is None else rs.normalize_paths(paths)
         if self.ov.upper is None:
             raise RestoreError(RestoreError.SWAP_FAILED, str(target), "a read-only mount")

@@ -113,9 +113,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from rewindfs.cmd_store import parse_ref
+    from store.ref import Ref
 
-    ref = parse_ref(args, args.ref)  # InvalidRefError (exit 3) before the daemon is asked
+    # A full Ref is checked here (InvalidRefError, exit 3, before the daemon is asked); any
+    # other text (a prefix, @label, @-N on a session) is resolved by the daemon against the
+    # mount's own store, so it works from inside the mount, where ./agent-data/store is not
+    # the store.
+    ref: Ref | str = Ref.parse(args.ref) if args.ref.startswith("v1:") else args.ref
     r = _client(args.mountpoint).restore(ref, discard=args.discard, timeout=args.timeout,
                                          wait_writers=args.wait_writers, paths=args.paths)
     text = r["ref"] + (f" (was {r['pre_restore']})" if r.get("pre_restore") else "")

@@ -117,6 +117,8 @@ def register(sub: Any) -> None:
 
     c = ss.add_parser("checkpoint", help="checkpoint a running session; print the Ref")
     c.add_argument("id")
+    c.add_argument("--label", help="label kept with the Ref in the snapshot list ('list', "
+                                   "'@label')")
     add_json(c)
     c.set_defaults(handler=cmd_checkpoint)
 
@@ -449,7 +451,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    ref = _ask(args, args.id, {"op": "checkpoint"})["ref"]
+    ref = _ask(args, args.id, {"op": "checkpoint", "label": args.label})["ref"]
     emit(args, {"id": args.id, "ref": ref,
                 "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}, ref)
     return 0

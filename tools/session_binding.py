@@ -178,14 +178,10 @@ class SessionToolBinding:
         Ref. ``label`` is kept with the Ref in the store's snapshot list (CONTRACT 1.6; a
         label belongs to a Ref, so an unchanged workspace relabels its last checkpoint) and
         shown by ``log``. Raises the session's typed error (as HostError) on failure."""
-        ref = self._ask({"op": "checkpoint", "trigger": "manual"})["ref"]
-        text = M.SESSION_CHECKPOINTED.format(ref=ref)
+        ref = self._ask({"op": "checkpoint", "trigger": "manual", "label": label})["ref"]
         if label:
-            listed = {str(i.ref): i for i in self.store.list_snapshots()}
-            info = listed.get(str(ref))
-            self.store.add_snapshot(ref, info.origin if info else "checkpoint", label)
-            text = M.SESSION_CHECKPOINTED_LABEL.format(ref=ref, label=label)
-        return text
+            return M.SESSION_CHECKPOINTED_LABEL.format(ref=ref, label=label)
+        return M.SESSION_CHECKPOINTED.format(ref=ref)
 
     def restore(self, ref: str, paths: list[str] | None = None) -> str:
         """Restore the workspace to ``ref`` through the session process (the state before is

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from store.objects import JournalEvent
+from store.objects import JournalEvent, Store
 from store.ref import Ref
 
 from .config import WorkspaceConfig
@@ -121,6 +121,13 @@ class FallbackBackend:
         return core
 
 
+def label_snapshot(store: Store, ref: Ref, label: str) -> None:
+    """Give ``ref`` (a checkpoint just taken) ``label`` in the store's snapshot list,
+    keeping the origin it is listed with (CONTRACT 1.6: a label belongs to a Ref)."""
+    row = store.catalog.snapshot(str(ref))  # (ref, time_ns, origin, label, ...)
+    store.add_snapshot(ref, row[2] if row else "checkpoint", label)
+
+
 def select_backend(cfg: WorkspaceConfig) -> SessionBackend:
     """The backend ``cfg.backend`` asks for. Raises SessionError if ``fuse`` is asked and
     the FUSE backend or /dev/fuse is unavailable."""
@@ -179,14 +186,21 @@ class Session:
         """Why the session is faulted, or None."""
         return self._handle.fault if self._handle is not None else None
 
-    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None) -> Ref:
+    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None,
+                   label: str | None = None) -> Ref:
         """Freeze the live tree and journal it; return the Ref (CONTRACT 4.5). ``trigger``:
-        manual (clears a latched fault) or interrupt. Raises WorkspaceNotConfiguredError,
-        SessionClosedError, SessionFaultedError, CheckpointError."""
+        manual (clears a latched fault) or interrupt. ``label`` is kept with the Ref in the
+        store's snapshot list (CONTRACT 1.6: a label belongs to a Ref, so an unchanged tree
+        relabels its last checkpoint), where ``@label`` finds it. Raises
+        WorkspaceNotConfiguredError, SessionClosedError, SessionFaultedError,
+        CheckpointError."""
         if trigger not in ("manual", "interrupt"):
             raise ValueError(f"a caller's checkpoint trigger is manual or interrupt, "
                              f"not {trigger!r}")
-        return self._h("checkpoint").checkpoint(trigger, timeout_s)
+        ref = self._h("checkpoint").checkpoint(trigger, timeout_s)
+        if label:
+            label_snapshot(self.workspace.store, ref, label)
+        return ref
 
     def restore(self, ref: Ref | str, discard: bool = False,
                 timeout_s: float | None = None,
@@ -208,12 +222,23 @@ class Session:
         InvalidRefError, RestoreError, and store errors for a target missing from the
         store."""
         h = self._h("restore")
+        target = self.resolve(ref)
         if paths is not None:
             if isinstance(paths, str | bytes):
                 raise TypeError("paths is a list of paths, not one path")
-            return h.restore(Ref.parse(ref), discard, timeout_s, cancel, wait_writers_s,
+            return h.restore(target, discard, timeout_s, cancel, wait_writers_s,
                              [os.fsdecode(p) for p in paths])
-        return h.restore(Ref.parse(ref), discard, timeout_s, cancel, wait_writers_s)
+        return h.restore(target, discard, timeout_s, cancel, wait_writers_s)
+
+    def resolve(self, ref: Ref | str) -> Ref:
+        """The Ref that ``ref`` names: a Ref, or a text ``store.resolve.resolve_ref`` reads
+        with this session's scope (a unique hex prefix, ``@label``, ``@-N``: the Nth
+        checkpoint back in this session's journal). Raises InvalidRefError."""
+        if isinstance(ref, Ref):
+            return ref
+        from store.resolve import resolve_ref
+
+        return resolve_ref(self.workspace.store, ref, session=self.id)
 
     def turn_done(self, label: str | None = None) -> dict[str, Any] | None:
         """The agent finished a turn: records a step like ``step_done`` (default label

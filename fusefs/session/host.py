@@ -32,8 +32,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from store.ref import Ref
-
 from .config import WorkspaceConfig, define
 from .control import CONTROL_FILE, error_reply, socket_dir
 from .errors import RestoreError
@@ -135,6 +133,10 @@ class Host:
             trigger = req.get("trigger") or "manual"
             handle = s._h("checkpoint")
             ref = handle.checkpoint(trigger, req.get("timeout_s"))
+            if req.get("label"):
+                from .api import label_snapshot
+
+                label_snapshot(s.workspace.store, ref, str(req["label"]))
             return {"ok": True, "ref": str(ref)}
         if op == "restore":
             paths = req.get("paths")
@@ -142,16 +144,19 @@ class Host:
                                           and all(isinstance(p, str) for p in paths)):
                 raise RestoreError(RestoreError.PATH_ESCAPE, str(req.get("ref") or ""),
                                    "paths must be a list of strings")
-            pre = s.restore(Ref.parse(req.get("ref")), bool(req.get("discard")),
+            # a Ref, or what a user typed (prefix, @label, @-N), read against this
+            # session's store wherever the client runs
+            target = s.resolve(str(req.get("ref")))
+            pre = s.restore(target, bool(req.get("discard")),
                             req.get("timeout_s"), wait_writers_s=req.get("wait_writers_s"),
                             paths=paths)
-            out = {"ok": True, "ref": req.get("ref"), "pre_restore": str(pre) if pre else None}
+            out = {"ok": True, "ref": str(target), "pre_restore": str(pre) if pre else None}
             if paths is not None:  # the tree the path restore made, as journaled
                 from fusefs.restore import normalize_paths
 
                 restores = [e for e in s.log() if e.event == "WorkspaceRestored"]
                 out.update(ref=str(restores[-1].ref) if restores else None,
-                           source=req.get("ref"),
+                           source=str(target),
                            paths=[os.fsdecode(p) for p in normalize_paths(paths)])
             return out
         if op in ("turn_done", "step_done"):
