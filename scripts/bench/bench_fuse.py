@@ -2,7 +2,7 @@
 
 Usage (from the repository root, as root: cold runs drop the kernel caches)::
 
-    .venv/bin/python scripts/bench/bench_fuse.py [--runs 3] [--json FILE] [--only NAMES]
+    .venv/bin/python scripts/bench/bench_fuse.py [--runs 3] [--json FILE] [--only NAMES] [--workloads KEYS]
 
 The lower tree is the pinned Django sdist unpacked (see ``common.py``), committed into a git
 repository inside it, plus one 256 MiB file of random bytes. Each contender serves that
@@ -277,14 +277,20 @@ def command(cmd: str | list[str], cwd: Path | None = None, env: dict[str, str] |
     return go
 
 
-def measure(c: Contender, runs: int, heavy_runs: int, tarball: Path
-            ) -> dict[str, dict[str, Any]]:
-    """Every workload on contender ``c``, as ``summarize`` gives them: ``runs`` runs of the
-    warm ones, ``heavy_runs`` of the cold ones and of untar + rm -rf."""
+def measure(c: Contender, runs: int, heavy_runs: int, tarball: Path,
+            keys: set[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every workload on contender ``c`` (only those named in ``keys`` if given), as
+    ``summarize`` gives them: ``runs`` runs of the warm ones, ``heavy_runs`` of the cold
+    ones and of untar + rm -rf."""
     out: dict[str, dict[str, Any]] = {}
     r = c.root
 
+    def want(*names: str) -> bool:
+        return keys is None or any(n in keys for n in names)
+
     def run(key: str, fn: Callable[[], None], cold: bool = False) -> None:
+        if not want(key):
+            return
         samples = []
         for _ in range(heavy_runs if cold else runs):
             if cold:
@@ -295,14 +301,17 @@ def measure(c: Contender, runs: int, heavy_runs: int, tarball: Path
 
     grep = command(["grep", "-r", "-l", "-I", "SECRET_KEY", "tree"], cwd=r, ok=(0, 1))
     run("grep_cold", grep, cold=True)
-    grep()
+    if want("grep_warm"):
+        grep()
     run("grep_warm", grep)
     stat_all = command("find tree -type f -print0 | xargs -0 stat > /dev/null", cwd=r)
-    stat_all()
+    if want("stat_warm"):
+        stat_all()
     run("stat_warm", stat_all)
     status = command(["git", "status", "--porcelain"], cwd=r / "tree",
                      env={**os.environ, **GIT, "HOME": str(c.work)})
-    status()
+    if want("git_status"):
+        status()
     run("git_status", status)
     read_big = command(["dd", f"if={r / 'big.bin'}", "of=/dev/null", "bs=1M"])
     run("seq_cold", read_big, cold=True)
@@ -313,25 +322,28 @@ def measure(c: Contender, runs: int, heavy_runs: int, tarball: Path
     untar = command(f"mkdir '{untar_dir}' && tar -xf '{tarball}' -C '{untar_dir}'")
     rm = command(["rm", "-rf", str(untar_dir)])
     made, removed = [], []
-    for _ in range(heavy_runs):
+    for _ in range(heavy_runs if want("untar", "rm_rf") else 0):
         made.append(sample(c, untar))
         removed.append(sample(c, rm))
-    out["untar"], out["rm_rf"] = summarize(made), summarize(removed)
-    for key in ("untar", "rm_rf"):
-        log_result(c.name, key, out[key])
+    if made:
+        out["untar"], out["rm_rf"] = summarize(made), summarize(removed)
+        for key in ("untar", "rm_rf"):
+            log_result(c.name, key, out[key])
     gitadd_dir = r / "gitadd"
     git_env = {**os.environ, **GIT, "HOME": str(c.work)}
     added = []
-    for _ in range(heavy_runs):
+    for _ in range(heavy_runs if want("git_add") else 0):
         command(f"mkdir '{gitadd_dir}' && tar -xf '{tarball}' -C '{gitadd_dir}'")()
         added.append(sample(c, command("git init -q && git add -A", cwd=gitadd_dir,
                                        env=git_env)))
         command(["rm", "-rf", str(gitadd_dir)])()
-    out["git_add"] = summarize(added)
-    log_result(c.name, "git_add", out["git_add"])
+    if added:
+        out["git_add"] = summarize(added)
+        log_result(c.name, "git_add", out["git_add"])
     ls = command("ls -l many > /dev/null", cwd=r)
     run("ls_cold", ls, cold=True)
-    ls()
+    if want("ls_warm"):
+        ls()
     run("ls_warm", ls)
     return out
 
@@ -438,10 +450,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("--only", default="tmpfs,ext4,fuse-overlayfs,rewindfs",
                     help="comma-separated contenders to run")
+    ap.add_argument("--workloads", default=",".join(k for k, _ in WORKLOADS),
+                    help="comma-separated workloads to run (keys of the table, e.g. "
+                         "rand_cold,seq_cold)")
     ap.add_argument("--no-open", action="store_true",
                     help="mount rewindfs in no-open mode (rewindfs mount --no-open)")
     args = ap.parse_args(argv)
     only = args.only.split(",")
+    keys = set(args.workloads.split(","))
+    unknown = keys - {k for k, _ in WORKLOADS}
+    if unknown:
+        ap.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     if not can_drop_caches():
         log("bench_fuse: not root: 'cold' runs cannot drop the kernel caches")
     res: dict[str, dict[str, dict[str, Any]]] = {}
@@ -467,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"bench_fuse: {c.name}")
                 c.setup()
                 try:
-                    res[c.name] = measure(c, args.runs, args.heavy_runs, tarball)
+                    res[c.name] = measure(c, args.runs, args.heavy_runs, tarball, keys)
                 finally:
                     c.teardown()
         finally:
