@@ -1,11 +1,14 @@
 """The lower layer: one immutable snapshot (a Ref) read through the store.
 
-Owns reads of trees and chunks for the overlay, a small cache of decompressed chunks, the
-per-tree count of subdirectories (for a directory's ``st_nlink``) and the index of hard-link
-groups (for a linked file's ``st_nlink``). It never writes to the store.
+Owns reads of trees and chunks for the overlay, a small cache of decompressed chunks and
+frames, the per-tree count of subdirectories (for a directory's ``st_nlink``) and the index
+of hard-link groups (for a linked file's ``st_nlink``). It never writes to the store.
 
 File content is split in fixed chunks of ``chunk_size`` bytes: chunk ``i`` of a file holds
-bytes ``[i * chunk_size, (i + 1) * chunk_size)``, the last one is shorter (CONTRACT 0).
+bytes ``[i * chunk_size, (i + 1) * chunk_size)``, the last one is shorter (CONTRACT 0). A
+chunk stored framed (store/pack.py) can be read a frame at a time: ``read`` of a few KiB
+then decompresses and verifies one 64 KiB frame, not the whole chunk; a whole chunk
+(sequential readers, copy-up) is still read and verified whole by ``chunk``.
 
 Thread use: ``load_chunks`` may run in a worker thread (the store is thread safe and the
 chunk cache has a lock); everything else runs on the caller's thread.
@@ -17,8 +20,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from store.errors import ObjectNotFoundError
 from store.objects import Store
-from store.pack import Location
+from store.pack import FRAME_SIZE, Codec, Location
 from store.ref import ObjectId, Ref
 from store.tree import Kind, Tree
 
@@ -38,7 +42,8 @@ class Lower:
         self.store = store
         self.ref = ref
         self.chunk_size = store.chunk_size
-        self._cache: OrderedDict[bytes, bytes] = OrderedDict()
+        # whole chunks by id, frames by (id, frame index)
+        self._cache: OrderedDict[bytes | tuple[bytes, int], bytes] = OrderedDict()
         self._cache_size = 0
         self._cache_max = cache_bytes
         self._lock = threading.Lock()
@@ -91,11 +96,11 @@ class Lower:
                 self._cache.move_to_end(cid)
             return data
 
-    def _put(self, cid: bytes, data: bytes) -> None:
+    def _put(self, key: bytes | tuple[bytes, int], data: bytes) -> None:
         with self._lock:
-            if cid in self._cache:
+            if key in self._cache:
                 return
-            self._cache[cid] = data
+            self._cache[key] = data
             self._cache_size += len(data)
             while self._cache_size > self._cache_max and len(self._cache) > 4:
                 _, old = self._cache.popitem(last=False)
@@ -121,21 +126,57 @@ class Lower:
             self._locs.clear()
         self._locs.update(found)
 
-    def is_small(self, cid: bytes) -> bool:
-        """True if reading ``cid`` is cheap enough for the request thread."""
+    def read(self, cid: bytes, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)`` of chunk ``cid`` (verified): from the cached chunk, else from
+        its frames when it is framed (each frame verified and cached), else from the whole
+        chunk. Raises the store's IntegrityError and ObjectNotFoundError."""
+        data = self.cached(cid)
+        if data is not None:
+            return data[lo:hi]
+        loc = self._loc(cid)
+        if loc is None or loc.codec is not Codec.FRAMED or hi <= lo:
+            return self.chunk(cid)[lo:hi]
+        first, last = lo // FRAME_SIZE, (hi - 1) // FRAME_SIZE
+        frames: list[bytes | None] = []
+        with self._lock:
+            for i in range(first, last + 1):
+                f = self._cache.get((cid, i))
+                if f is not None:
+                    self._cache.move_to_end((cid, i))
+                frames.append(f)
+        missing = [first + k for k, f in enumerate(frames) if f is None]
+        if missing:
+            got = self.store.read_frames(ObjectId(cid), missing[0], missing[-1], loc)
+            if got is None:  # repacked unframed meanwhile
+                return self.chunk(cid)[lo:hi]
+            for k, f in enumerate(got):
+                i = missing[0] + k
+                self._put((cid, i), f)
+                frames[i - first] = f
+        base = first * FRAME_SIZE
+        return b"".join(f for f in frames if f is not None)[lo - base:hi - base]
+
+    def _loc(self, cid: bytes) -> Location | None:
         loc = self._locs.get(cid)
         if loc is None:
             try:
                 loc = self.store.locate(ObjectId(cid))
-            except KeyError:
-                return True  # let the read raise its own error on the request thread
+            except ObjectNotFoundError:
+                return None  # let the read raise its own error
             if len(self._locs) > 1 << 16:
                 self._locs.clear()
             self._locs[cid] = loc
-        return loc.raw_length <= SMALL_CHUNK
+        return loc
+
+    def is_small(self, cid: bytes, whole: bool = True) -> bool:
+        """True if reading ``cid`` is cheap enough for the request thread: whole, or (with
+        ``whole`` false) a few frames of it."""
+        loc = self._loc(cid)
+        if loc is None:
+            return True  # let the read raise its own error on the request thread
+        return loc.raw_length <= SMALL_CHUNK or (not whole and loc.codec is Codec.FRAMED)
 
     def load_chunks(self, cids: Iterable[bytes]) -> None:
         """Read chunks into the cache; safe to call from a worker thread."""
         for cid in cids:
             self.chunk(cid)
-

@@ -231,9 +231,14 @@ class Operations(pyfuse3.Operations):
         except Exception as e:  # the reader that needs it will see the error itself
             log.debug("prefetch of a chunk failed: %s", e)
 
-    async def _load_chunks(self, fh: int, off: int, size: int) -> None:
+    async def _load_chunks(self, fh: int, off: int, size: int, whole: bool = True) -> None:
+        """Load in worker threads the lower chunks a request of ``[off, off+size)`` needs
+        (``whole``: a write copies them up; else a read needs only their frames where they
+        are framed, cheap enough on this thread unless a whole load is under way)."""
+        lower = self.ov.lower
         for cid in self.ov.lower_chunks_needed(fh, off, size):
-            await self._fetch(cid)
+            if whole or cid in self._inflight or not lower.is_small(cid, whole=False):
+                await self._fetch(cid)
         h = self.ov.handles.get(fh) if fh > 0 else self.ov.inode_handles.get(fh)
         if h is None or self._nursery is None:
             return
@@ -448,7 +453,7 @@ class Operations(pyfuse3.Operations):
     async def read(self, fh: FileHandleT, off: int, size: int,
                    inode: InodeT | None = None) -> bytes:
         h = self._fh(fh, inode)
-        await self._load_chunks(h, off, size)
+        await self._load_chunks(h, off, size, whole=False)
         return self.ov.read(h, off, size)
 
     @_boundary

@@ -1153,7 +1153,7 @@ class Overlay:
             if pos < n.lower_len and i not in n.present:
                 lend = min(cend, n.lower_len)
                 base = i * cs
-                parts.append(self.lower.chunk(n.lower_chunks[i])[pos - base:lend - base])
+                parts.append(self.lower.read(n.lower_chunks[i], pos - base, lend - base))
                 if lend < cend:
                     parts.append(self._pread(n, lend, cend - lend))
             else:

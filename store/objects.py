@@ -30,8 +30,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import zstandard
-
 from . import schema
 from .backend import BlobBackend, LocalDirBackend, check_key
 from .catalog import Catalog, SQLiteCatalog
@@ -43,7 +41,16 @@ from .errors import (
     RefNotFoundError,
     StoreError,
 )
-from .pack import Codec, Location, ObjKind, PackBuilder, decode_record
+from .pack import (
+    Codec,
+    FrameTable,
+    Location,
+    ObjKind,
+    PackBuilder,
+    decode_frame,
+    decode_record,
+    table_length,
+)
 from .ref import ObjectId, Ref, object_id
 from .tree import Entry, Tree, decode_tree, encode_tree
 
@@ -139,6 +146,7 @@ class Store:
         self._cache_lock = threading.Lock()
         self._trees: OrderedDict[bytes, Tree] = OrderedDict()
         self._records: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, int], FrameTable] = OrderedDict()
         # Creation is serialized: two processes opening a new store at once must agree on
         # its config and must not race on creating the schema.
         init_fd = os.open(os.path.join(self.root, "init.lock"),
@@ -274,6 +282,66 @@ class Store:
                 self._records.pop((loc.pack, loc.rec_offset), None)
             raise IntegrityError(oid.hex(), "stored bytes do not hash to the object id")
         return data
+
+    def _fetch(self, loc: Location, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` inside ``loc``'s record. Raises IntegrityError."""
+        try:
+            data = self.backend.get_range(loc.pack, loc.rec_offset + offset, length)
+        except BlobNotFoundError:
+            raise IntegrityError(loc.oid.hex(), f"pack {loc.pack} is missing") from None
+        if len(data) != length:
+            raise IntegrityError(loc.oid.hex(), f"pack {loc.pack} is truncated")
+        return data
+
+    def _frame_table(self, loc: Location) -> FrameTable:
+        key = (loc.pack, loc.rec_offset)
+        with self._cache_lock:
+            t = self._tables.get(key)
+            if t is not None:
+                self._tables.move_to_end(key)
+                return t
+        head = self._fetch(loc, 0, min(table_length(loc.raw_length), loc.rec_length))
+        t = FrameTable.parse(loc.oid.hex(), head, loc.rec_length, loc.raw_length)
+        with self._cache_lock:
+            self._tables[key] = t
+            while len(self._tables) > 16384:
+                self._tables.popitem(last=False)
+        return t
+
+    def _frames(self, loc: Location, first: int, last: int) -> list[bytes]:
+        t = self._frame_table(loc)
+        if not 0 <= first <= last < len(t.offsets):
+            raise ValueError(f"frames {first}..{last} of a chunk of {len(t.offsets)} frames")
+        start = t.offsets[first]
+        data = self._fetch(loc, start, t.offsets[last] + t.lengths[last] - start)
+        what = loc.oid.hex()
+        return [decode_frame(what, t, i, data[t.offsets[i] - start:
+                                              t.offsets[i] - start + t.lengths[i]], loc.oid)
+                for i in range(first, last + 1)]
+
+    def read_frames(self, oid: ObjectId, first: int, last: int,
+                    loc: Location | None = None) -> list[bytes] | None:
+        """The plaintexts of frames ``first..last`` (inclusive) of chunk ``oid``, each
+        verified against its tag (pack.py), fetched in one range read; None if the chunk
+        is not framed (read it whole with ``read_object``). Frame ``i`` holds bytes
+        ``[i * pack.FRAME_SIZE, (i + 1) * pack.FRAME_SIZE)`` of the chunk. ``loc`` as for
+        ``read_object``.
+
+        Raises ObjectNotFoundError if ``oid`` is not indexed, IntegrityError if the table or
+        a frame is damaged or missing, ValueError for frames the chunk does not have."""
+        if loc is None or loc.oid != oid:
+            loc = self.locate(oid)
+        if loc.codec is not Codec.FRAMED:
+            return None
+        try:
+            return self._frames(loc, first, last)
+        except IntegrityError:
+            again = self.locate(oid)  # repacked by GC meanwhile?
+            if again == loc:
+                with self._cache_lock:
+                    self._tables.pop((loc.pack, loc.rec_offset), None)
+                raise
+            return self._frames(again, first, last) if again.codec is Codec.FRAMED else None
 
     def get_tree(self, tree_id: ObjectId, loc: Location | None = None) -> Tree:
         """Return the decoded tree ``tree_id`` (verified; cached, trees are immutable);
@@ -452,7 +520,6 @@ class Writer:
         self._pending: set[bytes] = set()
         self._rows: list[Location] = []
         self._packs: list[tuple[str, int, int]] = []
-        self._cctx = zstandard.ZstdCompressor(level=store.level)
         self._builder = PackBuilder(self._emit, level=store.level)
         self.packs_written = 0
         self.bytes_written = 0
@@ -480,13 +547,14 @@ class Writer:
         return oid in self._pending or self.store.has(oid)
 
     def put(self, oid: ObjectId, kind: ObjKind, data: bytes,
-            compressed: bytes | None = None) -> bool:
-        """Store ``data`` under ``oid`` (its id, computed by the caller) unless known.
-        Returns True if it was new."""
+            encoded: tuple[Codec, bytes] | None = None) -> bool:
+        """Store ``data`` under ``oid`` (its id, computed by the caller) unless known;
+        ``encoded``: its record made beforehand (``pack.encode_chunk``). Returns True if
+        it was new."""
         if self.known(oid):
             return False
         self._pending.add(oid)
-        self._builder.add(oid, kind, data, compressed)
+        self._builder.add(oid, kind, data, encoded)
         return True
 
     def put_chunk(self, data: bytes) -> ObjectId:
@@ -499,9 +567,6 @@ class Writer:
         oid = object_id(enc)
         self.put(oid, ObjKind.TREE, enc)
         return oid
-
-    def compress(self, data: bytes) -> bytes:
-        return self._cctx.compress(data)
 
     def commit(self) -> None:
         """Flush packs, one durable barrier, then commit their index rows in one transaction."""

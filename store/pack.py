@@ -2,10 +2,11 @@
 
 Layout of ``packs/<blake3 of the whole pack, hex>.pack``::
 
-    b"RWP1"
-    record*                 each record is one compressed frame (or raw bytes) holding the
-                            plaintext of one object, or of a group of small objects stored
-                            back to back (grouping lets zstd see many small files at once)
+    b"RWP2" (b"RWP1")
+    record*                 each record holds the plaintext of one object, or of a group of
+                            small objects stored back to back (grouping lets zstd see many
+                            small files at once): one zstd frame or raw bytes (codec 0, 1),
+                            or a framed chunk (codec 2, below)
     index                   count x 54-byte rows, one per object:
                               id (32) | kind (u8) | record offset (u64) | record length (u32)
                               | codec (u8) | offset inside the record's plaintext (u32)
@@ -15,6 +16,24 @@ Layout of ``packs/<blake3 of the whole pack, hex>.pack``::
 Codec 0 is raw, 1 is zstd. The index row is exactly what the SQLite index stores per object,
 so ``rebuild-index`` needs only the trailers. An object's bytes are verified against its id
 on every read (``IntegrityError`` otherwise); the trailer is verified against its digest.
+
+Codec 2, a framed chunk (packs ``RWP2``; ``RWP1`` packs hold codecs 0 and 1 only, and code
+that predates codec 2 refuses such rows as unknown instead of misreading them): a chunk of
+more than ``FRAME_SIZE`` plaintext bytes cut into frames of ``FRAME_SIZE`` bytes (the last
+one shorter), each compressed on its own, so that a read of 4 KiB decompresses and verifies
+one 64 KiB frame instead of the whole chunk::
+
+    frame size (u32) | count (u32)             count = ceil(plaintext length / frame size)
+    count x 37 bytes: stored length (u32) | codec (u8: 0 raw, 1 zstd) | tag (32)
+    count frames, back to back
+
+The tag of frame ``i`` is the keyed blake3 (key: the chunk id) of ``offset (u64 BE) ||
+frame plaintext``, ``offset = i * frame size``, so a frame verifies on its own, only at its
+own place of its own chunk: a damaged frame, table or index row is an ``IntegrityError``,
+never other bytes. The chunk id stays the blake3 of the whole plaintext (Refs and dedup do
+not change), and reading a whole framed chunk still checks it against that id; ``verify``
+also checks every tag, which is what ties a table to its chunk id (blake3's own tree
+cannot be opened at frame boundaries through the binding's API).
 """
 
 from __future__ import annotations
@@ -30,12 +49,16 @@ import zstandard
 from .errors import IntegrityError
 from .ref import ObjectId
 
-PACK_MAGIC = b"RWP1"
+PACK_MAGIC = b"RWP2"
 FOOTER_MAGIC = b"RWPX"
 _ROW = struct.Struct(">32sBQIBII")
 _FOOTER = struct.Struct(">QI32s4s")
 ROW_SIZE = _ROW.size
 FOOTER_SIZE = _FOOTER.size
+FRAME_SIZE = 64 << 10
+_TABLE_HEAD = struct.Struct(">II")
+_FRAME_ROW = struct.Struct(">IB32s")
+_OFFSET = struct.Struct(">Q")
 
 
 class ObjKind(IntEnum):
@@ -46,6 +69,7 @@ class ObjKind(IntEnum):
 class Codec(IntEnum):
     RAW = 0
     ZSTD = 1
+    FRAMED = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +115,125 @@ def parse_trailer(pack: str, tail: bytes, fetch: Callable[[int, int], bytes]) ->
     return out
 
 
-def decode_record(loc_pack: str, codec: Codec, data: bytes, raw_hint: int) -> bytes:
-    """Return the plaintext of one record. Raises IntegrityError if it does not decompress."""
+def decode_record(loc_pack: str, codec: Codec, data: bytes, raw_hint: int,
+                  oid: ObjectId | None = None) -> bytes:
+    """Return the plaintext of one record. Raises IntegrityError if it does not decompress.
+
+    A framed chunk (codec 2) is decoded whole, frame by frame; with ``oid`` (its chunk id)
+    every frame's tag is checked too. The caller checks the plaintext against its id."""
+    if codec is Codec.FRAMED:
+        table = FrameTable.parse(loc_pack, data, len(data))
+        parts = [decode_frame(loc_pack, table, i, data[o:o + n], oid)
+                 for i, (o, n) in enumerate(table.spans())]
+        return b"".join(parts)
     if codec is Codec.RAW:
         return data
     try:
         return zstandard.ZstdDecompressor().decompress(data, max_output_size=max(raw_hint, 1))
     except zstandard.ZstdError as e:
         raise IntegrityError(loc_pack, f"record does not decompress: {e}") from None
+
+
+def frame_tag(oid: ObjectId, index: int, plain: bytes | memoryview) -> bytes:
+    """The tag of frame ``index`` of chunk ``oid`` with plaintext ``plain`` (32 bytes)."""
+    h = blake3.blake3(key=oid)
+    h.update(_OFFSET.pack(index * FRAME_SIZE))
+    h.update(plain)
+    return h.digest()
+
+
+def frame_count(raw_length: int) -> int:
+    """Number of frames of a framed chunk of ``raw_length`` plaintext bytes."""
+    return -(-raw_length // FRAME_SIZE)
+
+
+def table_length(raw_length: int) -> int:
+    """Bytes of the frame table at the start of a framed chunk's record."""
+    return _TABLE_HEAD.size + frame_count(raw_length) * _FRAME_ROW.size
+
+
+@dataclass(frozen=True, slots=True)
+class FrameTable:
+    """The decoded frame table of one framed chunk: per frame, where it starts in the
+    record (bytes), its stored length, codec and tag."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    codecs: tuple[Codec, ...]
+    tags: tuple[bytes, ...]
+
+    @staticmethod
+    def parse(what: str, head: bytes, rec_length: int, raw_length: int | None = None
+              ) -> FrameTable:
+        """Decode the table at the start of ``head`` (the record, or at least its table) of
+        a record of ``rec_length`` bytes. ``raw_length``, if known (the index row), must
+        match the frame count. Raises IntegrityError for a malformed table."""
+        if len(head) < _TABLE_HEAD.size:
+            raise IntegrityError(what, "framed chunk shorter than its frame table")
+        size, count = _TABLE_HEAD.unpack_from(head)
+        tlen = _TABLE_HEAD.size + count * _FRAME_ROW.size
+        if (size != FRAME_SIZE or not count or len(head) < tlen
+                or (raw_length is not None and count != frame_count(raw_length))):
+            raise IntegrityError(what, "malformed frame table")
+        offsets, lengths, codecs, tags = [], [], [], []
+        pos = tlen
+        for i in range(count):
+            n, codec, tag = _FRAME_ROW.unpack_from(head, _TABLE_HEAD.size + i * _FRAME_ROW.size)
+            if codec not in (Codec.RAW, Codec.ZSTD) or not n:
+                raise IntegrityError(what, f"malformed frame table (frame {i})")
+            offsets.append(pos)
+            lengths.append(n)
+            codecs.append(Codec(codec))
+            tags.append(tag)
+            pos += n
+        if pos != rec_length:
+            raise IntegrityError(what, "frame table does not match the record's length")
+        return FrameTable(tuple(offsets), tuple(lengths), tuple(codecs), tuple(tags))
+
+    def spans(self) -> list[tuple[int, int]]:
+        """``(offset in the record, stored length)`` of every frame."""
+        return list(zip(self.offsets, self.lengths, strict=True))
+
+
+def decode_frame(what: str, table: FrameTable, index: int, stored: bytes,
+                 oid: ObjectId | None) -> bytes:
+    """The plaintext of frame ``index`` from its ``stored`` bytes; checked against its tag
+    when ``oid`` (the chunk id) is given. Raises IntegrityError."""
+    if table.codecs[index] is Codec.RAW:
+        plain = stored
+    else:
+        try:
+            plain = zstandard.ZstdDecompressor().decompress(stored,
+                                                            max_output_size=FRAME_SIZE)
+        except zstandard.ZstdError as e:
+            raise IntegrityError(what, f"frame {index} does not decompress: {e}") from None
+    if len(plain) > FRAME_SIZE or (oid is not None
+                                   and frame_tag(oid, index, plain) != table.tags[index]):
+        raise IntegrityError(what, f"frame {index} does not match its tag")
+    return plain
+
+
+def encode_plain(data: bytes, cctx: zstandard.ZstdCompressor) -> tuple[Codec, bytes]:
+    """A record of one zstd frame, or raw bytes when zstd does not shrink ``data``."""
+    z = cctx.compress(data)
+    return (Codec.ZSTD, z) if len(z) < len(data) else (Codec.RAW, data)
+
+
+def encode_chunk(oid: ObjectId, data: bytes, cctx: zstandard.ZstdCompressor
+                 ) -> tuple[Codec, bytes]:
+    """The record of chunk ``oid``: framed (codec 2) above ``FRAME_SIZE`` bytes, else as
+    ``encode_plain``."""
+    if len(data) <= FRAME_SIZE:
+        return encode_plain(data, cctx)
+    view = memoryview(data)
+    rows, bodies = [], []
+    for i, off in enumerate(range(0, len(data), FRAME_SIZE)):
+        plain = view[off:off + FRAME_SIZE]
+        z = cctx.compress(plain)
+        codec, body = (Codec.ZSTD, z) if len(z) < len(plain) else (Codec.RAW, bytes(plain))
+        rows.append(_FRAME_ROW.pack(len(body), codec, frame_tag(oid, i, plain)))
+        bodies.append(body)
+    return Codec.FRAMED, b"".join([_TABLE_HEAD.pack(FRAME_SIZE, len(rows)), *rows, *bodies])
 
 
 class PackBuilder:
@@ -125,17 +260,19 @@ class PackBuilder:
         self._group_len = 0
 
     def add(self, oid: ObjectId, kind: ObjKind, data: bytes,
-            compressed: bytes | None = None) -> None:
-        """Add one object's plaintext. ``compressed`` may carry a zstd frame made elsewhere."""
-        if len(data) < self._group_threshold and compressed is None:
+            encoded: tuple[Codec, bytes] | None = None) -> None:
+        """Add one object's plaintext. ``encoded`` may carry its record made elsewhere
+        (``encode_chunk``, e.g. in a worker thread)."""
+        if len(data) < self._group_threshold and encoded is None:
             self._group.append((oid, kind, data))
             self._group_len += len(data)
             if self._group_len >= self._group_size:
                 self._flush_group()
             return
-        if compressed is None:
-            compressed = self._cctx.compress(data)
-        self._add_record([(oid, kind, len(data))], data, compressed)
+        if encoded is None:
+            encoded = (encode_chunk(oid, data, self._cctx) if kind is ObjKind.CHUNK
+                       else encode_plain(data, self._cctx))
+        self._add_record([(oid, kind, len(data))], *encoded)
 
     def _flush_group(self) -> None:
         if not self._group:
@@ -144,14 +281,10 @@ class PackBuilder:
         members = [(oid, kind, len(d)) for oid, kind, d in self._group]
         self._group = []
         self._group_len = 0
-        self._add_record(members, plain, self._cctx.compress(plain))
+        self._add_record(members, *encode_plain(plain, self._cctx))
 
-    def _add_record(self, members: list[tuple[ObjectId, ObjKind, int]], plain: bytes,
-                    compressed: bytes) -> None:
-        if len(compressed) < len(plain):
-            codec, body = Codec.ZSTD, compressed
-        else:
-            codec, body = Codec.RAW, plain
+    def _add_record(self, members: list[tuple[ObjectId, ObjKind, int]], codec: Codec,
+                    body: bytes) -> None:
         off = len(self._buf)
         self._buf += body
         inner = 0

@@ -72,7 +72,7 @@ import zstandard
 from . import chunker, dircache
 from .errors import BackendError, SnapshotError
 from .objects import Store, Writer
-from .pack import ObjKind
+from .pack import Codec, ObjKind, encode_chunk
 from .ref import DIGEST_SIZE, ObjectId, Ref, object_id
 from .tree import V1_REPEATS_MAX, ChunkList, Entry, Kind, encode_tree
 
@@ -158,14 +158,14 @@ class _StoreSink:
         self._level = level
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(workers, "rewindfs-compress") if workers else None
-        self._queue: deque[tuple[ObjectId, bytes, Future[bytes]]] = deque()
+        self._queue: deque[tuple[ObjectId, bytes, Future[tuple[Codec, bytes]]]] = deque()
         self._inflight: set[bytes] = set()
 
-    def _compress(self, data: bytes) -> bytes:
+    def _encode(self, oid: ObjectId, data: bytes) -> tuple[Codec, bytes]:
         c = getattr(self._local, "cctx", None)
         if c is None:
             c = self._local.cctx = zstandard.ZstdCompressor(level=self._level)
-        return c.compress(data)
+        return encode_chunk(oid, data, c)
 
     def chunk(self, data: bytes) -> ObjectId:
         oid = object_id(data)
@@ -175,7 +175,7 @@ class _StoreSink:
             self.w.put(oid, ObjKind.CHUNK, data)
             return oid
         self._inflight.add(oid)
-        self._queue.append((oid, data, self._pool.submit(self._compress, data)))
+        self._queue.append((oid, data, self._pool.submit(self._encode, oid, data)))
         while len(self._queue) > _INFLIGHT:
             self._drain_one()
         return oid
@@ -188,7 +188,7 @@ class _StoreSink:
 
     def _drain_one(self) -> None:
         oid, data, fut = self._queue.popleft()
-        self.w.put(oid, ObjKind.CHUNK, data, compressed=fut.result())
+        self.w.put(oid, ObjKind.CHUNK, data, encoded=fut.result())
         self._inflight.discard(oid)
 
     def tree(self, entries: list[Entry]) -> ObjectId:

@@ -183,7 +183,8 @@ def _check_hashes(rep: _Report, key: str, data: bytes, rows: list[_ObjRow], full
         rec = plain_of.get((off, ln))
         if rec is None:
             try:
-                rec = decode_record(key, Codec(codec), data[off:off + ln], 1 << 27)
+                rec = decode_record(key, Codec(codec), data[off:off + ln], 1 << 27,
+                                    ObjectId(oid))
             except (StoreError, ValueError) as e:
                 rec = StoreError(str(e))
             plain_of[(off, ln)] = rec
