@@ -512,12 +512,23 @@ class Writer:
     Holds ``gc.lock`` shared from creation until the context exits, so list the snapshot
     (or append the journal) inside the ``with`` block, after ``commit``. Objects already in
     the store or in this batch are not written again. Not thread-safe.
+
+    On a shared catalog (a network round trip per query) the objects put are not looked up
+    one by one: they wait, up to ``CHECK_BATCH`` objects or ``CHECK_BYTES`` bytes, and are
+    looked up together in one query; those already stored are dropped, the others packed.
+    The embedded catalog, local and cheap to ask, is asked at each put.
     """
+
+    CHECK_BATCH = 1024
+    CHECK_BYTES = 32 << 20
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._lock_fd = store.lock(exclusive=False)
         self._pending: set[bytes] = set()
+        self._batched = store.catalog.shared
+        self._unchecked: list[tuple[ObjectId, ObjKind, bytes, tuple[Codec, bytes] | None]] = []
+        self._unchecked_bytes = 0
         self._rows: list[Location] = []
         self._packs: list[tuple[str, int, int]] = []
         self._builder = PackBuilder(self._emit, level=store.level)
@@ -543,19 +554,37 @@ class Writer:
         self.bytes_written += len(data)
 
     def known(self, oid: ObjectId) -> bool:
-        """True if ``oid`` is already stored or pending in this batch."""
-        return oid in self._pending or self.store.has(oid)
+        """True if ``oid`` is pending in this batch or (embedded catalog) already stored; on
+        a shared catalog the store is asked later, for many objects at once (see above)."""
+        return oid in self._pending or (not self._batched and self.store.has(oid))
 
     def put(self, oid: ObjectId, kind: ObjKind, data: bytes,
             encoded: tuple[Codec, bytes] | None = None) -> bool:
         """Store ``data`` under ``oid`` (its id, computed by the caller) unless known;
-        ``encoded``: its record made beforehand (``pack.encode_chunk``). Returns True if
-        it was new."""
+        ``encoded``: its record made beforehand (``pack.encode_chunk``). Returns False if
+        it was known (``known``), True if it is written or, on a shared catalog, waits for
+        its batched look-up."""
         if self.known(oid):
             return False
         self._pending.add(oid)
-        self._builder.add(oid, kind, data, encoded)
+        if not self._batched:
+            self._builder.add(oid, kind, data, encoded)
+            return True
+        self._unchecked.append((oid, kind, data, encoded))
+        self._unchecked_bytes += len(data)
+        if len(self._unchecked) >= self.CHECK_BATCH or self._unchecked_bytes >= self.CHECK_BYTES:
+            self._check()
         return True
+
+    def _check(self) -> None:
+        """Look the waiting objects up in one catalog query; pack those not stored yet."""
+        batch, self._unchecked, self._unchecked_bytes = self._unchecked, [], 0
+        if not batch:
+            return
+        stored = self.store.catalog.locate_many([oid for oid, _, _, _ in batch])
+        for oid, kind, data, encoded in batch:
+            if oid not in stored:
+                self._builder.add(oid, kind, data, encoded)
 
     def put_chunk(self, data: bytes) -> ObjectId:
         oid = object_id(data)
@@ -570,6 +599,7 @@ class Writer:
 
     def commit(self) -> None:
         """Flush packs, one durable barrier, then commit their index rows in one transaction."""
+        self._check()
         self._builder.flush()
         if not self._rows:
             return

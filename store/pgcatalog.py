@@ -19,6 +19,7 @@ two hosts racing for one lease are serialized and exactly one wins.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -88,6 +89,8 @@ class PostgresCatalog:
 
         self._psycopg = psycopg
         self.dsn = dsn
+        self.transactions = 0  # transactions begun: round trips to the server (stats, tests)
+        self._count_lock = threading.Lock()
         self._pool: Any = ConnectionPool(
             dsn, min_size=1, max_size=max_size, open=False, timeout=timeout_s,
             check=ConnectionPool.check_connection,
@@ -112,6 +115,8 @@ class PostgresCatalog:
         """A connection inside one transaction; database failures become CatalogError
         (the store's own typed errors pass through)."""
         psycopg = self._psycopg
+        with self._count_lock:
+            self.transactions += 1
         try:
             with self._pool.connection() as conn, conn.transaction():
                 yield conn
