@@ -17,12 +17,19 @@ Keys are ``/``-joined segments of ``[A-Za-z0-9._-]``, never ``.`` or ``..``
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import threading
 from typing import Protocol
 
-from .errors import BackendError, BlobConflictError, BlobNotFoundError, InvalidKeyError
+from .errors import (
+    BackendError,
+    BlobConflictError,
+    BlobNotFoundError,
+    InvalidKeyError,
+    StoreFullError,
+)
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
@@ -261,4 +268,6 @@ class LocalDirBackend:
 
 
 def _error(op: str, key: str, e: OSError) -> BackendError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreFullError(repr(key), e.strerror or e)
     return BackendError(f"cannot {op} {key!r}: {e.strerror or e}")

@@ -25,12 +25,21 @@ runs in one transaction that locks the row, so of two hosts racing exactly one w
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import FencedError, IntegrityError, LeaseBusyError, LeaseLostError
+from .errors import (
+    FencedError,
+    IntegrityError,
+    LeaseBusyError,
+    LeaseLostError,
+    StoreFullError,
+)
 from .pack import Codec, Location, ObjKind
 from .ref import ObjectId
 
@@ -38,6 +47,49 @@ SnapshotRow = tuple[str, int, str, "str | None", str]
 JournalRow = tuple[str, int, int, int, str, str, "str | None", "str | None", str]
 PackRow = tuple[str, int, int]
 _OBJ_KINDS = {int(k): k for k in ObjKind}
+
+_SQLITE_FULL = 13  # sqlite3 result codes (https://sqlite.org/rescode.html)
+_SQLITE_IOERR = 10
+
+
+def sqlite_full(e: BaseException, path: str) -> bool:
+    """True if ``e`` is SQLite failing for want of space for the database at ``path``:
+    SQLITE_FULL, or an I/O error (growing the WAL or its shared-memory file) while that
+    file system has no space left."""
+    if not isinstance(e, sqlite3.Error):
+        return False
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    if code == _SQLITE_FULL or "database or disk is full" in str(e):
+        return True
+    if code == _SQLITE_IOERR or "disk I/O error" in str(e):
+        try:
+            st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < (1 << 20)
+    return False
+
+
+@contextmanager
+def write_transaction(c: sqlite3.Connection, path: str) -> Iterator[sqlite3.Connection]:
+    """One write transaction on ``c`` (autocommit mode: BEGIN IMMEDIATE ... COMMIT), the
+    database at ``path``. On any error it is rolled back, but only if it is still open
+    (SQLite ends a transaction itself on some errors, a full disk among them: a second
+    ROLLBACK would raise "no transaction is active" and hide the cause), and the original
+    error is raised; a full disk becomes ``StoreFullError`` (ENOSPC)."""
+    c.execute("BEGIN IMMEDIATE")
+    try:
+        yield c
+        c.execute("COMMIT")
+    except BaseException as e:
+        if c.in_transaction:
+            try:
+                c.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # the cause below is what the caller must see
+        if sqlite_full(e, path):
+            raise StoreFullError(f"the index {path}", e) from e
+        raise
 _CODECS = {int(c): c for c in Codec}
 
 
@@ -172,13 +224,12 @@ class SQLiteCatalog:
 
     shared = False
 
-    def __init__(self, conn: Callable[[], sqlite3.Connection]) -> None:
+    def __init__(self, conn: Callable[[], sqlite3.Connection], path: str = "") -> None:
         self._conn = conn
+        self._path = path  # the database file, for error messages and the full-disk check
 
-    def _tx(self) -> sqlite3.Connection:
-        c = self._conn()
-        c.execute("BEGIN IMMEDIATE")
-        return c
+    def _tx(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return write_transaction(self._conn(), self._path)
 
     # -- objects ---------------------------------------------------------------------
 
@@ -205,8 +256,7 @@ class SQLiteCatalog:
         return out
 
     def add_objects(self, rows: list[Location], packs: list[PackRow]) -> None:
-        c = self._tx()
-        try:
+        with self._tx() as c:
             c.executemany(
                 "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
                 "inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -214,10 +264,6 @@ class SQLiteCatalog:
                   r.inner_offset, r.raw_length) for r in rows])
             c.executemany("INSERT OR IGNORE INTO packs(key, size, objects) VALUES (?, ?, ?)",
                           packs)
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
 
     def packs(self) -> list[PackRow]:
         return [tuple(r) for r in self._conn().execute(
@@ -231,8 +277,9 @@ class SQLiteCatalog:
         return None if row is None else tuple(row)
 
     def put_snapshot(self, row: SnapshotRow) -> None:
-        self._conn().execute("INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, "
-                             "key) VALUES (?, ?, ?, ?, ?)", row)
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, key) "
+                      "VALUES (?, ?, ?, ?, ?)", row)
 
     def delete_snapshot(self, ref: str) -> bool:
         return self._conn().execute("DELETE FROM snapshots WHERE ref=?",
@@ -255,18 +302,14 @@ class SQLiteCatalog:
         sql = ("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, ref, "
                "trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
         if fence is None:
-            return self._conn().execute(sql, row).rowcount > 0
-        c = self._tx()
-        try:
+            with self._tx() as c:
+                return c.execute(sql, row).rowcount > 0
+        with self._tx() as c:
             lease = c.execute("SELECT epoch FROM leases WHERE name=?", (fence,)).fetchone()
             if lease is not None and lease[0] != row[3]:
                 raise FencedError(fence, row[3], lease[0])
             n = c.execute(sql, row).rowcount
-            c.execute("COMMIT")
-            return n > 0
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
+        return n > 0
 
     def journal(self, session: str) -> list[JournalRow]:
         return [tuple(r) for r in self._conn().execute(
@@ -332,34 +375,24 @@ class SQLiteCatalog:
 
     def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int,
                       holder_is_dead: Callable[[str], bool]) -> Lease:
-        c = self._tx()
-        try:
+        with self._tx() as c:
             row = c.execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=?",
                             (name,)).fetchone()
             epoch = decide_acquire(row, holder, now_ns, holder_is_dead, name)
             lease = Lease(name, holder, epoch, now_ns + ttl_ns)
             c.execute("INSERT OR REPLACE INTO leases(name, holder, epoch, expires_ns) "
                       "VALUES (?, ?, ?, ?)", (name, holder, epoch, lease.expires_ns))
-            c.execute("COMMIT")
-            return lease
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
+        return lease
 
     def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int) -> Lease:
-        c = self._tx()
-        try:
+        with self._tx() as c:
             row = c.execute("SELECT holder, epoch FROM leases WHERE name=?",
                             (lease.name,)).fetchone()
             if row is None or row[0] != lease.holder or row[1] != lease.epoch:
                 raise LeaseLostError(lease.name, lease.holder, lease.epoch)
             new = Lease(lease.name, lease.holder, lease.epoch, now_ns + ttl_ns)
             c.execute("UPDATE leases SET expires_ns=? WHERE name=?", (new.expires_ns, lease.name))
-            c.execute("COMMIT")
-            return new
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
+        return new
 
     def lease_release(self, lease: Lease) -> None:
         self._conn().execute(
@@ -405,9 +438,8 @@ class SQLiteCatalog:
         """Apply history records the catalog lacks, in one transaction: a listing is
         written only over an older row (by history key), a forget ``(ref, key)`` drops only
         a row older than it, a journal row only where none is. Returns rows changed."""
-        c = self._tx()
         changed = 0
-        try:
+        with self._tx() as c:
             for row in puts:
                 changed += c.execute(
                     "INSERT INTO snapshots(ref, time_ns, origin, label, key) "
@@ -423,19 +455,14 @@ class SQLiteCatalog:
                     "INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, ref, "
                     "trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     jr).rowcount
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
         return changed
 
     def replace_all(self, packs: list[tuple[str, int, list[Location]]],
                     snapshots: list[SnapshotRow], journal: list[JournalRow]) -> int:
         """Replace the object index and history tables (``rebuild-index``), and drop this
         host's files and dirs caches, in one transaction; return objects indexed."""
-        c = self._tx()
         n = 0
-        try:
+        with self._tx() as c:
             for table in ("objects", "packs", "snapshots", "journal", "files_cache",
                           "dirs_cache"):
                 c.execute(f"DELETE FROM {table}")
@@ -452,10 +479,6 @@ class SQLiteCatalog:
             c.executemany("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, "
                           "ref, trigger_, consistency, key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                           journal)
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
         return n
 
     # -- config ----------------------------------------------------------------------

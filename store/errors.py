@@ -164,6 +164,21 @@ class BackendError(StoreError):
     """A blob backend operation failed."""
 
 
+class StoreFullError(BackendError):
+    """The store's disk (its backend directory or its index) has no space left: ENOSPC
+    (or EDQUOT). Nothing half-written is referenced; free space and try again. ``where``
+    says what could not be written; ``errno`` is ``errno.ENOSPC``."""
+
+    errno = 28  # errno.ENOSPC
+
+    def __init__(self, where: str, cause: object = None) -> None:
+        self.where = where
+        self.cause = "" if cause is None else str(cause)
+        detail = f" ({self.cause})" if self.cause else ""
+        super().__init__(f"no space left for the store (ENOSPC): cannot write {where}"
+                         f"{detail}; free space on its disk and try again")
+
+
 class BlobNotFoundError(BackendError, KeyError):
     """A backend key does not exist."""
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from . import dircache
+from .catalog import write_transaction
 from .errors import BlobNotFoundError, GCError, StoreError
 from .objects import Store
 from .pack import Location, ObjKind, PackBuilder
@@ -214,8 +215,7 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
 
     moved, new_packs = _repack(store, sparse, use, rep)
 
-    c.execute("BEGIN IMMEDIATE")
-    try:
+    with write_transaction(c, store.index_path):
         c.executemany("UPDATE objects SET pack=?, rec_offset=?, rec_length=?, codec=?, "
                       "inner_offset=? WHERE id=?",
                       [(loc.pack, loc.rec_offset, loc.rec_length, int(loc.codec),
@@ -228,10 +228,6 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
             c.execute("DELETE FROM packs WHERE key=?", (key,))
         rep.files_cache_pruned = _prune_files_cache(store)
         rep.dirs_cache_pruned = dircache.prune(c, live)
-        c.execute("COMMIT")
-    except BaseException:
-        c.execute("ROLLBACK")
-        raise
 
     for key in dead_packs + sparse + leftovers:
         if not PACK_KEY.fullmatch(key):

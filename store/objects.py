@@ -32,7 +32,7 @@ from typing import Any
 
 from . import schema
 from .backend import BlobBackend, LocalDirBackend, check_key
-from .catalog import Catalog, SQLiteCatalog
+from .catalog import Catalog, SQLiteCatalog, sqlite_full
 from .errors import (
     BlobNotFoundError,
     FencedError,
@@ -40,6 +40,7 @@ from .errors import (
     ObjectNotFoundError,
     RefNotFoundError,
     StoreError,
+    StoreFullError,
 )
 from .pack import (
     Codec,
@@ -140,7 +141,7 @@ class Store:
         self.backend: BlobBackend = backend or LocalDirBackend(os.path.join(self.root, "backend"))
         self.index_path = os.path.join(self.root, "index.sqlite")
         self.catalog: Catalog = catalog if catalog is not None else SQLiteCatalog(
-            lambda: self.conn)
+            lambda: self.conn, self.index_path)
         self._local = threading.local()
         self._idle: list[sqlite3.Connection] = []  # connections of finished threads
         self._cache_lock = threading.Lock()
@@ -169,6 +170,8 @@ class Store:
                 schema.create(self.conn)
             except sqlite3.DatabaseError as e:
                 self.close()
+                if sqlite_full(e, self.index_path):  # not damaged: no room to open it
+                    raise StoreFullError(f"the index {self.index_path}", e) from None
                 raise StoreError(f"the index {self.index_path} is damaged ({e}); move it away "
                                  "and open the store again to rebuild it from the backend") from None
             if fresh_index and not self.catalog.shared and self.backend.list("packs/"):

@@ -70,6 +70,7 @@ import blake3
 import zstandard
 
 from . import chunker, dircache
+from .catalog import write_transaction
 from .errors import BackendError, SnapshotError
 from .objects import Store, Writer
 from .pack import Codec, ObjKind, encode_chunk
@@ -780,17 +781,11 @@ class _Walker:
         is indexed."""
         if not (self.cache_rows or self.dir_rows) or self.store is None:
             return
-        c = self.store.conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
+        with write_transaction(self.store.conn, self.store.index_path) as c:
             c.executemany(
                 "INSERT OR REPLACE INTO files_cache(path, size, mtime_ns, ctime_ns, inode, "
                 "chunks, trusted_before_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", self.cache_rows)
             dircache.write(c, self.dir_rows)
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
         self.cache_rows = []
         self.dir_rows = []
 

@@ -127,14 +127,12 @@ class Mount:
                     pass
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real tmpfs of DISK_MIB MiB at ``tmp_path/disk``, unmounted at teardown."""
+def _tmpfs(d: Path, mib: int) -> Iterator[Path]:
+    """Mount a real tmpfs of ``mib`` MiB at ``d`` (made here); unmount it afterwards."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    d = tmp_path / "disk"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m,mode=0700",
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700",
                         "tmpfs", str(d)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
@@ -142,6 +140,20 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield d
     finally:
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real tmpfs of DISK_MIB MiB at ``tmp_path/disk``, unmounted at teardown."""
+    yield from _tmpfs(tmp_path / "disk", DISK_MIB)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 32 MiB tmpfs at ``tmp_path/small``, for a store; needs FUSE too."""
+    if not os.path.exists("/dev/fuse") or shutil.which(fh.FUSERMOUNT) is None:
+        pytest.skip("needs /dev/fuse and fusermount3")
+    yield from _tmpfs(tmp_path / "small", 32)
 
 
 @pytest.fixture
@@ -487,6 +499,80 @@ def test_a_checkpoint_into_a_full_store_fails_naming_enospc_and_succeeds_once_fr
         assert r.returncode == 0, r.stderr + m.log()
         assert " big" in cli(store, "ls", r.stdout.strip()).stdout
         assert (m.mnt / "big").read_bytes() == data
+        assert m.umount().returncode == 0
+    finally:
+        m.teardown()
+
+
+def fill_leaving(path: Path, disk: Path, leave: int) -> None:
+    """Write ``path`` until at most ``leave`` bytes (plus a page) stay free on ``disk``."""
+    with open(path, "wb") as f:
+        while free_bytes(disk) > leave + MIB:
+            f.write(bytes(MIB))
+            f.flush()
+        while free_bytes(disk) > leave + 4096:
+            try:
+                f.write(bytes(4096))
+                f.flush()
+            except OSError:
+                break
+
+
+def test_a_store_filling_up_at_any_point_of_a_checkpoint_fails_typed_and_loses_nothing(
+        small_disk: Path, tmp_path: Path) -> None:
+    """The store alone on a 32 MiB tmpfs, filled to leave from nothing up to a few
+    hundred KiB before each checkpoint: the pack write, the index commit and the snapshot
+    listing each get to meet the full disk. Every checkpoint either succeeds or fails
+    with one line naming ENOSPC (not a second ROLLBACK's "no transaction is active"); the
+    live mount keeps serving and keeps every change; ``rewindfs verify`` stays clean, full
+    or not; once space is freed the next checkpoint holds everything."""
+    store = small_disk / "store"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("lower\n")
+    ref = fh.snapshot(store, src)
+    m = Mount(store, ref, tmp_path / "mnt", tmp_path / "state")
+    written: dict[str, bytes] = {}
+    failed: list[str] = []
+    try:
+        m.mount()
+        for i, leave in enumerate(range(0, 120 << 10, 12 << 10)):
+            for name, data in ((f"r{i}", os.urandom(30_000)), (f"s{i}", b"small %d\n" % i)):
+                (m.mnt / name).write_bytes(data)
+                written[name] = data
+            fill_leaving(small_disk / "filler", small_disk, leave)
+            r = cli(store, "checkpoint", str(m.mnt))
+            line = r.stderr.strip()
+            assert r.returncode in (0, 10), line + m.log()
+            if r.returncode:
+                failed.append(line)
+                assert "\n" not in line and "ENOSPC" in line, line
+                assert "no transaction" not in line, line
+            v = cli(store, "verify")
+            assert v.returncode == 0, v.stdout + v.stderr
+            (m.mnt / f"w{i}").write_bytes(b"written while the store is full\n")
+            written[f"w{i}"] = b"written while the store is full\n"
+            for name, data in written.items():
+                assert (m.mnt / name).read_bytes() == data, name
+            os.unlink(small_disk / "filler")
+            r = cli(store, "checkpoint", str(m.mnt))  # room again: it holds everything
+            assert r.returncode == 0, r.stderr + m.log()
+            listed = cli(store, "ls", r.stdout.strip()).stdout
+            assert all(f" {name}" in listed for name in written), listed
+        assert any("packs/" in f for f in failed), failed  # the pack did not fit
+        assert any("index" in f for f in failed), failed  # it did, its index rows did not
+        assert cli(store, "verify").returncode == 0
+        assert m.umount().returncode == 0
+        # No process holds the index open now: a command on the full store disk gets a
+        # typed ENOSPC error (never "the index is damaged, move it away").
+        fill_leaving(small_disk / "filler", small_disk, 0)
+        v = cli(store, "verify")
+        assert v.returncode == 0 or ("ENOSPC" in v.stderr and "damaged" not in v.stderr), \
+            v.stderr
+        os.unlink(small_disk / "filler")
+        m.mount(with_ref=False)
+        for name, data in written.items():
+            assert (m.mnt / name).read_bytes() == data, name
         assert m.umount().returncode == 0
     finally:
         m.teardown()
