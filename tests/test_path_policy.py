@@ -182,3 +182,88 @@ def test_seed_policy_from_a_directory_and_from_a_ref(tmp_path: Path) -> None:
     (seed / ".rewindfs.toml").unlink()
     assert seed_policy(None, str(seed)).empty
     assert seed_policy(store, str(snapshot(store, seed))).empty
+
+
+def _policy_ws(tmp_path: Path) -> tuple[Path, ToolContext]:
+    """A root whose hidden and protected files sit below directories a command can
+    rename; the patterns name the paths, not the names alone."""
+    root = tmp_path / "root"
+    (root / "secretsdir").mkdir(parents=True)
+    (root / "conf").mkdir()
+    (root / "secretsdir" / ".env").write_text(SECRET + "\n")
+    (root / "conf" / "app.lock").write_text("locked\n")
+    (root / "src").mkdir()
+    (root / "src" / "main.py").write_text("print('hello')\n")
+    policy = PathPolicy(hide=("secretsdir/.env",), protect=("conf/app.lock",))
+    return root, ToolContext(DirBinding(root, policy=policy))
+
+
+@needs_sandbox
+def test_a_renamed_parent_keeps_hidden_and_protected_paths_covered(tmp_path: Path) -> None:
+    """``mv secretsdir x`` in one call, ``cat x/.env`` in the next: the file is the same
+    object under another name and stays hidden (and a protected one protected), for Bash
+    and for the file tools."""
+    root, ws = _policy_ws(tmp_path)
+    r = run_bash(ws, "mv secretsdir x && mv conf c2 && echo moved")
+    assert "moved" in r.text, r.text
+    assert (root / "x" / ".env").read_text() == SECRET + "\n"   # the user's view
+    b = run_bash(ws, "cat x/.env; echo rc=$?; grep -r hunter2 .; echo grep=$?; "
+                     "echo pwned >> c2/app.lock; echo w=$?; cat src/main.py")
+    assert SECRET not in b.text and "hunter2" not in b.text, b.text
+    assert "rc=1" in b.text and "w=0" not in b.text, b.text
+    assert "print('hello')" in b.text
+    assert (root / "c2" / "app.lock").read_text() == "locked\n"
+    r2 = read_file(ws, "x/.env")
+    assert not r2.ok and SECRET not in r2.text
+    assert "x/.env" not in glob(ws, "**/*", path=".").data.get("paths", [])
+    assert SECRET not in grep(ws, "hunter2", output_mode="content").text
+    w = write_file(ws, "c2/app.lock", "pwned\n")
+    assert not w.ok and w.data["kind"] == "protected", w.text
+    # Renaming it back changes nothing either.
+    run_bash(ws, "mv x secretsdir")
+    assert SECRET not in run_bash(ws, "cat secretsdir/.env").text
+
+
+@needs_sandbox
+def test_hard_links_to_covered_files_are_covered(tmp_path: Path) -> None:
+    """A hard link to a hidden or protected file, wherever it is and whenever it was made,
+    is covered like the file; inside the sandbox none can be made (EXDEV)."""
+    root, ws = _policy_ws(tmp_path)
+    os.link(root / "secretsdir" / ".env", root / "src" / "notes.txt")  # made before
+    os.link(root / "conf" / "app.lock", root / "alias.lock")
+    b = run_bash(ws, "cat src/notes.txt; echo rc=$?; echo pwned >> alias.lock; echo w=$?; "
+                     "ln secretsdir/.env src/again; echo ln1=$?; ln conf/app.lock a2; "
+                     "echo ln2=$?")
+    assert SECRET not in b.text, b.text
+    for k in ("rc", "w", "ln1", "ln2"):
+        assert f"{k}=0" not in b.text, b.text
+    assert not (root / "src" / "again").exists() and not (root / "a2").exists()
+    assert (root / "conf" / "app.lock").read_text() == "locked\n"
+    r = read_file(ws, "src/notes.txt")
+    assert not r.ok and SECRET not in r.text
+    assert SECRET not in grep(ws, "hunter2", output_mode="content").text
+    w = write_file(ws, "alias.lock", "pwned\n")
+    assert not w.ok and w.data["kind"] == "protected", w.text
+    # A link made after the last scan: the tools look again before answering.
+    os.link(root / "secretsdir" / ".env", root / "late.txt")
+    r = read_file(ws, "late.txt")
+    assert not r.ok and SECRET not in r.text, r.text
+    assert "alias.lock" in glob(ws, "*", path=".").data.get("paths", [])  # seen, not hidden
+
+
+@needs_sandbox
+def test_a_kept_listing_is_read_again_when_its_directory_changes(tmp_path: Path) -> None:
+    """The walk keeps a directory's listing between calls (once it is a second old) and
+    lists it again when an entry is created, removed or renamed in it."""
+    import time
+
+    root, ws = _policy_ws(tmp_path)
+    time.sleep(1.2)  # the directories' last change is then old enough for their listing
+    run_bash(ws, "true")
+    assert "secretsdir" in getattr(ws.root.scans, "dirs", {})   # kept
+    (root / "src" / "secretsdir").mkdir()  # not a match (the pattern is anchored)
+    os.rename(root / "secretsdir" / ".env", root / "secretsdir" / "was-env")
+    (root / "secretsdir" / ".env").write_text("a new secret\n")
+    b = run_bash(ws, "cat secretsdir/.env; echo rc=$?; cat secretsdir/was-env")
+    assert "a new secret" not in b.text and "rc=1" in b.text, b.text
+    assert SECRET not in b.text, b.text   # the first .env, renamed, is still itself

@@ -10,6 +10,7 @@ outside /tmp because confined Bash gets a private /tmp.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,3 +119,28 @@ def test_diff_tool_does_not_name_hidden_paths(sessions: Sessions) -> None:
     (root / "src" / "app.py").write_text("print('changed')\n")
     text = binding.diff()
     assert "src/app.py" in text and ".env" not in text, text
+
+
+@pytest.mark.skipif(not HAS_BWRAP, reason="no bubblewrap sandbox here")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_renamed_parents_and_hard_links_stay_covered_in_a_session(sessions: Sessions,
+                                                                  backend: str) -> None:
+    """On the session's live root (the FUSE mount where there is one), a hidden file moved
+    with its parent directory by one Bash call stays hidden from the next, and a hard link
+    to it is hidden too (inode numbers of the mount's listings and lookups agree)."""
+    seed = sessions.place / "seed"
+    (seed / "secretsdir").mkdir(parents=True)
+    (seed / "secretsdir" / "key").write_text(SECRET + "\n")
+    (seed / "app.py").write_text("print('app')\n")
+    sid, root = _new(sessions, backend, "--seed", str(seed), "--hide", "secretsdir/key")
+    ctx = ToolContext(SessionToolBinding(sessions.store, sid))
+    b = run_bash(ctx, "mv secretsdir moved && echo moved")
+    assert "moved" in b.text, b.text
+    os.link(root / "moved" / "key", root / "alias")         # the user's, or anyone's
+    b = run_bash(ctx, "cat moved/key; echo rc=$?; cat alias; echo rc2=$?; cat app.py")
+    assert SECRET not in b.text and "rc=1" in b.text and "rc2=1" in b.text, b.text
+    assert "print('app')" in b.text
+    for p in ("moved/key", "alias"):
+        r = read_file(ctx, p)
+        assert not r.ok and SECRET not in r.text, p
+    assert (root / "moved" / "key").read_text() == SECRET + "\n"

@@ -205,7 +205,8 @@ def find(ctx: ToolContext, pattern: str, path: str = ".",
         _walk(matcher, fd, "" if base == "." else base + "/", matcher.start, out, ign)
     finally:
         os.close(fd)
-    return [f for f in out if not ctx.root.hides(f[1])], base
+    hidden = ctx.root.hides_found()
+    return [f for f in out if not hidden(f[1])], base
 
 
 def _walk(m: Matcher, fd: int, prefix: str, state: State,

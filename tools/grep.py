@@ -344,7 +344,8 @@ def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: str | None = Non
         return none
     deadline = time.monotonic() + M.GREP_TIMEOUT_S
     hits, stopped, err = _search_rg(rg, sandbox.bwrap(), ctx, q, base_rel, is_dir, deadline)
-    hits = [h for h in hits if not ctx.root.hides(h.path)]    # the path policy's hide
+    hidden = ctx.root.hides_found()                           # the path policy's hide
+    hits = [h for h in hits if not hidden(h.path)]
     if err is not None:
         return error(NAME, err, kind="search")
     shown, total = render(hits, q, line_numbers, head_limit, offset)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from store.pathpolicy import PathPolicy
@@ -59,27 +60,108 @@ class PathError(Exception):
         return cls(kind, path, e.strerror or str(e))
 
 
+# A hard link made this long before a scan started may still be missing from it (file
+# times come from a coarse clock).
+_LINK_MARGIN_NS = 2_000_000_000
+
+
+class Covered:
+    """What the path policy covered at the last scan of the tree (tools.policyview.scan),
+    by identity: the inode numbers (on device ``dev``) of every hidden and every protected
+    file and directory seen, the matches' own and everything below them. A covered object
+    stays covered under another name: a parent directory renamed by a command, a hard link
+    to a covered file. ``scanned_ns``: wall clock when that scan started (None: never)."""
+
+    def __init__(self) -> None:
+        self.hidden: frozenset[int] = frozenset()
+        self.protected: frozenset[int] = frozenset()
+        self.dev: int | None = None
+        self.scanned_ns: int | None = None
+
+    def hides(self, st: os.stat_result) -> bool:
+        return st.st_dev == self.dev and st.st_ino in self.hidden
+
+    def protects(self, st: os.stat_result) -> bool:
+        return st.st_dev == self.dev and st.st_ino in self.protected
+
+
 class Root:
     """The workspace root: ``path`` as configured (absolute) and ``real``, its canonical
     form. Absolute arguments and absolute link targets are accepted when they lie under
-    either spelling. ``policy``: the session's path policy (hide, protect)."""
+    either spelling. ``policy``: the session's path policy (hide, protect); ``covered``:
+    what it covered at the last scan, by identity (``Covered``)."""
 
     def __init__(self, path: str, policy: PathPolicy | None = None) -> None:
         self.path = os.path.abspath(path)
         self.real = os.path.realpath(self.path)
         self.policy = policy if policy is not None else PathPolicy()
+        self.covered = Covered()
+        self.scans: object = None  # tools.policyview's cache of directory listings
 
     def hides(self, rel: str, is_dir: bool = False) -> bool:
-        """True when the agent must not see workspace path ``rel``."""
+        """True when the agent must not see workspace path ``rel`` (by the policy's
+        patterns; ``hides_found`` also by identity)."""
         return self.policy.hides(rel, is_dir)
+
+    def hides_found(self) -> Callable[[str], bool]:
+        """A test for paths a walk found under the root (Glob's and Grep's results): hidden
+        by a pattern, or by identity (the path or a directory above it is a covered object
+        under another name). Caches what it learns of directories for its own lifetime
+        (one tool call)."""
+        pol = self.policy
+        if not pol.hide:
+            return lambda rel: False
+        covered = self.covered
+        if not covered.hidden:
+            return lambda rel: pol.hides(rel)
+        dirs: dict[str, bool] = {}
+
+        def by_identity(rel: str) -> bool:
+            try:
+                return covered.hides(os.lstat(os.path.join(self.real, rel)))
+            except OSError:
+                return False
+
+        def test(rel: str) -> bool:
+            if pol.hides(rel):
+                return True
+            parts = rel.split("/")
+            for i in range(1, len(parts)):
+                d = "/".join(parts[:i])
+                got = dirs.get(d)
+                if got is None:
+                    got = dirs[d] = by_identity(d)
+                if got:
+                    return True
+            return by_identity(rel)
+        return test
 
     def _check(self, rel: str, st: os.stat_result | None, write: bool) -> None:
         """Refuse ``rel`` under the policy: hidden -> not_found, protected (for a change)
-        -> protected."""
+        -> protected; by the patterns and by identity (``Covered``). A file with more than
+        one link made after the last scan makes a scan first (tools.policyview), so a new
+        link to a covered file is covered too."""
+        pol = self.policy
+        if not (pol.hide or pol.protect):
+            return
         is_dir = st is not None and stat.S_ISDIR(st.st_mode)
-        if self.policy.hides(rel, is_dir):
+        if pol.hides(rel, is_dir):
             raise PathError("not_found", rel)
-        if write and self.policy.protects(rel, is_dir):
+        if write and pol.protects(rel, is_dir):
+            raise PathError("protected", rel)
+        if st is None:
+            return
+        covered = self.covered
+        if not is_dir and st.st_nlink > 1 and (
+                covered.scanned_ns is None
+                or st.st_ctime_ns >= covered.scanned_ns - _LINK_MARGIN_NS):
+            from tools.policyview import scan  # tools.policyview imports this module
+
+            scan(self)
+            covered = self.covered
+        if covered.hides(st):
+            raise PathError("not_found", rel)
+        if write and covered.protects(st):
             raise PathError("protected", rel)
 
     def open(self) -> int:

@@ -1,23 +1,36 @@
 """The session's path policy inside the Bash sandbox: bwrap arguments for one call.
 
-Computed when a call starts, from the paths that match then (a path created later by the
-command is not covered until the next call):
+Computed when a call starts (``scan``), from what the policy covers then (a path created
+later by the command is not covered until the next call):
 
 - a ``hide`` match is covered by an empty, mode-0000 object: a tmpfs over a directory, an
   empty read-only file over anything else. Reading it fails with EACCES, changing or
   removing it with EACCES, EROFS or EBUSY, and nothing of its content is reachable. Its
   name still appears in its parent's listing (a bind mount cannot remove a directory
-  entry).
+  entry; ``ls`` shows the name, with mode 0000 and size 0).
 - a ``protect`` match is bound read-only over itself (``--ro-bind-fd`` from a descriptor
   opened here without following links, so a path swapped for a symbolic link cannot bind
   something outside the root into the sandbox): changes fail with EROFS (EBUSY for
   removing or renaming the match itself).
 
+Identity. A match stays covered under another name (``tools.paths.Covered``): each scan
+records the inode numbers of everything it covers (the matches and everything below them),
+and the next scan covers those objects again wherever it meets them, so renaming a parent
+directory of a hidden file (``mv secrets x``) leaves ``x/.env`` hidden; and a hard link to
+a covered file, wherever it is, is covered like the file (inside the sandbox ``ln`` of a
+covered file already fails with EXDEV: it is a mount of its own). The agent's tools check
+the same identities (``tools.paths``).
+
 Symbolic links are never covered (a bind would follow them); their targets are when they
 match. The walk opens each directory relative to its parent with ``O_NOFOLLOW``
-(tools.walk) and does not descend into a hidden directory. Cost: one ``scandir`` per
-directory of the workspace plus one mount per match; nothing when the policy has no hide
-and no protect patterns.
+(tools.walk); below a covered directory it only records identities.
+
+Cost. One ``open`` and ``fstat`` per directory of the workspace; a directory's listing
+(and its entries' verdicts under the patterns) is kept between calls and read again only
+when the directory changed (its inode, mtime or ctime differ, which every entry created,
+removed or renamed in it changes, and which nothing unprivileged can set back), or changed
+less than a second before it was listed (times come from a coarse clock). Plus one mount
+per covered path; nothing when the policy has no hide and no protect patterns.
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +51,9 @@ from tools.walk import list_dir, open_subdir
 
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 Matcher = Callable[[str], bool] | None
+# A listing is kept only for a directory whose last change is at least this much older
+# than the listing: a later change then gets a later time even from a coarse clock.
+_SETTLED_NS = 1_000_000_000
 
 
 @dataclass
@@ -55,6 +73,32 @@ class PolicyView:
         self.fds.clear()
 
 
+@dataclass
+class _Listing:
+    """One directory as last listed: ``key`` (inode, mtime, ctime) on device ``dev``; its
+    entries that are not symbolic links by name (is a directory, inode number) and by
+    inode number (names), ``inos``/``file_inos`` (of all of them, of the non-directories),
+    ``subdirs`` (names), and the names the patterns hide and protect."""
+
+    key: tuple[int, int, int]
+    dev: int
+    entries: dict[str, tuple[bool, int]]
+    by_ino: dict[int, list[str]]
+    inos: frozenset[int]
+    file_inos: frozenset[int]
+    subdirs: tuple[str, ...]
+    hide: frozenset[str]
+    protect: frozenset[str]
+
+
+class _Cache:
+    """Listings by workspace path (``Root.scans``) and the lock serializing scans."""
+
+    def __init__(self) -> None:
+        self.dirs: dict[str, _Listing] = {}
+        self.lock = threading.Lock()
+
+
 @functools.cache
 def _empty_file() -> str:
     """An empty mode-0000 file of this process (in a private 0700 directory, removed at
@@ -69,67 +113,227 @@ def _empty_file() -> str:
 
 def policy_view(root: Root) -> PolicyView:
     """The view of ``root``'s path policy for a command starting now (module docstring)."""
+    return scan(root, want_view=True)
+
+
+def scan(root: Root, want_view: bool = False) -> PolicyView:
+    """Walk the workspace, cover what the policy covers now (patterns and identities),
+    record the identities in ``root.covered``, and (``want_view``) build the bwrap
+    arguments. An unreadable root covers nothing."""
     view = PolicyView()
     pol = root.policy
     if not (pol.hide or pol.protect):
         return view
-    try:
-        top = os.open(root.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return view
-    try:
-        _walk(root, top, ".", view)
-    except BaseException:
-        view.close()
-        raise
-    finally:
-        os.close(top)
+    cache = root.scans
+    if not isinstance(cache, _Cache):
+        cache = root.scans = _Cache()
+    with cache.lock:
+        started = time.time_ns()
+        try:
+            top = os.open(root.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return view
+        try:
+            w = _Walk(root, cache, view, want_view, started)
+            w.dir(top, "", None)
+            w.aliases(top)
+        except BaseException:
+            view.close()
+            raise
+        finally:
+            os.close(top)
+        covered = root.covered
+        covered.hidden = frozenset(w.hidden_inos)
+        covered.protected = frozenset(w.protected_inos)
+        covered.dev = w.dev
+        covered.scanned_ns = started
+        cache.dirs = w.seen
     return view
 
 
-def _walk(root: Root, fd: int, prefix: str, view: PolicyView, covered: bool = False,
-          tests: tuple[Matcher, Matcher] | None = None) -> None:
-    """Cover the matches under directory ``fd`` (workspace path ``prefix``); ``covered``: an
-    ancestor is bound read-only already, so only hidden matches are added below it."""
-    hide, protect = tests if tests is not None else (root.policy.matcher("hide"),
-                                                     root.policy.matcher("protect"))
-    pre = "" if prefix in ("", ".") else prefix + "/"
-    real = root.real + "/"
-    for entry in list_dir(fd):
-        try:                               # the entry's type from readdir: no stat
-            if entry.is_symlink():
-                continue
-            is_dir = entry.is_dir(follow_symlinks=False)
+class _Walk:
+    """One scan (``scan``)."""
+
+    def __init__(self, root: Root, cache: _Cache, view: PolicyView, want_view: bool,
+                 started: int) -> None:
+        self.root = root
+        self.real = root.real + "/"
+        self.old = cache.dirs
+        self.seen: dict[str, _Listing] = {}
+        self.view = view
+        self.want_view = want_view
+        self.started = started
+        self.hide = root.policy.matcher("hide")
+        self.protect = root.policy.matcher("protect")
+        self.was_hidden = root.covered.hidden
+        self.was_protected = root.covered.protected
+        self.hidden_inos: set[int] = set()
+        self.protected_inos: set[int] = set()
+        self.dev: int | None = None
+        self.open_dirs: list[tuple[str, _Listing]] = []   # uncovered directories met
+        self.done: set[str] = set()                        # paths covered
+
+    def listing(self, fd: int, prefix: str) -> _Listing | None:
+        try:
+            st = os.fstat(fd)
         except OSError:
-            continue
-        rel = pre + entry.name
-        path = rel + "/" if is_dir else rel
-        if hide is not None and hide(path):
-            if is_dir:
-                view.argv += ["--perms", "0000", "--tmpfs", real + rel]
-            else:
-                view.argv += ["--ro-bind", _empty_file(), real + rel]
-            view.hidden.append(rel)
-            continue                       # nothing under a hidden directory is reachable
-        here = covered
-        if not covered and protect is not None and protect(path):
-            try:
-                pfd = os.open(entry.name, _PATH_FLAGS, dir_fd=fd)
+            return None
+        if self.dev is None:
+            self.dev = st.st_dev
+        key = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        got = self.old.get(prefix)
+        if got is not None and got.key == key and got.dev == st.st_dev:
+            self.seen[prefix] = got
+            return got
+        pre = prefix + "/" if prefix else ""
+        entries: dict[str, tuple[bool, int]] = {}
+        by_ino: dict[int, list[str]] = {}
+        hide: set[str] = set()
+        protect: set[str] = set()
+        for entry in list_dir(fd):
+            try:                               # the entry's type from readdir: no stat
+                if entry.is_symlink():
+                    continue
+                is_dir = entry.is_dir(follow_symlinks=False)
+                ino = entry.inode()
             except OSError:
                 continue
-            view.fds.append(pfd)
-            now = os.fstat(pfd)
-            if stat.S_ISLNK(now.st_mode):
-                continue                   # swapped for a link since listed: never bound
-            is_dir = stat.S_ISDIR(now.st_mode)
-            view.argv += ["--ro-bind-fd", str(pfd), real + rel]
-            view.protected.append(rel)
-            here = True
-        if is_dir and (hide is not None or not here):
-            sub = open_subdir(fd, entry.name)
+            name = entry.name
+            entries[name] = (is_dir, ino)
+            by_ino.setdefault(ino, []).append(name)
+            path = pre + name + ("/" if is_dir else "")
+            if self.hide is not None and self.hide(path):
+                hide.add(name)
+            if self.protect is not None and self.protect(path):
+                protect.add(name)
+        rec = _Listing(key, st.st_dev, entries, by_ino, frozenset(by_ino),
+                       frozenset(ino for is_dir, ino in entries.values() if not is_dir),
+                       tuple(n for n, (is_dir, _) in entries.items() if is_dir),
+                       frozenset(hide), frozenset(protect))
+        if self.started - st.st_ctime_ns >= _SETTLED_NS:
+            self.seen[prefix] = rec
+        return rec
+
+    def dir(self, fd: int, prefix: str, mode: str | None) -> None:
+        """Walk directory ``fd`` (workspace path ``prefix``, ``""`` for the root);
+        ``mode``: ``hide`` or ``protect`` when an ancestor is covered so (only identities
+        are recorded below it, and hidden matches below a protected one). Per directory
+        the work is set operations over its kept listing, plus the covered entries and
+        the subdirectories."""
+        rec = self.listing(fd, prefix)
+        if rec is None:
+            return
+        # Identities are those of the root's file system; a file system mounted inside it
+        # is covered by the patterns alone.
+        same = rec.dev == self.dev
+        pre = prefix + "/" if prefix else ""
+        below: dict[str, str | None] = {}     # subdirectory -> its mode
+        if mode == "hide":
+            if same:
+                self.hidden_inos |= rec.inos
+            below = dict.fromkeys(rec.subdirs, "hide")
+        else:
+            hide = set(rec.hide)
+            if same and self.was_hidden:
+                for ino in rec.inos & self.was_hidden:
+                    hide.update(rec.by_ino[ino])
+            protect: set[str] = set()
+            if mode != "protect":
+                protect = set(rec.protect)
+                if same and self.was_protected:
+                    for ino in rec.inos & self.was_protected:
+                        protect.update(rec.by_ino[ino])
+                protect -= hide
+            for name in sorted(hide):
+                is_dir, ino = rec.entries[name]
+                self.cover(fd, name, pre + name, is_dir, "hide")
+                if same:
+                    self.hidden_inos.add(ino)
+                if is_dir:
+                    below[name] = "hide"
+            for name in sorted(protect):
+                is_dir, ino = rec.entries[name]
+                if not self.cover(fd, name, pre + name, is_dir, "protect"):
+                    continue
+                if same:
+                    self.protected_inos.add(ino)
+                if is_dir:
+                    below[name] = "protect"
+            if mode == "protect":
+                if same:
+                    self.protected_inos |= rec.inos - {rec.entries[n][1] for n in hide}
+            elif same:
+                self.open_dirs.append((prefix, rec))
+            for name in rec.subdirs:
+                if name not in below and name not in hide:
+                    below[name] = mode
+        for name, sub_mode in below.items():
+            sub = open_subdir(fd, name)
             if sub is None:
                 continue
             try:
-                _walk(root, sub, rel, view, here, (hide, protect))
+                self.dir(sub, pre + name, sub_mode)
             finally:
                 os.close(sub)
+
+    def cover(self, fd: int, name: str, rel: str, is_dir: bool, kind: str) -> bool:
+        """Add the mount covering ``rel`` (entry ``name`` of directory ``fd``); False when
+        it is not covered after all (gone, or a symbolic link now)."""
+        view = self.view
+        if kind == "hide":
+            if self.want_view:
+                if is_dir:
+                    view.argv += ["--perms", "0000", "--tmpfs", self.real + rel]
+                else:
+                    view.argv += ["--ro-bind", _empty_file(), self.real + rel]
+            view.hidden.append(rel)
+            self.done.add(rel)
+            return True
+        if self.want_view:
+            try:
+                pfd = os.open(name, _PATH_FLAGS, dir_fd=fd)
+            except OSError:
+                return False
+            view.fds.append(pfd)
+            if stat.S_ISLNK(os.fstat(pfd).st_mode):
+                return False                   # swapped for a link since listed: never bound
+            view.argv += ["--ro-bind-fd", str(pfd), self.real + rel]
+        view.protected.append(rel)
+        self.done.add(rel)
+        return True
+
+    def aliases(self, top: int) -> None:
+        """Cover the other names of covered files met in uncovered directories (hard
+        links), like the files themselves."""
+        covered = self.hidden_inos | self.protected_inos
+        for prefix, rec in self.open_dirs:
+            pre = prefix + "/" if prefix else ""
+            found = rec.file_inos & covered
+            if not found:
+                continue
+            todo = [(name, ino) for ino in found for name in rec.by_ino[ino]
+                    if pre + name not in self.done]
+            if not todo:
+                continue
+            fd = self.open_path(top, prefix)
+            if fd is None:
+                continue
+            try:
+                for name, ino in todo:
+                    kind = "hide" if ino in self.hidden_inos else "protect"
+                    self.cover(fd, name, pre + name, False, kind)
+            finally:
+                if fd != top:
+                    os.close(fd)
+
+    def open_path(self, top: int, prefix: str) -> int | None:
+        """Directory ``prefix`` opened one component at a time, never following a link."""
+        fd = top
+        for comp in prefix.split("/") if prefix else ():
+            sub = open_subdir(fd, comp)
+            if fd != top:
+                os.close(fd)
+            if sub is None:
+                return None
+            fd = sub
+        return fd
