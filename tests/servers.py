@@ -173,6 +173,11 @@ class SeaweedS3:
         if not keep_data:
             shutil.rmtree(self.dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """SIGKILL the server at once (no shutdown), keeping its data for ``start()``."""
+        _stop_group(self.proc, signal.SIGKILL)
+        self.proc = None
+
 
 def _pg_bin(name: str) -> str:
     found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))

@@ -117,3 +117,84 @@ def test_ro_mount_on_a_new_host_reads_through_its_empty_cache(fuse_store: Path, 
         assert any((tmp_path / "cache-b").rglob("*-*"))  # ranges were cached locally
     finally:
         cli(host_b, "umount", str(mnt))
+
+
+def test_s3_killed_mid_multipart_upload_of_a_big_pack(mounter: fh.Mounter, fuse_store: Path,
+                                                      lower_ref: str,
+                                                      own_seaweed: object) -> None:
+    import json
+    import threading
+    import time
+
+    from fusefs.control import Client
+    from fusefs.session.errors import CheckpointError
+    from store.s3 import MULTIPART_THRESHOLD
+
+    cfg = json.loads((fuse_store / "store.json").read_text())
+    bucket = cfg["blobs"][5:].split("/")[0]
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    # 160 MiB of incompressible data: five packs of about 32 MiB, each uploaded in parts.
+    big = os.urandom(160 << 20)
+    (m / "big.bin").write_bytes(big)
+    (m / "note.txt").write_text("small change\n")
+    assert 32 << 20 >= MULTIPART_THRESHOLD
+    outcome: list[BaseException | dict[str, object]] = []
+
+    def checkpoint() -> None:
+        try:
+            outcome.append(Client.for_mount(str(m)).checkpoint(timeout_s=300))
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=checkpoint)
+    s3 = own_seaweed.client()  # type: ignore[attr-defined]
+    t.start()
+    try:
+        # Kill the server (SIGKILL, no shutdown) as soon as a multipart upload of a pack is
+        # under way: its parts are partly sent and it was never completed.
+        deadline = time.monotonic() + 120
+        uploads: list[dict[str, object]] = []
+        while not uploads and t.is_alive() and time.monotonic() < deadline:
+            uploads = [u for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", ())
+                       if "/packs/" in str(u["Key"])]
+        own_seaweed.kill()  # type: ignore[attr-defined]
+        t.join(timeout=300)
+        assert uploads, "no multipart upload seen before the checkpoint ended"
+        (err,) = outcome
+        assert isinstance(err, CheckpointError), err
+        assert "s3://" in str(err)
+        # The mount keeps serving every change, and takes new ones.
+        assert (m / "note.txt").read_text() == "small change\n"
+        (m / "during.txt").write_text("written while the server was dead\n")
+        with open(m / "big.bin", "rb") as f:
+            assert f.read() == big
+    finally:
+        own_seaweed.start()  # type: ignore[attr-defined]
+    s3 = own_seaweed.client()  # type: ignore[attr-defined]
+    half = {str(u["Key"]).split("/", 1)[1] for u in uploads}
+    st = Store(fuse_store)
+    try:
+        # The half-uploaded pack is not an object, and the catalog references nothing of
+        # the failed checkpoint.
+        keys = {o["Key"].split("/", 1)[1]
+                for o in s3.list_objects_v2(Bucket=bucket).get("Contents", ())}
+        assert not half & keys
+        indexed = {p[0] for p in st.catalog.packs()}
+        assert not half & indexed
+        assert indexed <= keys
+    finally:
+        st.close()
+    # The next checkpoint, with the server back, succeeds with every change.
+    r = cli(fuse_store, "checkpoint", str(m), "--json")
+    ref = json.loads(r.stdout)["ref"]
+    assert _read(fuse_store, ref, "note.txt") == b"small change\n"
+    assert _read(fuse_store, ref, "during.txt") == b"written while the server was dead\n"
+    assert _read(fuse_store, ref, "big.bin") == big
+    st = Store(fuse_store)
+    try:
+        from store.verify import verify
+
+        assert verify(st) == []
+    finally:
+        st.close()
