@@ -367,7 +367,11 @@ class Live:
                         self._lap("plan_swap")
                         upper = ov.upper
                         assert upper is not None
-                        await trio.to_thread.run_sync(ck.reset_upper, upper, sp.rebase)
+                        try:
+                            await trio.to_thread.run_sync(ck.reset_upper, upper, sp.rebase)
+                        except OSError as e:  # a full state disk: one transaction, not made
+                            raise RestoreError(RestoreError.SWAP_FAILED, str(target),
+                                               f"cannot record the restore: {e}") from e
                         self._lap("reset_upper")
                     except BaseException:
                         if discard:  # the discard freeze is applied in memory: record it

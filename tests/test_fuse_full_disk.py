@@ -576,3 +576,59 @@ def test_a_store_filling_up_at_any_point_of_a_checkpoint_fails_typed_and_loses_n
         assert m.umount().returncode == 0
     finally:
         m.teardown()
+
+
+@pytest.mark.parametrize("dirty", [True, False], ids=["with-changes", "clean"])
+def test_a_restore_on_a_full_state_disk_fails_cleanly_and_works_once_freed(
+        mount: Mount, disk: Path, dirty: bool) -> None:
+    """The state directory's disk full, its reserve taken by another program: a restore
+    either succeeds or fails with one line naming ENOSPC (a typed RestoreError, exit 10;
+    with changes it is the pre-restore checkpoint that cannot record its reset, on a
+    clean tree the swap itself), and then the mount shows and keeps exactly what it had;
+    once space is freed the same restore succeeds, and a remount shows the target."""
+    m = mount
+    m.mount()
+    mnt = m.mnt
+    (mnt / "d").mkdir()
+    (mnt / "d" / "one").write_bytes(b"one\n")
+    r = cli(m.store, "checkpoint", str(mnt))
+    assert r.returncode == 0, r.stderr + m.log()
+    target = m.ref if not dirty else r.stdout.strip()
+    big = fh.pattern(3 * MIB, seed=11)
+    if dirty:
+        (mnt / "two").write_bytes(b"two\n")
+        (mnt / "big").write_bytes(big)
+        os.unlink(mnt / "plain.txt")
+    before = sorted(fh.walk_tree(mnt))
+    os.truncate(m.state / RESERVE_NAME, 0)
+    _, err = fill(disk / "filler")
+    assert err == errno.ENOSPC
+
+    r = cli(m.store, "restore", str(mnt), target)
+    if r.returncode:
+        line = r.stderr.strip()
+        assert r.returncode == 10, line + m.log()
+        assert "\n" not in line and "ENOSPC" in line, line
+        assert sorted(fh.walk_tree(mnt)) == before
+        if dirty:
+            assert (mnt / "big").read_bytes() == big
+        os.unlink(disk / "filler")
+        r = cli(m.store, "restore", str(mnt), target)
+        assert r.returncode == 0, r.stderr + m.log()
+    else:
+        os.unlink(disk / "filler")
+    assert not (mnt / "two").exists() and not (mnt / "big").exists()
+    assert (mnt / "plain.txt").read_bytes() == b"hello world\n"
+    assert (mnt / "d" / "one").exists() == dirty
+    assert m.umount().returncode == 0
+    m.mount(with_ref=False)
+    assert (mnt / "plain.txt").read_bytes() == b"hello world\n"
+    assert (mnt / "d" / "one").exists() == dirty
+    if dirty:  # what the restore replaced is the pre-restore snapshot: nothing lost
+        pre = json.loads(cli(m.store, "list", "--json").stdout)
+        refs = [s["ref"] for s in pre if s.get("origin") == "pre_restore"]
+        assert refs, pre
+        listed = cli(m.store, "ls", refs[-1]).stdout
+        assert " big" in listed and " two" in listed, listed
+    assert m.umount().returncode == 0
+    assert fh.upper_problems(m.state, m.store) == []
