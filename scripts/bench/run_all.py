@@ -5,8 +5,10 @@ Usage (from the repository root)::
     .venv/bin/python scripts/bench/run_all.py [--quick] [--wait-load L] [--no-readme]
 
 It runs, one after the other (never two at once, so they do not disturb each other), each in
-its own process group with a time limit, the benchmarks of issues 2-6 with sizes chosen so
-that the whole run stays within about 15 minutes on a 2-core machine:
+its own process group with a time limit, every benchmark under ``scripts/bench/``, with
+sizes and run counts chosen so that the whole run stays within 20 minutes on a 2-core
+machine (``BUDGET_S``; the heavy ones take fewer runs here than alone, and the report says
+so):
 
 - ``bench_store.py``: snapshot, re-snapshot, materialize and stored size on the Django
   sdist against ``tar | zstd -3`` and git;
@@ -21,9 +23,15 @@ that the whole run stays within about 15 minutes on a 2-core machine:
   against ``rg`` and ``find`` on a native copy;
 - ``bench_remote.py``: the shared store (SeaweedFS + PostgreSQL on loopback) against the
   local store: snapshot, re-snapshot, materialize, checkpoint of 10 changes, cold and warm
-  256 MiB reads through a mount.
+  256 MiB reads through a mount;
+- ``bench_steps.py``: recording a step of the step change log at 1,000 dirty paths of a
+  20,000-file session, against ``diff MNT``, and FUSE writes with and without steps;
+- ``bench_sparse.py``: checkpoint of 4 KiB in a 1 TiB sparse file against a plain file;
+- ``bench_write.py``: sequential FUSE writes of the working tree against a baseline
+  revision (``main``), with and without a byte quota.
 
-``--quick`` uses the smallest sizes and one run each (a smoke run, about 5 minutes).
+``--quick`` uses the smallest sizes and one run each (a smoke run, about 5 minutes);
+``--only NAME,...`` runs some of them (the others are reported as not run).
 ``--wait-load L`` waits (up to 10 minutes) until the 1-minute load average is below L
 before starting; the load averages before and after each benchmark are part of the report.
 
@@ -64,6 +72,10 @@ DOC = REPO / "docs" / "performance.md"
 README = REPO / "README.md"
 BEGIN, END = "<!-- perf:begin -->", "<!-- perf:end -->"
 PY = sys.executable
+BUDGET_S = 20 * 60
+REMOTE_RUNS = 1
+"""bench_remote.py's runs under run_all: one run of it takes about 3 minutes here."""
+"""The whole run's time budget on a 2-core machine (seconds); a run over it says so."""
 
 FUSE_LABELS = {
     "grep_cold": "grep -r, cold", "grep_warm": "grep -r, warm",
@@ -263,6 +275,14 @@ def not_run(res: Result) -> str:
     return f"_Not available: the {res.name} benchmark: {res.status}._"
 
 
+def own_table_section(res: Result) -> str:
+    """A benchmark that prints its own Markdown report on stdout (steps, sparse, write):
+    that report, as it printed it."""
+    if res.status != "ok" or not res.stdout.strip():
+        return not_run(res)
+    return res.stdout.strip()
+
+
 def remote_section(res: Result) -> str:
     d = res.data
     if res.status != "ok" or not d:
@@ -425,6 +445,15 @@ def summary(results: dict[str, Result], cmdline: str, total_s: float, day: str,
         "#### Shared store\n\n" + remote_section(results["remote"])
         if "remote" in results else "#### Shared store\n\n(not in this run)",
     ]
+    for name, title in (("steps", "Step change log"), ("sparse", "Sparse files"),
+                        ("write", "FUSE writes against a baseline revision")):
+        if name in results:
+            parts.append(f"#### {title}\n\n" + own_table_section(results[name]))
+    fewer = [f"{r.name}: {n}" for r in results.values() for n in r.notes
+             if n.startswith("fewer runs")]
+    if fewer:
+        parts.insert(1, "Fewer runs than each benchmark takes alone, to fit the run in "
+                        f"{BUDGET_S // 60} minutes: " + "; ".join(fewer) + ".")
     return "\n\n".join(parts) + "\n"
 
 
@@ -470,7 +499,8 @@ def main(argv: list[str]) -> int:
                     "yet (building it takes about 5 minutes more, once)")
     ap.add_argument("--no-readme", action="store_true", help="do not touch README.md")
     ap.add_argument("--only", help="comma-separated benchmarks to run (store, fuse, "
-                    "checkpoint, sessions, tools); the others are reported as not run")
+                    "checkpoint, remote, sessions, steps, sparse, write, tools); the others "
+                    "are reported as not run")
     ap.add_argument("--from-results", metavar="FILE", type=Path,
                     help="measure nothing: write the reports again from a run's saved "
                     "results (agent-data/bench/run_all/results.json)")
@@ -481,7 +511,8 @@ def main(argv: list[str]) -> int:
         wait_for_load(args.wait_load)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     q = args.quick
-    j = {n: OUT_DIR / f"{n}.json" for n in ("store", "fuse", "checkpoint", "remote")}
+    j = {n: OUT_DIR / f"{n}.json"
+         for n in ("store", "fuse", "checkpoint", "remote", "steps", "sparse")}
     for p in j.values():
         p.unlink(missing_ok=True)
     bench = [PY]
@@ -499,15 +530,27 @@ def main(argv: list[str]) -> int:
                         "--no-peers-above", "20000", "--json", str(j["checkpoint"])],
          480 if big_built else 900 if args.big else 300,
          lambda r: load_json(j["checkpoint"])),
-        ("remote", [*bench, str(HERE / "bench_remote.py"), "--runs", "1" if q else "3",
-                    "--json", str(j["remote"])], 2400, lambda r: load_json(j["remote"])),
+        ("remote", [*bench, str(HERE / "bench_remote.py"), "--runs",
+                    "1" if q else str(REMOTE_RUNS), "--json", str(j["remote"])], 480,
+         lambda r: load_json(j["remote"])),
         ("sessions", [*bench, str(HERE / "bench_sessions.py"), "--files", "20000",
                       "--sessions", "20" if q else "100", "--backend", "fuse"], 180,
          lambda r: parse_sessions(r.stdout)),
         ("sessions-fallback", [*bench, str(HERE / "bench_sessions.py"), "--files", "20000",
                                "--sessions", "2" if q else "3", "--backend", "fallback"], 180,
          lambda r: parse_sessions(r.stdout)),
+        ("steps", [*bench, str(HERE / "bench_steps.py"), "--files", "20000", "--dirty", "1000",
+                   "--steps", "10" if q else "30", "--runs", "1" if q else "3",
+                   "--json", str(j["steps"])], 300, lambda r: load_json(j["steps"])),
+        ("sparse", [*bench, str(HERE / "bench_sparse.py"), "--runs", "1" if q else "3",
+                    "--json", str(j["sparse"])], 300, lambda r: load_json(j["sparse"])),
+        ("write", [*bench, str(HERE / "bench_write.py"), "--runs", "1" if q else "3",
+                   "--mib", "64" if q else "256"], 300, lambda r: None),
     ]
+    # (name, option, its value here, its default alone) for the report's note
+    fewer = {"remote": ("--runs", 1 if q else REMOTE_RUNS, 5),
+             "steps": ("--runs", 1 if q else 3, 5),
+             "write": ("--runs", 1 if q else 3, 5)}
     only = set(args.only.split(",")) if args.only else None
     results: dict[str, Result] = {}
     t0 = time.perf_counter()
@@ -515,6 +558,10 @@ def main(argv: list[str]) -> int:
         res = results[name] = Result(name, cmd)
         if only is not None and name.split("-")[0] not in only:
             continue
+        if name in fewer:
+            opt, here, alone = fewer[name]
+            if here < alone:
+                res.notes.append(f"fewer runs under run_all: {opt} {here} (alone: {alone})")
         run_bench(res, limit)
         if res.status == "ok":
             res.data = read(res)
@@ -543,7 +590,10 @@ def write_reports(run: dict[str, Any], no_readme: bool) -> int:
     print(f"run_all: wrote {DOC.relative_to(REPO)}", end="")
     if not no_readme and splice_readme(summ):
         print(f" and the tables in {README.relative_to(REPO)}", end="")
-    print(f"; total {total / 60:.1f} minutes")
+    print(f"; total {total / 60:.1f} minutes (budget {BUDGET_S // 60})")
+    if total > BUDGET_S:
+        print(f"run_all: the run took longer than its {BUDGET_S // 60}-minute budget",
+              file=sys.stderr)
     bad = [r.name for r in results.values() if r.status not in ("ok", "not run")]
     if bad:
         print(f"run_all: not ok: {', '.join(bad)}", file=sys.stderr)
