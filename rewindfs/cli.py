@@ -23,6 +23,12 @@ Handler = Callable[[argparse.Namespace], int]
 _MODULES = ("cmd_store", "cmd_mount", "cmd_tools", "cmd_session", "cmd_live", "cmd_doctor")
 
 
+SHARED_STORE_ENV = ("REWINDFS_STORE", "REWINDFS_CATALOG", "REWINDFS_S3_ENDPOINT",
+                    "REWINDFS_LOCAL")
+"""The environment's defaults of ``--store``, ``--catalog``, ``--s3-endpoint`` and
+``--local``."""
+
+
 def default_store() -> str:
     """``--store`` default: ``$REWINDFS_STORE``, else ``./agent-data/store``."""
     return os.environ.get("REWINDFS_STORE") or os.path.join("agent-data", "store")

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from rewindfs.cli import add_json, emit, open_store
+from rewindfs.cli import SHARED_STORE_ENV, add_json, emit, open_store
 from rewindfs.cmd_store import add_quota_args
 
 EXIT_MOUNT = 9
@@ -165,9 +165,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
         argv += ["--stats-file", stats_path]
     r, w = os.pipe()
     argv += ["--ready-fd", str(w)]
+    # The daemon gets ``--store`` the store directory (for a shared store: this host's
+    # local directory, whose store.json names it); the shared options in the environment
+    # would contradict that (a catalog without an s3:// store is a usage error, exit 2).
+    env = {k: v for k, v in os.environ.items() if k not in SHARED_STORE_ENV}
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(argv, pass_fds=(w,), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=logf,
+                                stdout=subprocess.DEVNULL, stderr=logf, env=env,
                                 start_new_session=True, close_fds=True)
     os.close(w)
     msg = _read_ready(r, proc)

@@ -3,7 +3,7 @@
 Usage (from the repository root; ``scripts/mainjob.sh`` runs the set-up first)::
 
     .venv/bin/python scripts/mainjob.py [SOURCE_DIR | --sdist]
-        [--mode auto|session|mount|fallback] [--test-cmd CMD] [--scratch DIR]
+        [--mode auto|session|mount|fallback] [--test-cmd CMD] [--scratch DIR] [--shared]
 
 SOURCE_DIR defaults to this repository; ``--sdist`` takes the pinned Django sdist of the
 benchmarks instead (downloaded with pip once, see ``scripts/bench/common.py``). Every step
@@ -39,6 +39,10 @@ checkpoint ID`` and ``session restore ID REF [--path P]`` replace the live-mount
 the changes are the diff of the checkpoint and a checkpoint of the broken tree (there is
 no ``status``: nothing keeps a dirty set); ``session step`` is shown refused (no step log
 there); ``materialize`` and ``cat`` of the seed replace the read-only mount.
+
+``--shared`` runs the walk-through against a shared store: a SeaweedFS and a PostgreSQL
+cluster that the job starts on loopback first (``scripts/localservers.py``, the tests' own
+server code) and stops, removing their data, in its clean-up, whatever happened.
 
 Each step prints the commands it ran with their wall-clock time, and its own time. The job
 works in a scratch directory (default ``agent-data/mainjob/``) that it removes at the end,
@@ -427,7 +431,7 @@ class SessionLive(Live):
     def cleanup(self) -> None:
         if self.id is not None:
             subprocess.run([str(RW), "session", "shutdown", self.id, "--force"], cwd=REPO,
-                           capture_output=True, timeout=180)
+                           env=self.r.env, capture_output=True, timeout=180)
             self.id = None
         lazy_unmount(self.root)
         end_pid(self.pid)
@@ -533,9 +537,13 @@ class MountLive(Live):
 
 class MainJob:
     def __init__(self, source: Path, mode: str, test_cmd: str | None, scratch: Path,
-                 no_fuse: str | None = None) -> None:
+                 no_fuse: str | None = None, shared: bool = False) -> None:
         self.source = source.resolve()
         self.mode = mode
+        self.shared = shared
+        self.servers: list[Any] = []
+        """The SeaweedFS and PostgreSQL servers ``--shared`` started (stopped at clean-up)."""
+        self.shared_store = ""
         self.no_fuse = no_fuse
         """Why FUSE is not usable by this user (None when it is): the walk-through then
         runs on the sessions' no-FUSE fallback."""
@@ -568,7 +576,10 @@ class MainJob:
         self.last_step: dict[str, Any] | None = None
         self.steps: list[tuple[str, Callable[[], str]]] = [
             ("check the machine (rewindfs doctor)", self.doctor),
-            ("open the default store", self.open_store),
+            *([("start a local SeaweedFS (S3) and PostgreSQL", self.start_servers)]
+              if shared else []),
+            ("open the shared store (S3 + PostgreSQL)" if shared else "open the default store",
+             self.open_store),
             ("stage a copy of the project", self.stage),
             ("snapshot it (the seed)", self.snapshot_seed),
             ("start a session on the seed", self.start),
@@ -632,7 +643,11 @@ class MainJob:
         else:
             print("clean-up: nothing mounted or running")
         store = rel(str(self.store_root)) if self.store_root != Path() else "(none)"
+        if self.shared:
+            store = (f"{self.shared_store or '(none)'} on the job's servers, which are stopped "
+                     "and their data removed: nothing")
         on = " on the no-FUSE fallback" if self.no_fuse is not None else ""
+        on += " against a shared store" if self.shared else ""
         print(f"main job{on} {'done' if ok else 'FAILED'} in "
               f"{time.perf_counter() - total0:.1f} s; left behind: the store {store}")
         return 0 if ok else (code or 1)
@@ -663,6 +678,10 @@ class MainJob:
                 attempt(f"unmounting {m}", lambda m=m: lazy_unmount(Path(m)))
             for pid in processes_naming(self.scratch):
                 attempt(f"ending process {pid}", lambda pid=pid: end_pid(pid))
+            # the servers last: the session's clean-up above still talks to the catalog
+            while self.servers:
+                srv = self.servers.pop()
+                attempt(f"stopping {type(srv).__name__}", srv.stop)
             left = [f"mount {m}" for m in mounts_under(self.scratch)]
             pids = {self.ro_pid, getattr(self.live, "pid", None), *processes_naming(self.scratch)}
             left += [f"process {pid}" for pid in sorted(p for p in pids if p is not None)
@@ -706,9 +725,37 @@ class MainJob:
             w.kill()
             w.wait(timeout=30)
 
+    def start_servers(self) -> str:
+        """``--shared``: a SeaweedFS (``weed mini``) and a throwaway PostgreSQL cluster on
+        127.0.0.1, free ports, data in temporary directories (``scripts/localservers.py``,
+        as the tests start them); a fresh bucket and database. Every command after this
+        one gets the shared store from the environment (``REWINDFS_STORE=s3://...``,
+        ``REWINDFS_S3_ENDPOINT``, ``REWINDFS_CATALOG``, ``REWINDFS_LOCAL``, and the S3 keys
+        as ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``)."""
+        import localservers
+
+        t0 = time.perf_counter()
+        s3 = localservers.SeaweedS3()
+        self.servers.append(s3)
+        pg = localservers.PostgresCluster()
+        self.servers.append(pg)
+        bucket, dsn = s3.new_bucket(), pg.new_database()
+        self.shared_store = f"s3://{bucket}/mainjob"
+        self.r.env.update(s3.env())
+        self.r.env.update(REWINDFS_STORE=self.shared_store, REWINDFS_S3_ENDPOINT=s3.endpoint,
+                          REWINDFS_CATALOG=dsn, REWINDFS_LOCAL=str(self.scratch / "local"))
+        for k in ("REWINDFS_STORE", "REWINDFS_S3_ENDPOINT", "REWINDFS_CATALOG",
+                  "REWINDFS_LOCAL"):
+            print(f"       {k}={self.r.env[k]}")
+        return (f"SeaweedFS S3 at {s3.endpoint} (bucket {bucket}, data in {s3.dir}), "
+                f"PostgreSQL at 127.0.0.1:{pg.port} (database {dsn.rsplit('/', 1)[-1]}, data "
+                f"in {pg.dir}), up in {time.perf_counter() - t0:.1f} s")
+
     def open_store(self) -> str:
         data, _ = self.r.rw("init")
         self.store_root = Path(data["root"])
+        if self.shared:
+            return f"{self.shared_store}, this host's local part {rel(data['root'])}"
         return f"store {rel(data['root'])}"
 
     def stage(self) -> str:
@@ -1112,6 +1159,9 @@ def main(argv: list[str]) -> int:
                     "session when its root is a FUSE mount, else a mount, and the fallback "
                     "where FUSE is not usable")
     ap.add_argument("--test-cmd", help="the project's test command, run in the mount root")
+    ap.add_argument("--shared", action="store_true",
+                    help="run against a shared store: a local SeaweedFS (S3) and PostgreSQL "
+                    "that the job starts, and stops at the end (even on failure)")
     ap.add_argument("--scratch", type=Path, default=REPO / "agent-data" / "mainjob",
                     help="scratch directory, removed at the end (default agent-data/mainjob)")
     args = ap.parse_args(argv)
@@ -1141,7 +1191,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
-    return MainJob(source, args.mode, args.test_cmd, args.scratch, no_fuse).run()
+    return MainJob(source, args.mode, args.test_cmd, args.scratch, no_fuse, args.shared).run()
 
 
 if __name__ == "__main__":

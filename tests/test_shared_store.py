@@ -246,3 +246,26 @@ def test_first_snapshot_looks_objects_up_in_batches(s3_env: object, s3_bucket: s
     from store.verify import verify
 
     assert verify(st2) == []
+
+
+@pytest.mark.skipif(not os.access("/dev/fuse", os.R_OK | os.W_OK), reason="needs /dev/fuse")
+def test_a_mount_of_a_shared_store_named_by_the_environment(s3_env: object, s3_bucket: str,
+                                                           pg_dsn: str,
+                                                           tmp_path: Path) -> None:
+    """The shared options given as ``REWINDFS_*`` variables (as README's Shared mode
+    allows): ``mount --ro`` starts its daemon with ``--store`` the local directory, which
+    must not inherit the variables (a catalog without an s3:// store: the daemon exited 2
+    before mounting)."""
+    env = {"REWINDFS_STORE": f"s3://{s3_bucket}/env", "REWINDFS_CATALOG": pg_dsn,
+           "REWINDFS_S3_ENDPOINT": s3_env.endpoint,  # type: ignore[attr-defined]
+           "REWINDFS_LOCAL": str(tmp_path / "local"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    ref = _cli(["snapshot", str(_tree(tmp_path))], env).stdout.strip()
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    try:
+        _cli(["mount", "--ro", ref, str(mnt)], env)
+        assert (mnt / "README").read_text() == "shared mode\n"
+        _cli(["umount", str(mnt)], env)
+    finally:
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)

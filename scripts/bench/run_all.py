@@ -73,6 +73,7 @@ README = REPO / "README.md"
 BEGIN, END = "<!-- perf:begin -->", "<!-- perf:end -->"
 PY = sys.executable
 BUDGET_S = 20 * 60
+FEWER = "fewer runs under run_all: "
 REMOTE_RUNS = 1
 """bench_remote.py's runs under run_all: one run of it takes about 3 minutes here."""
 """The whole run's time budget on a 2-core machine (seconds); a run over it says so."""
@@ -449,8 +450,8 @@ def summary(results: dict[str, Result], cmdline: str, total_s: float, day: str,
                         ("write", "FUSE writes against a baseline revision")):
         if name in results:
             parts.append(f"#### {title}\n\n" + own_table_section(results[name]))
-    fewer = [f"{r.name}: {n}" for r in results.values() for n in r.notes
-             if n.startswith("fewer runs")]
+    fewer = [f"{r.name} {n.removeprefix(FEWER)}" for r in results.values() for n in r.notes
+             if n.startswith(FEWER)]
     if fewer:
         parts.insert(1, "Fewer runs than each benchmark takes alone, to fit the run in "
                         f"{BUDGET_S // 60} minutes: " + "; ".join(fewer) + ".")
@@ -561,7 +562,7 @@ def main(argv: list[str]) -> int:
         if name in fewer:
             opt, here, alone = fewer[name]
             if here < alone:
-                res.notes.append(f"fewer runs under run_all: {opt} {here} (alone: {alone})")
+                res.notes.append(f"{FEWER}{opt} {here} (alone: {alone})")
         run_bench(res, limit)
         if res.status == "ok":
             res.data = read(res)
