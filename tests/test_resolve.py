@@ -133,3 +133,43 @@ def test_session_commands_take_steps_back_and_prefixes(tmp_path: Path) -> None:
         assert (root / "f.txt").read_text() == "seed\n"
     finally:
         run(st, "session", "shutdown", s["id"])
+
+
+@pytest.mark.skipif(not os.access("/dev/fuse", os.R_OK | os.W_OK), reason="needs /dev/fuse")
+def test_live_commands_inside_a_session_mount_name_refs_as_typed(tmp_path: Path) -> None:
+    """From inside a session's FUSE root, with no ``--store`` (the default store is
+    ``./agent-data/store``, relative to the cwd): ``checkpoint . --label`` keeps the label,
+    and ``restore . @label`` / ``@-N`` resolve against the session's own store, creating
+    no store inside the mount."""
+    st = tmp_path / "store"
+    new = run(st, "session", "new", "--seed", str(tree(tmp_path / "p", "seed\n")), "--base",
+              str(tmp_path / "ws"), "--json")
+    assert new.returncode == 0, new.stderr
+    s = json.loads(new.stdout)
+    root = Path(s["root"])
+    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_DEBUG", "REWINDFS_STORE")}
+
+    def here(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rewindfs", *args], capture_output=True,
+                              text=True, cwd=root, env=env, timeout=120)
+
+    try:
+        (root / "f.txt").write_text("good\n")
+        ck = here("checkpoint", ".", "--label", "good", "--json")
+        assert ck.returncode == 0, ck.stderr
+        good = json.loads(ck.stdout)["ref"]
+        listed = json.loads(run(st, "list", "--json").stdout)
+        assert [x["label"] for x in listed if x["ref"] == good] == ["good"]
+        (root / "f.txt").write_text("broken\n")
+        r = here("restore", ".", "@good", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["ref"] == good
+        assert (root / "f.txt").read_text() == "good\n"
+        r = here("restore", ".", "@-1", "--json")  # the pre_restore checkpoint: broken
+        assert r.returncode == 0, r.stderr
+        assert (root / "f.txt").read_text() == "broken\n"
+        bad = here("restore", ".", "@nope", "--json")
+        assert bad.returncode == 3 and json.loads(bad.stdout)["type"] == "InvalidRefError"
+        assert not (root / "agent-data").exists()
+    finally:
+        run(st, "session", "shutdown", s["id"], "--force")
