@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -149,10 +150,14 @@ def test_main_job_passes_on_a_small_project_and_leaves_only_the_store(work: Path
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     assert "main job done" in out
-    for step in ("checkpoint", "restore the checkpoint", "the tree is back",
+    for step in ("checkpoint", "the step change log", "restore the checkpoint",
+                 "the tree is back", "break again, restore only some paths (restore --path)",
                  "mount the seed read-only", "verify the store"):
         assert f"] {step}" in out
     assert "all " in out and "paths equal in kind, mode, size, mtime and content" in out
+    assert re.search(r"step 2 holds the 6 path\(s\) broken above.*; log --changes lists "
+                     r"them; diff --step 2 gives them back", out), out
+    assert " --path calc" in out and "calc is the checkpoint's again" in out
     assert mounts_under(work) == []
     assert not (work / "scratch").exists()
     assert (work / "store").is_dir()
@@ -311,8 +316,6 @@ def test_the_readme_python_example_runs() -> None:
 
 def _servers_named(out: str) -> tuple[list[int], list[Path]]:
     """The ports and data directories of the servers a ``--shared`` job said it started."""
-    import re
-
     m = re.search(r"SeaweedFS S3 at http://127\.0\.0\.1:(\d+) \(bucket \S+, data in (\S+)\), "
                   r"PostgreSQL at 127\.0\.0\.1:(\d+) \(database \S+, data in (\S+)\)", out)
     assert m, out
