@@ -45,6 +45,7 @@ import errno
 import os
 import signal
 import sqlite3
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -56,8 +57,8 @@ from store.snapshot import link_group_id
 from store.tree import ChunkList, Entry, Kind, Tree, encode_runs, tree_version
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
-from .overlay import Overlay
-from .upper import INODE_COLUMNS, Upper, bitmap
+from .overlay import Overlay, row_of
+from .upper import INODE_COLUMNS, ROW_COLUMNS, Upper, _apply, bitmap
 
 CRASH_ENV = "REWINDFS_CRASH_AT"
 POINTS = (
@@ -106,6 +107,20 @@ class DirPlan:
     subdirs: dict[int, DirPlan] = field(default_factory=dict)
     files: dict[int, FileJob] = field(default_factory=dict)
     tree_id: ObjectId | None = None
+    path: bytes = b""
+
+
+@dataclass(slots=True)
+class Kept:
+    """An entry the session's exclude patterns match, found in a planned directory: left
+    out of the tree and kept in the upper (with everything below it). ``path`` is its
+    workspace path, ``parent`` the directory node holding it under ``name``, ``node`` its
+    node (made in memory for a lower entry)."""
+
+    path: bytes
+    parent: Node
+    name: bytes
+    node: Node
 
 
 @dataclass(slots=True)
@@ -141,6 +156,12 @@ class Plan:
     unchanged: bool = False
     full_walk: bool = False
     groups: bool = False
+    kept: list[Kept] = field(default_factory=list)  # excluded entries of planned dirs
+    # upper files with names both frozen and kept (hard links across the boundary):
+    # node -> (the node, where its first frozen name is planned (DirPlan, entry index,
+    # name), the number of its frozen names, the directory holding that name)
+    cross: dict[int, tuple[Node, tuple[DirPlan, int, bytes], int, int]] = field(
+        default_factory=dict)
 
     @property
     def root(self) -> DirPlan:
@@ -174,6 +195,52 @@ def bearing(store: Store, tree_id: bytes) -> bool:
             continue
         _BEARING[tid] = any(_BEARING.get(s, False) for s in subs)
     return _BEARING[tree_id]
+
+
+def holds_excluded(ov: Overlay, tree_id: bytes, path: bytes) -> bool:
+    """True if the lower subtree ``tree_id`` at workspace path ``path`` holds a path the
+    overlay's exclude patterns match (``Overlay.excluded``). Cached per (tree id, path) in
+    ``ov.excluded_trees``; the first question about a tree costs a walk of it (a session's
+    first checkpoint walks its seed once), later ones a lookup."""
+    if ov.exclude is None:
+        return False
+    cache = ov.excluded_trees
+    key = (bytes(tree_id), path)
+    got = cache.get(key)
+    if got is not None:
+        return got
+    subs_of: dict[tuple[bytes, bytes], list[tuple[bytes, bytes]]] = {}
+    stack: list[tuple[bytes, bytes]] = [key]
+    while stack:
+        k = stack[-1]
+        if k in cache:
+            stack.pop()
+            continue
+        subs = subs_of.get(k)
+        if subs is None:
+            tid, p = k
+            subs = []
+            hit = False
+            for e in ov.lower.tree(ObjectId(tid)).entries:
+                cp = p + b"/" + e.name if p else e.name
+                is_dir = e.kind is Kind.DIR
+                if ov.excluded(cp, is_dir):
+                    hit = True
+                    break
+                if is_dir and e.tree_id is not None:
+                    subs.append((bytes(e.tree_id), cp))
+            if hit:
+                cache[k] = True
+                stack.pop()
+                continue
+            subs_of[k] = subs
+            todo = [s for s in subs if s not in cache]
+            if todo:
+                stack.extend(todo)
+                continue
+        stack.pop()
+        cache[k] = any(cache[s] for s in subs)
+    return cache[key]
 
 
 def entry_of(n: Node, name: bytes) -> Entry:
@@ -290,11 +357,15 @@ class _Planner:
         # identity -> (node in memory or None, inode number, ctime)
         self.member_node: dict[object, tuple[Node | None, int, int]] = {}
 
-    def _want(self, ino: int, e: Entry) -> bool:
-        """Should the walk enter the unchanged lower directory ``e`` (inode ``ino``)?"""
+    def _want(self, ino: int, e: Entry, path: bytes) -> bool:
+        """Should the walk enter the unchanged lower directory ``e`` (inode ``ino``) at
+        ``path``? Also when it holds an excluded path, which the tree must lose."""
         if self.dirty is None or ino in self.dirty:
             return True
-        return self.groups and e.tree_id is not None and bearing(self.store, e.tree_id)
+        if self.groups and e.tree_id is not None and bearing(self.store, e.tree_id):
+            return True
+        return (self.ov.exclude is not None and e.tree_id is not None
+                and holds_excluded(self.ov, e.tree_id, path))
 
     def _dir_node(self, d: Node, name: bytes, e: Entry) -> Node:
         before = len(self.ov.nodes)
@@ -311,8 +382,9 @@ class _Planner:
     def _open(self, d: Node, path: bytes) -> tuple[DirPlan, list[tuple[int, Node, bytes]]]:
         """Plan directory ``d`` at ``path``; return its DirPlan and the children to walk."""
         ov = self.ov
-        dp = DirPlan([], d.ino)
+        dp = DirPlan([], d.ino, path=path)
         walk: list[tuple[int, Node, bytes]] = []
+        excl = ov.exclude is not None
         ents = d.entries or {}
         listing: list[tuple[bytes, Node | None, Entry | None]] = []
         if d.lower_tree is not None:
@@ -322,6 +394,13 @@ class _Planner:
         for name, n, e in listing:
             cpath = path + b"/" + name if path else name
             idx = len(dp.entries)
+            if excl and ov.excluded(cpath, (n.kind if n is not None else e.kind)  # type: ignore[union-attr]
+                                    is Kind.DIR):
+                if n is None:
+                    assert e is not None
+                    n = ov._lower_node(d, name, e)  # the graft makes it an upper node
+                self.plan.kept.append(Kept(cpath, d, name, n))
+                continue
             if n is None:
                 assert e is not None
                 o = origin_key(d.ino, name, e)
@@ -332,7 +411,7 @@ class _Planner:
                     dp.entries.append(e)
                     if e.kind is Kind.DIR:
                         ino, _ct = number(ov, d.ino, name, e)
-                        if self._want(ino, e):
+                        if self._want(ino, e, cpath):
                             walk.append((idx, self._dir_node(d, name, e), cpath))
                     elif self.groups and e.link_group is not None:
                         ino, ct = number(ov, d.ino, name, e)
@@ -376,8 +455,15 @@ class _Planner:
             p.dirs.append(dp)
         if self.groups:
             self._assign_groups()
+        chain: set[int] = set()
+        for k in p.kept:  # the directories holding kept entries stay: the graft needs them
+            d: Node | None = k.parent
+            while d is not None and d.ino not in chain and d.ino != ROOT_INO:
+                chain.add(d.ino)
+                d = self.ov.nodes.get(d.parent)
         for c in self.created:
-            self.ov.release_unused(c)
+            if c.ino not in chain:
+                self.ov.release_unused(c)
         return p
 
     def _assign_groups(self) -> None:
@@ -392,6 +478,11 @@ class _Planner:
                 if isinstance(ident, bytes) and old.link_group != gid:
                     self.plan.placements.append(
                         Placement(node, ino, ctime, parent, name, dp, idx))
+            if (isinstance(ident, int) and node is not None and node.upper
+                    and node.nlink > len(names)):
+                # Its other names are below excluded paths: it stays in the upper too.
+                _p, dp, idx, parent, name = names[0]
+                self.plan.cross[node.ino] = (node, (dp, idx, name), len(names), parent)
 
 
 def plan(ov: Overlay) -> Plan:
@@ -399,12 +490,45 @@ def plan(ov: Overlay) -> Plan:
     request changes the overlay meanwhile (its event-loop thread, mutations paused)."""
     uppers = [n for n in ov.nodes.values() if n.upper]  # the one pass over every node
     dirty, groups = _dirty_dirs(ov, uppers)
-    if dirty is not None and not dirty and not groups:
+    if dirty is not None and not dirty and not groups and not holds_excluded(
+            ov, ov.lower.root_tree, b""):
         return Plan(ov.lower.ref, unchanged=True, uppers=uppers)
     p = _Planner(ov, dirty, groups).run()
     p.uppers = uppers
     p.upper_inos = {n.ino for n in uppers}
     return p
+
+
+def dirty_nodes(ov: Overlay) -> list[Node]:
+    """The linked upper nodes (the root aside) whose changes the next checkpoint takes:
+    every one without exclude patterns; with them, none at or below an excluded path and
+    no directory whose row only holds excluded entries (unchanged since the last
+    checkpoint otherwise). Event-loop thread; with exclude patterns it costs a ``plan``."""
+    uppers = [n for n in ov.nodes.values() if n.upper and n.ino != ROOT_INO and n.nlink > 0]
+    if ov.exclude is None:
+        return uppers
+    p = plan(ov)
+    if p.unchanged:
+        return uppers
+    kept_in: dict[int, set[bytes]] = {}
+    for k in p.kept:
+        kept_in.setdefault(k.parent.ino, set()).add(k.name)
+    placed = {pl.ino for pl in p.placements}
+    out = []
+    for n in uppers:
+        if n.ino not in placed:
+            continue  # reached only through an excluded entry
+        if n.kind is Kind.DIR and set(n.entries or ()) <= kept_in.get(n.ino, set()) and \
+                all(v[0] for v in (n.entries or {}).values()):
+            o = n.origin
+            holder = ov.nodes.get(int.from_bytes(o[1:9], "little")) if o else None
+            le = ov._lower_entry(holder, o[42:]) if holder is not None and o else None
+            if le is not None and le.kind is Kind.DIR and (
+                    le.mode, le.uid, le.gid, le.mtime_ns, le.xattrs) == (
+                    n.mode, n.uid, n.gid, n.mtime_ns, tuple(sorted(n.xattrs.items()))):
+                continue  # kept only to hold excluded entries
+        out.append(n)
+    return out
 
 
 # -- build (worker thread) ------------------------------------------------------------------
@@ -617,6 +741,183 @@ class Rebase:
     next_ino: int = 2
     next_cookie: int = 1
     held: list[str] = field(default_factory=list)  # lowers detached files read (Ref texts)
+    # What the upper keeps for excluded paths (``graft``): rows left as they are in the
+    # database (below kept entries), full rows written (``upper.ROW_COLUMNS``: the kept
+    # entries and the directories holding them), and the dentries of those directories.
+    keep: set[int] = field(default_factory=set)
+    keep_dentries: set[int] = field(default_factory=set)  # directories whose dentries stay
+    full_rows: list[tuple[object, ...]] = field(default_factory=list)
+    dentries: list[tuple[int, bytes, int, int]] = field(default_factory=list)
+    graft: Graft | None = None
+
+
+@dataclass
+class Graft:
+    """The in-memory side of keeping excluded entries (``graft_rows`` computes it with the
+    rows; ``graft_apply`` applies it after the commit). ``dirs``: directory inode -> (its
+    new lower tree, its new lower identity or None for the root, its nlink, its upper
+    dentries: only the kept entries); ``kept``: kept node -> its new ``lower_links``;
+    ``cleared``: kept nodes whose lower identity no longer names anything."""
+
+    dirs: dict[int, tuple[ObjectId | None, bytes | None, int,
+                          dict[bytes, tuple[int, int]]]] = field(default_factory=dict)
+    kept: dict[int, int] = field(default_factory=dict)
+    cross: dict[int, bytes] = field(default_factory=dict)
+    cleared: set[int] = field(default_factory=set)
+    nlink: dict[int, int] = field(default_factory=dict)  # kept lower files' new nlink
+    attrs: dict[int, Entry] = field(default_factory=dict)  # directories' new metadata
+
+
+def _set_col(row: tuple[object, ...], **cols: object) -> tuple[object, ...]:
+    out = list(row)
+    for k, v in cols.items():
+        out[ROW_COLUMNS.index(k)] = v
+    return tuple(out)
+
+
+def _below_kept(ov: Overlay, kept: list[Kept], uppers: Iterable[Node],
+                frozen: set[int]) -> set[int]:
+    """Inodes with an upper row below the kept entries: linked, not frozen by the plan (so
+    reached only through a kept entry), not the root and not a kept entry itself."""
+    roots = {k.node.ino for k in kept}
+    return {n.ino for n in uppers
+            if n.nlink > 0 and n.ino != ROOT_INO and n.ino not in frozen
+            and n.ino not in roots and ov.nodes.get(n.ino) is n}
+
+
+def graft_rows(ov: Overlay, rb: Rebase, kept: list[Kept], tree_of: dict[int, ObjectId],
+               origin_of: dict[int, bytes], uppers: Iterable[Node], frozen: set[int],
+               cross: dict[int, tuple[Node, tuple[DirPlan, int, bytes], int, int]]
+               | None = None) -> None:
+    """Fill ``rb`` with what keeps the ``kept`` entries in the upper over the new lower
+    (CONTRACT amendment "0, 3.1 policies"): every directory on the way from the root to a
+    kept entry keeps (or gets) a row showing its new lower tree (``tree_of``: directory
+    inode -> tree id; ``origin_of``: its new lower identity), whose upper dentries are the
+    kept entries alone; each kept entry gets a row of its own with no lower identity; the
+    rows below kept entries stay as they are (``rb.keep``). ``frozen``: inodes whose upper
+    rows go (their content is in the new lower). ``cross``: files with names on both
+    sides (``Plan.cross``). Changes only ``ov.next_cookie`` (cookies of kept entries that
+    had none)."""
+    cross = cross or {}
+    if not kept and not cross:
+        return
+    nodes = ov.nodes
+    g = Graft()
+    chain: dict[int, Node] = {}
+
+    def up(d: Node) -> None:
+        while d.ino not in chain:
+            chain[d.ino] = d
+            if d.ino == ROOT_INO:
+                return
+            d = nodes[d.parent]
+
+    dents: dict[int, dict[bytes, tuple[int, int]]] = {}
+    for k in kept:
+        up(k.parent)
+        have = (k.parent.entries or {}).get(k.name)
+        cookie = have[1] if have is not None and have[0] == k.node.ino else ov._cookie()
+        dents.setdefault(k.parent.ino, {})[k.name] = (k.node.ino, cookie)
+    for _n, _o, _m, holder in cross.values():
+        up(nodes[holder])
+    for ino, d in chain.items():
+        tid = tree_of[ino]
+        mine = dents.get(ino, {})
+        nlink = 2 + ov.lower.subdirs(tid) + sum(
+            1 for c, _ck in mine.values() if nodes[c].kind is Kind.DIR)
+        origin = None if ino == ROOT_INO else origin_of[ino]
+        g.dirs[ino] = (tid, origin, nlink, mine)
+        rb.full_rows.append(_set_col(row_of(d), lower_tree=tid, origin=origin, nlink=nlink,
+                                     parent=d.parent))
+        if d.xattrs:
+            rb.xattrs[ino] = sorted(d.xattrs.items())
+        rb.dentries.extend((ino, name, c, ck) for name, (c, ck) in mine.items())
+    roots: dict[int, Node] = {k.node.ino: k.node for k in kept}
+    for ino, (n, (dp, idx, name), m, holder) in cross.items():
+        co = origin_key(holder, name, dp.entries[idx])  # built: its chunks are known
+        g.cross[ino] = co
+        g.kept[ino] = m
+        rb.full_rows.append(_set_col(row_of(n), origin=co, lower_links=m))
+        if n.xattrs:
+            rb.xattrs[ino] = sorted(n.xattrs.items())
+    names = Counter(k.node.ino for k in kept)
+    for ino, n in roots.items():
+        if ino in cross:
+            continue
+        g.kept[ino] = 0
+        if not n.upper and n.kind is not Kind.DIR:
+            g.nlink[ino] = names[ino]  # a lower file: its kept names are its names
+        rb.full_rows.append(_set_col(row_of(n), origin=None, lower_links=0,
+                                     nlink=g.nlink.get(ino, n.nlink)))
+        if n.xattrs:
+            rb.xattrs[ino] = sorted(n.xattrs.items())
+    rb.keep = _below_kept(ov, kept, uppers, frozen | set(chain) | set(cross))
+    # A node below a kept entry keeps its lower identity only while that still names it:
+    # its holder is kept and shows the name from its lower tree (not moved away).
+    holders = set(rb.keep) | set(roots)
+    for ino in rb.keep:
+        kn = nodes[ino]
+        o = kn.origin
+        if o is None or ino in cross:
+            continue
+        n = kn
+        ok = n.kind is Kind.DIR or n.lower_links > 0
+        if ok and o[:1] == b"p":
+            h = nodes.get(int.from_bytes(o[1:9], "little"))
+            name = o[42:]
+            ok = (h is not None and h.ino in holders and h.lower_tree is not None
+                  and (h.entries or {}).get(name) is None
+                  and ov.lower.tree(h.lower_tree).get(name) is not None)
+        if not ok:
+            g.cleared.add(ino)
+            rb.full_rows.append(_set_col(row_of(n), origin=None,
+                                         lower_links=0 if n.kind is not Kind.DIR
+                                         else n.lower_links))
+    rb.keep -= g.cleared
+    rb.keep_dentries = (rb.keep | g.cleared | set(roots)) - set(chain)
+    rb.graft = g
+
+
+def graft_apply(ov: Overlay, g: Graft) -> None:
+    """Make memory what ``graft_rows`` committed (event-loop thread, after the commit)."""
+    nodes = ov.nodes
+    for ino, (tid, origin, nlink, mine) in g.dirs.items():
+        d = nodes[ino]
+        d.upper = True
+        d.lower_tree = tid
+        d.nlink = nlink
+        d.entries = dict(mine)
+        e = g.attrs.get(ino)
+        if e is not None:
+            d.mode, d.uid, d.gid, d.mtime_ns = e.mode, e.uid, e.gid, e.mtime_ns
+            d.xattrs = dict(e.xattrs)
+        if ino != ROOT_INO:
+            d.origin = origin
+            if origin is not None:
+                ov.by_origin[origin] = ino
+    for ino, links in g.kept.items():
+        n = nodes[ino]
+        if ino in g.cross:
+            n.origin = g.cross[ino]
+            ov.by_origin[n.origin] = ino
+        else:
+            if n.origin is not None and ov.by_origin.get(n.origin) == ino:
+                del ov.by_origin[n.origin]
+            n.origin = None
+            if ino in g.nlink:
+                n.nlink = g.nlink[ino]
+        n.lower_links = links
+        if not n.upper:
+            n.upper = True
+            if n.kind is Kind.DIR and n.entries is None:
+                n.entries = {}
+    for ino in g.cleared:
+        n = nodes[ino]
+        if n.origin is not None and ov.by_origin.get(n.origin) == ino:
+            del ov.by_origin[n.origin]
+        n.origin = None
+        if n.kind is not Kind.DIR:
+            n.lower_links = 0
 
 
 def inode_row(n: Node, *, lower_tree: bytes | None = None,
@@ -636,7 +937,8 @@ def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes,
     """Fill ``rb`` with the rows the upper keeps: orphans (origin cleared) and the root.
     ``uppers`` (the nodes with an upper row, if known) saves a pass over every node."""
     rb.rows = []
-    rb.xattrs = {}
+    grafted = {r[0] for r in rb.full_rows}  # kept for excluded paths: their xattrs stay
+    rb.xattrs = {i: v for i, v in rb.xattrs.items() if i in grafted}
     for n in (ov.nodes.values() if uppers is None else uppers):
         if n.upper and n.nlink == 0 and ov.nodes.get(n.ino) is n:
             rb.rows.append(inode_row(n))
@@ -693,9 +995,22 @@ def prepare(ov: Overlay, p: Plan, ref: Ref) -> Rebase:
             _set_pin(ov, rb, o, pl.ino, pl.ctime_ns)
     assert p.root.tree_id is not None
     kept_rows(ov, rb, p.root.tree_id, p.uppers)
+    if p.kept or p.cross:
+        tree_of: dict[int, ObjectId] = {}
+        for dp in p.dirs:
+            assert dp.tree_id is not None
+            tree_of[dp.ino] = dp.tree_id
+        origin_of = {pl.ino: origin_key(pl.parent, pl.name, pl.entry) for pl in p.placements
+                     if pl.entry.kind is Kind.DIR}
+        frozen = {pl.ino for pl in p.placements}
+        graft_rows(ov, rb, p.kept, tree_of, origin_of, p.uppers, frozen, p.cross)
+        rb.next_cookie = ov.next_cookie
+        if any(r[0] == ROOT_INO for r in rb.full_rows):
+            rb.rows = [r for r in rb.rows if r[0] != ROOT_INO]
     if ov.upper is not None:
+        stay = rb.keep | {r[0] for r in rb.full_rows if r[ROW_COLUMNS.index("kind")] == 2}
         rb.drop_data = [ov.upper.data_path(i) for i in p.upper_inos
-                        if (n := ov.nodes.get(i)) is None or n.nlink > 0]
+                        if ((n := ov.nodes.get(i)) is None or n.nlink > 0) and i not in stay]
     return rb
 
 
@@ -705,15 +1020,41 @@ def reset_upper(upper: Upper, rb: Rebase) -> None:
     Worker thread; the caller holds the upper's write lock. Raises OSError(ENOSPC) when the
     upper's disk has no space even after releasing its reserve; nothing is changed then."""
 
+    pending = list(upper.spilled) if rb.keep_dentries else []
+
     def body(c: sqlite3.Connection) -> None:
-        keep = [r[0] for r in rb.rows]
-        c.execute("DELETE FROM dentries")
-        c.execute("DELETE FROM inodes")
-        c.execute("DELETE FROM xattrs")
+        keep = [r[0] for r in rb.rows] + [r[0] for r in rb.full_rows]
+        if rb.keep_dentries:
+            # Rows below kept (excluded) entries stay: bring them up to date with what
+            # waits in the spill, then drop every other row.
+            for x in pending:
+                _apply(c, x)
+            c.execute("CREATE TEMP TABLE IF NOT EXISTS kept_inos (ino INTEGER PRIMARY KEY)")
+            c.execute("DELETE FROM kept_inos")
+            c.executemany("INSERT INTO kept_inos(ino) VALUES (?)",
+                          [(i,) for i in rb.keep_dentries])
+            c.execute("DELETE FROM dentries WHERE parent NOT IN (SELECT ino FROM kept_inos)")
+            c.execute("DELETE FROM kept_inos")
+            c.executemany("INSERT INTO kept_inos(ino) VALUES (?)", [(i,) for i in rb.keep])
+            c.execute("DELETE FROM inodes WHERE ino NOT IN (SELECT ino FROM kept_inos)")
+            c.execute("DELETE FROM xattrs WHERE ino NOT IN (SELECT ino FROM kept_inos)")
+            c.execute("DELETE FROM kept_inos")
+        else:
+            c.execute("DELETE FROM dentries")
+            c.execute("DELETE FROM inodes")
+            c.execute("DELETE FROM xattrs")
         if rb.rows:
             cols = ", ".join(INODE_COLUMNS)
             marks = ", ".join("?" * len(INODE_COLUMNS))
             c.executemany(f"INSERT INTO inodes({cols}) VALUES ({marks})", rb.rows)
+        if rb.full_rows:
+            cols = ", ".join(ROW_COLUMNS)
+            marks = ", ".join("?" * len(ROW_COLUMNS))
+            c.executemany(f"INSERT OR REPLACE INTO inodes({cols}) VALUES ({marks})",
+                          rb.full_rows)
+        if rb.dentries:
+            c.executemany("INSERT OR REPLACE INTO dentries(parent, name, ino, cookie) "
+                          "VALUES (?, ?, ?, ?)", rb.dentries)
         for ino, pairs in rb.xattrs.items():
             if ino in keep:
                 c.executemany("INSERT INTO xattrs(ino, name, value) VALUES (?, ?, ?)",
@@ -757,7 +1098,7 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
         return
     ov.hold(ov.readers_of_lower(), str(ov.lower.ref))
     switch_lower(ov, rb.ref)
-    done: set[int] = set()
+    done: set[int] = set(rb.graft.cross) if rb.graft is not None else set()
     for pl in p.placements:
         n = pl.node
         if n is None or n.ino in done or ov.nodes.get(n.ino) is not n:
@@ -790,12 +1131,19 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     if root.upper:
         root.entries = {}
     _forget_origins(ov, p.uppers)
-    kept = {r[0] for r in rb.rows}
-    ov._dirty_ino = {i for i in ov._dirty_ino if i not in ov.nodes or i in kept}
-    ov._dirty_dent = set()
-    ov._dirty_xattr = {i for i in ov._dirty_xattr if i in kept}
-    ov._dirty_data = {i for i in ov._dirty_data if i in kept}
-    ov.recount(p.uppers)  # what the upper still holds counts against the quotas
+    if rb.graft is not None:
+        graft_apply(ov, rb.graft)
+        for dp in p.dirs:  # what the walk made: no excluded path left in these trees
+            if dp.tree_id is not None:
+                ov.excluded_trees[(bytes(dp.tree_id), dp.path)] = False
+    kept = {r[0] for r in rb.rows} | {r[0] for r in rb.full_rows}
+    below = rb.keep
+    ov._dirty_ino = {i for i in ov._dirty_ino if i not in ov.nodes or i in kept or i in below}
+    ov._dirty_dent = {pn for pn in ov._dirty_dent if pn[0] in rb.keep_dentries}
+    ov._dirty_xattr = {i for i in ov._dirty_xattr if i in kept or i in below}
+    ov._dirty_data = {i for i in ov._dirty_data if i in kept or i in below}
+    # what the upper still holds counts against the quotas
+    ov.recount(p.uppers if rb.graft is None else None)
     # Open directory handles keep the trees and names their listing started with
     # (``DirHandle``): a listing in progress goes on in its own cookies.
 
@@ -826,6 +1174,8 @@ class Result:
     dirs_encoded: int = 0
     full_walk: bool = False
     uppers: list[Node] = field(default_factory=list, repr=False)  # had a row before
+    kept: list[Kept] = field(default_factory=list, repr=False)  # excluded entries kept
+    rebase: Rebase | None = field(default=None, repr=False)
 
 
 def checkpoint_overlay(ov: Overlay, *, origin: str = "checkpoint", label: str | None = None,
@@ -840,13 +1190,14 @@ def checkpoint_overlay(ov: Overlay, *, origin: str = "checkpoint", label: str | 
         if list_it:
             store.add_snapshot(ref, origin, label)
         res = Result(ref, p.unchanged, w.packs_written, w.bytes_written, len(p.dirs),
-                     p.full_walk, p.uppers)
+                     p.full_walk, p.uppers, p.kept)
     if p.unchanged:
         return res
     rb = prepare(ov, p, ref)
     reset_upper(ov.upper, rb)
     apply(ov, p, rb)
     drop_data(rb.drop_data)
+    res.rebase = rb
     return res
 
 

@@ -141,7 +141,7 @@ class Live:
             if list_it and not self._listed(ref):
                 await trio.to_thread.run_sync(store.add_snapshot, ref, origin, label)
             return {"ref": ref, "unchanged": True, "packs": 0, "bytes": 0,
-                    "uppers": p.uppers}
+                    "uppers": p.uppers, "kept": [], "rebase": None}
 
         def work() -> tuple[Ref, int, int]:
             with store.writer() as w:
@@ -171,7 +171,7 @@ class Live:
         await trio.to_thread.run_sync(ck.drop_data, rb.drop_data)
         lap("drop_data")
         return {"ref": ref, "unchanged": ref == p.base, "packs": packs, "bytes": nbytes,
-                "uppers": p.uppers, "folded": folded}
+                "uppers": p.uppers, "folded": folded, "kept": p.kept, "rebase": rb}
 
     def _lap(self, name: str) -> None:
         """Record the time since the previous lap under ``name`` (ms, in ``phases``)."""
@@ -350,20 +350,26 @@ class Live:
                             self.on_pre_restore(pre)
                         rb0 = ck.Rebase(ov.lower.ref)
                         uppers = done["uppers"]
+                        kept, freeze = done["kept"], done["rebase"]
                     else:
                         discarded = self.steps.pending()
-                        rb0, uppers = await self._clean_discard()
+                        rb0, uppers, kept = await self._clean_discard()
+                        freeze = rb0
                     ck.crash_point("restore.checkpointed")
                     try:
                         if wanted is not None:
                             target = await trio.to_thread.run_sync(
                                 rs.path_target, self.store, ov.lower.ref, source, wanted)
                             self._lap("path_target")
-                        changes = await trio.to_thread.run_sync(
-                            rs.verify, self.store, ov.lower.ref, target)
+                        if kept:  # excluded entries stay as they are (restore.py)
+                            target = await trio.to_thread.run_sync(
+                                rs.keep_target, self.store, ov.lower.ref, target, kept)
+                        changes = rs.outside_kept(await trio.to_thread.run_sync(
+                            rs.verify, self.store, ov.lower.ref, target), kept)
                         self._lap("diff")
                         ck.crash_point("restore.verified")
                         sp = rs.plan_swap(ov, changes, target, rb0, uppers, rs.writers(ov))
+                        rs.graft_swap(ov, sp, kept, freeze)
                         self._lap("plan_swap")
                         upper = ov.upper
                         assert upper is not None
@@ -440,7 +446,7 @@ class Live:
         store = self.store
         p = ck.plan(ov)
         if p.unchanged:
-            return ck.Rebase(ov.lower.ref), p.uppers
+            return ck.Rebase(ov.lower.ref), p.uppers, []
 
         def work() -> Ref:
             with store.writer() as w:
@@ -451,7 +457,7 @@ class Live:
         ref = await trio.to_thread.run_sync(work)
         rb = ck.prepare(ov, p, ref)
         ck.apply(ov, p, rb)
-        return rb, p.uppers
+        return rb, p.uppers, p.kept
 
     async def _persist_rebase(self, rb: Any) -> None:
         import trio
@@ -470,17 +476,17 @@ class Live:
         takes; ``held_lowers``: older lowers those still read (GC keeps them); ``quota``:
         what the upper holds against the session's caps (``bytes_used``, ``bytes_cap``,
         ``inodes_used``, ``inodes_cap``; a cap None: none; detached inodes count)."""
+        from . import checkpoint as ck
+
         ov = self.ov
         cs = ov.cs
         dirty = 0
         nbytes = 0
-        held = 0
-        for n in ov.nodes.values():
-            held += n.nlookup > 0
-            if n.upper and n.ino != 1 and n.nlink > 0:
-                dirty += 1
-                if n.kind == 2:
-                    nbytes += max(0, n.size - n.lower_len) + len(n.present) * cs
+        held = sum(1 for n in ov.nodes.values() if n.nlookup > 0)
+        for n in ck.dirty_nodes(ov):  # excluded paths aside
+            dirty += 1
+            if n.kind == 2:
+                nbytes += max(0, n.size - n.lower_len) + len(n.present) * cs
         return {"ref": str(ov.lower.ref), "dirty_inodes": dirty, "dirty_bytes": nbytes,
                 "detached_inodes": len(ov.unlinked), "held_lowers": ov.held_lowers(),
                 "open_handles": len(ov.handles), "writable_handles": self._writable_handles(),

@@ -223,6 +223,13 @@ class Overlay:
         self.unlinked: set[int] = set()  # detached inodes in memory (see the module doc)
         self.held: dict[int, str] = {}  # detached file -> Ref text of the lower it reads
         self._held_changed = False
+        # The session's exclude patterns (``excluded``; recorded in the upper's meta) and
+        # what the checkpoint learnt about lower trees: (tree id, path) -> holds a path
+        # they match (``checkpoint.holds_excluded``).
+        self.exclude_patterns: tuple[str, ...] = ()
+        self.exclude: Callable[[str], bool] | None = None
+        self.excluded_trees: dict[tuple[bytes, bytes], bool] = {}
+        self.kept_lowers: set[str] = set()  # lowers read by rows kept for excluded paths
         if upper is not None:
             self._load(upper.load())
         if ROOT_INO not in self.nodes:
@@ -241,6 +248,15 @@ class Overlay:
         self.next_cookie = int(s.meta.get("next_cookie", "1"))
         self.quota_bytes = int(s.meta.get("quota_bytes") or 0) or None
         self.quota_inodes = int(s.meta.get("quota_inodes") or 0) or None
+        if s.meta.get("exclude"):
+            import json
+
+            from store.pathpolicy import PathPolicy
+
+            self.exclude_patterns = tuple(json.loads(s.meta["exclude"]))
+            self.exclude = PathPolicy(exclude=self.exclude_patterns,
+                                      source="the upper's exclude patterns").matcher("exclude")
+        self.kept_lowers = set((s.meta.get("kept_lowers") or "").split())
         for r in s.inodes:
             n = Node(r["ino"], Kind(r["kind"]), r["mode"], r["uid"], r["gid"], 0)
             n.atime_ns, n.mtime_ns, n.ctime_ns = r["atime_ns"], r["mtime_ns"], r["ctime_ns"]
@@ -280,6 +296,17 @@ class Overlay:
             dn = self.nodes.get(ino)
             if dn is not None:
                 dn.has_data = True
+
+    def excluded(self, path: bytes, is_dir: bool) -> bool:
+        """True if workspace path ``path`` (``/``-separated bytes, no leading slash; a
+        directory when ``is_dir``) matches the session's exclude patterns: derived data
+        that checkpoints leave in the upper and out of every Ref (CONTRACT amendment
+        "0, 3.1 policies"). A path below a matching directory matches too."""
+        m = self.exclude
+        if m is None or not path:
+            return False
+        text = os.fsdecode(path)
+        return m(text + "/" if is_dir else text)
 
     # -- resolution ------------------------------------------------------------------------
 
@@ -1455,14 +1482,7 @@ class Overlay:
         for ino in self._dirty_ino:
             n = nodes.get(ino)
             if n is not None and n.upper:
-                b.inodes.append((
-                    n.ino, int(n.kind), n.mode, n.uid, n.gid, n.nlink, n.lower_links, n.size,
-                    n.atime_ns, n.mtime_ns, n.ctime_ns,
-                    n.parent if n.kind is Kind.DIR else 0,
-                    n.lower_tree if n.kind is Kind.DIR else None,
-                    encode_runs(n.lower_chunks) or None, n.lower_len, bitmap(n.present),
-                    n.target or None, n.origin,
-                    bytes(n.inline) if n.inline is not None else None, n.rdev or None))
+                b.inodes.append(row_of(n))
             else:
                 b.deleted.append(ino)
         for parent, name in self._dirty_dent:
@@ -1514,6 +1534,16 @@ class Overlay:
                 self.commit(durable=True)
             finally:
                 self.upper.close()
+
+
+def row_of(n: Node) -> tuple[object, ...]:
+    """The upper ``inodes`` row of ``n`` as it is in memory (``upper.ROW_COLUMNS``)."""
+    return (n.ino, int(n.kind), n.mode, n.uid, n.gid, n.nlink, n.lower_links, n.size,
+            n.atime_ns, n.mtime_ns, n.ctime_ns, n.parent if n.kind is Kind.DIR else 0,
+            n.lower_tree if n.kind is Kind.DIR else None,
+            encode_runs(n.lower_chunks) or None, n.lower_len, bitmap(n.present),
+            n.target or None, n.origin,
+            bytes(n.inline) if n.inline is not None else None, n.rdev or None)
 
 
 def _pwrite_all(fd: int, data: bytes | bytearray, off: int) -> None:

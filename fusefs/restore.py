@@ -58,7 +58,7 @@ from store.objects import Store
 from store.ref import ObjectId, Ref
 from store.tree import NAME_MAX, Entry, Kind
 
-from .checkpoint import Rebase, _set_pin, kept_rows, number, switch_lower
+from .checkpoint import Kept, Rebase, _set_pin, graft_apply, kept_rows, number, switch_lower
 from .inodes import ROOT_INO, Node, content_digest, derive_ino, origin_key
 from .overlay import Overlay
 from .session.errors import RestoreError
@@ -446,6 +446,9 @@ def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
     root.nlink = 2 + ov.lower.subdirs(sp.target.tree_id)
     ov.by_origin = {o: i for o, i in ov.by_origin.items()
                     if (u := nodes.get(i)) is not None and u.upper and u.nlink > 0}
+    if sp.rebase.graft is not None:  # the excluded entries kept (``graft_swap``)
+        graft_apply(ov, sp.rebase.graft)
+        ov.recount()
     for h in ov.dirs.values():
         h.refresh()
     for ls in ov.inode_dirs.values():
@@ -465,6 +468,142 @@ def known_to_kernel(ov: Overlay, inv: Invalidation) -> Invalidation:
                         [i for i in inv.inodes if known(i)],
                         [(p, nm, i) for p, nm, i in inv.deleted if known(p)],
                         [i for i in inv.listings if known(i)])
+
+
+# -- excluded paths --------------------------------------------------------------------------
+
+def keep_target(store: Store, current: Ref, target: Ref, kept: list[Kept]) -> Ref:
+    """The tree a restore to ``target`` swaps to when it keeps the ``kept`` (excluded)
+    entries: ``target`` itself, unless a directory holding one of them is missing there;
+    then ``target`` with those directories added, each with its metadata from ``current``
+    (the tree the entry is kept in now) and only what ``target`` holds below it. A kept
+    entry below a non-directory of ``target`` is not kept (``target`` wins). Writes only
+    the rewritten trees (worker thread)."""
+    new = _Trees(store, target.tree_id)
+    cur = _Trees(store, current.tree_id)
+    missing: list[bytes] = []
+    for k in kept:
+        for a in _ancestors(k.path)[1:]:
+            if new.entry(a) is None:
+                missing.append(a)
+    if not missing:
+        return target
+    with store.writer() as w:
+        def rebuild(tid: ObjectId | None, path: bytes) -> ObjectId:
+            ents = {e.name: e for e in store.get_tree(tid).entries} if tid else {}
+            below = {m.split(b"/")[len(path.split(b"/")) if path else 0] for m in missing
+                     if (m.startswith(path + b"/") if path else True) and m != path}
+            for name in below:
+                cp = path + b"/" + name if path else name
+                e = ents.get(name)
+                if e is not None and e.kind is not Kind.DIR:
+                    continue
+                holder = e if e is not None else cur.entry(cp)
+                if holder is None or holder.kind is not Kind.DIR:
+                    continue
+                ents[name] = dataclasses.replace(
+                    holder, tree_id=rebuild(e.tree_id if e is not None else None, cp),
+                    link_group=None)
+            return w.put_tree(list(ents.values()))
+
+        root = rebuild(target.tree_id, b"")
+        w.commit()
+    return Ref(root)
+
+
+def outside_kept(changes: list[Change], kept: list[Kept]) -> list[Change]:
+    """``changes`` without those at or below a kept entry (the live one stays there)."""
+    if not kept:
+        return changes
+    paths = {k.path for k in kept}
+    return [c for c in changes
+            if c.path not in paths and not any(a in paths for a in _ancestors(c.path))]
+
+
+def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None) -> None:
+    """Add to ``sp.rebase`` what keeps the ``kept`` entries over the target (as
+    ``checkpoint.graft_rows`` does over a checkpoint's tree): the directories holding them
+    keep their numbers and show the target's trees and metadata, with the kept entries as
+    their only upper dentries; the rows below kept entries stay. ``prev``: the rebase of
+    the freeze that cleaned the overlay (its kept rows). A kept entry whose directory the
+    target does not hold as a directory is given up (``keep_target`` made every other one
+    exist). Event-loop thread; before the reset commits."""
+    from .checkpoint import Graft, _below_kept, _set_col
+    from .overlay import row_of
+
+    rb = sp.rebase
+    rb.graft = None
+    if not kept:
+        return
+    rb.full_rows, rb.dentries, rb.keep, rb.keep_dentries = [], [], set(), set()
+    store = ov.lower.store
+    new = _Trees(store, sp.target.tree_id)
+    nodes = ov.nodes
+    g = Graft()
+    dents: dict[int, dict[bytes, tuple[int, int]]] = {}
+    where: dict[int, bytes] = {ROOT_INO: b""}
+    held: list[Kept] = []
+    for k in kept:
+        chain: list[Node] = []
+        d: Node | None = k.parent
+        while d is not None and d.ino != ROOT_INO:
+            chain.append(d)
+            d = nodes.get(d.parent)
+        prefixes = _ancestors(k.path)[1:]
+        if d is None or len(prefixes) != len(chain) or any(
+                new.tree_id(a) is None for a in prefixes):
+            continue  # the target holds something else there: the target wins
+        for a, dn in zip(prefixes, reversed(chain), strict=True):
+            where[dn.ino] = a
+        held.append(k)
+        have = (k.parent.entries or {}).get(k.name)
+        cookie = have[1] if have is not None and have[0] == k.node.ino else ov._cookie()
+        dents.setdefault(k.parent.ino, {})[k.name] = (k.node.ino, cookie)
+    if not held:
+        return
+    for ino, path in where.items():
+        d = nodes[ino]
+        tid = new.tree_id(path)
+        assert tid is not None
+        mine = dents.get(ino, {})
+        tree = store.get_tree(tid)
+        shadowed = sum(1 for name in mine
+                       if (e := tree.get(name)) is not None and e.kind is Kind.DIR)
+        nlink = 2 + ov.lower.subdirs(tid) - shadowed + sum(
+            1 for c, _ck in mine.values() if nodes[c].kind is Kind.DIR)
+        row = _set_col(row_of(d), lower_tree=tid, nlink=nlink)
+        origin = None
+        if ino != ROOT_INO:
+            e = new.entry(path)
+            assert e is not None
+            head, name = _split(path)
+            origin = origin_key(nodes[ino].parent, name, e)
+            row = _set_col(row, origin=origin, mode=e.mode, uid=e.uid, gid=e.gid,
+                           mtime_ns=e.mtime_ns)
+            if e.xattrs:
+                rb.xattrs[ino] = list(e.xattrs)
+            g.attrs[ino] = e
+        elif d.xattrs:
+            rb.xattrs[ino] = sorted(d.xattrs.items())
+        g.dirs[ino] = (tid, origin, nlink, mine)
+        rb.full_rows = [r for r in rb.full_rows if r[0] != ino]
+        rb.full_rows.append(row)
+        rb.dentries.extend((ino, name, c, ck) for name, (c, ck) in mine.items())
+    rb.rows = [r for r in rb.rows if r[0] not in where]
+    roots = {k.node.ino: k.node for k in held}
+    for ino, n in roots.items():
+        g.kept[ino] = n.lower_links if n.kind is Kind.DIR else 0
+        rb.full_rows.append(row_of(n))
+        if n.xattrs:
+            rb.xattrs[ino] = sorted(n.xattrs.items())
+    uppers = [n for n in nodes.values() if n.upper]
+    rb.keep = _below_kept(ov, held, uppers, set(where)) - set(sp.detach)
+    if prev is not None and prev.graft is not None:
+        for ino in prev.graft.cleared & rb.keep:  # (a discard's freeze: not yet written)
+            rb.full_rows.append(row_of(nodes[ino]))
+    rb.keep_dentries = (rb.keep | set(roots)) - set(where)
+    rb.next_cookie = ov.next_cookie
+    rb.graft = g
 
 
 # -- path restore ----------------------------------------------------------------------------
@@ -594,17 +733,28 @@ class Result:
     invalidation: Invalidation
 
 
-def clean(ov: Overlay, *, discard: bool,
-          label: str | None = None) -> tuple[Ref | None, Rebase, list[Node]]:
-    """Make every change of ``ov`` part of its lower: a listed ``pre_restore`` checkpoint,
-    or with ``discard`` an unlisted freeze applied in memory only (the upper keeps the old
-    base until the swap commits). Returns (the checkpoint Ref or None, the rebase whose pins
-    the swap must also record, the nodes that had an upper row)."""
+@dataclass
+class Cleaned:
+    """What ``clean`` left: the checkpoint Ref (None with ``discard``), the rebase whose
+    pins the swap must also record, the nodes that had an upper row, the excluded entries
+    kept in the upper and the rebase of the freeze that kept them."""
+
+    pre: Ref | None
+    rebase: Rebase
+    uppers: list[Node]
+    kept: list[Kept]
+    freeze: Rebase | None
+
+
+def clean(ov: Overlay, *, discard: bool, label: str | None = None) -> Cleaned:
+    """Make every change of ``ov`` part of its lower, but what the exclude patterns keep in
+    the upper: a listed ``pre_restore`` checkpoint, or with ``discard`` an unlisted freeze
+    applied in memory only (the upper keeps the old base until the swap commits)."""
     from .checkpoint import apply, build, checkpoint_overlay, plan, prepare
 
     if not discard:
         res = checkpoint_overlay(ov, origin="pre_restore", label=label)
-        return res.ref, Rebase(res.ref), res.uppers
+        return Cleaned(res.ref, Rebase(res.ref), res.uppers, res.kept, res.rebase)
     store = ov.lower.store
     with store.writer() as w:
         p = plan(ov)
@@ -612,7 +762,15 @@ def clean(ov: Overlay, *, discard: bool,
         w.commit()
     rb = prepare(ov, p, ref)
     apply(ov, p, rb)
-    return None, rb, p.uppers
+    return Cleaned(None, rb, p.uppers, p.kept, rb)
+
+
+def swap_kept(ov: Overlay, target: Ref, cleaned: Cleaned) -> tuple[Ref, list[Change]]:
+    """The tree a restore of clean ``ov`` to ``target`` swaps to (``keep_target``) and the
+    changes the swap makes (outside the kept entries). Worker thread."""
+    store = ov.lower.store
+    target = keep_target(store, ov.lower.ref, target, cleaned.kept)
+    return target, outside_kept(verify(store, ov.lower.ref, target), cleaned.kept)
 
 
 def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Result:
@@ -630,10 +788,11 @@ def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Resul
         raise
     except (ObjectNotFoundError, IntegrityError) as e:
         raise RestoreError(RestoreError.SWAP_FAILED, str(target), str(e)) from None
-    pre, rb, uppers = clean(ov, discard=discard)
-    changes = verify(store, ov.lower.ref, target)
-    sp = plan_swap(ov, changes, target, rb, uppers, writers(ov))
+    cl = clean(ov, discard=discard)
+    target, changes = swap_kept(ov, target, cl)
+    sp = plan_swap(ov, changes, target, cl.rebase, cl.uppers, writers(ov))
+    graft_swap(ov, sp, cl.kept, cl.freeze)
     reset_upper(ov.upper, sp.rebase)
     apply_swap(ov, sp)
-    drop_data(rb.drop_data)
-    return Result(target, pre, len(changes), sp.invalidation)
+    drop_data(cl.rebase.drop_data)
+    return Result(target, cl.pre, len(changes), sp.invalidation)

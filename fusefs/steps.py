@@ -96,7 +96,7 @@ def fingerprints(ov: Overlay, index: Index | None = None) -> dict[str, Fingerpri
             seen.add(name)
             if cino == 0:  # a whiteout
                 le = ov._lower_entry(d, name)
-                if le is not None:
+                if le is not None and not ov.excluded(path + name, le.kind is Kind.DIR):
                     out[os.fsdecode(path + name)] = ("removed", le.kind.name.lower(), 0, 0, 0)
                 continue
             c = nodes.get(cino)
@@ -105,6 +105,8 @@ def fingerprints(ov: Overlay, index: Index | None = None) -> dict[str, Fingerpri
             kids.append((name, c))
         kids.extend(kv for kv in by_parent.get(ino, ()) if kv[0] not in seen)
         for name, c in kids:
+            if ov.exclude is not None and ov.excluded(path + name, c.kind is Kind.DIR):
+                continue  # excluded paths are in no step (nor in any Ref)
             le = ov._lower_entry(d, name)
             status: str | None = None
             if le is None:
@@ -382,6 +384,13 @@ class StepTracker:
                 keys.add(key)
                 fp, c = fingerprint_of(ov, parent, name)
                 old = self.prev.get(key)
+                if ov.exclude is not None and ov.excluded(
+                        full, c.kind is Kind.DIR if c is not None else
+                        (old is not None and old[1] == "dir")):
+                    keys.discard(key)  # excluded paths are in no step
+                    if c is not None:
+                        index.name(c, parent, name, full)
+                    continue
                 if old is not None and old[1] == "dir" and (fp is None or fp[1] != "dir"):
                     raise _Full
                 if c is not None:

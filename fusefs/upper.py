@@ -160,7 +160,10 @@ TABLES: dict[str, dict[str, str]] = {
                "cleared at open, since no handle outlives the daemon), spill_applied "
                "(sequence number of the last spill applied), quota_bytes and quota_inodes "
                "(the session's caps on upper content bytes and inode rows; absent or 0: "
-               "none).",
+               "none), exclude (JSON list of the session's exclude patterns, gitignore "
+               "syntax: paths kept in the upper across checkpoints, in no Ref), "
+               "kept_lowers (space-separated Refs of lowers whose chunks rows of excluded "
+               "files kept from them still read: GC keeps them).",
         "value": "text value.",
     },
     "inodes": {
@@ -724,6 +727,29 @@ class Upper:
 
         if rows:
             self.transact(body, durable=True)
+
+    def set_exclude(self, patterns: tuple[str, ...] | list[str] | None) -> None:
+        """Record the session's ``exclude`` patterns (``store.pathpolicy``, gitignore
+        syntax) in ``meta``, durably; None keeps what is recorded, an empty list removes
+        them. The overlay reads them when it loads (``Overlay.exclude``). Raises
+        OSError(ENOSPC) on a full disk."""
+        if patterns is None:
+            return
+        import json
+
+        value = json.dumps(list(patterns))
+        have = self.conn.execute("SELECT value FROM meta WHERE key='exclude'").fetchone()
+        if (have[0] if have else "[]") == value:
+            return
+        pending = list(self.spilled)
+
+        def body(c: sqlite3.Connection) -> None:
+            for x in pending:
+                _apply(c, x)
+            c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('exclude', ?)",
+                      (value,))
+
+        self.transact(body, durable=True)
 
     def load(self) -> Loaded:
         c = self.conn

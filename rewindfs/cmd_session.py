@@ -55,8 +55,9 @@ def _placement_args(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="run on a plain directory even where FUSE is available")
     for kind, what in (("hide", "invisible to the agent's tools and Bash"),
                        ("protect", "the agent's tools and Bash cannot change it"),
-                       ("exclude", "derived data kept out of every checkpoint (not "
-                                   "supported yet: refused, exit 10)")):
+                       ("exclude", "derived data (node_modules, .venv, build outputs) "
+                                   "kept in the session's upper and out of every "
+                                   "checkpoint (FUSE sessions only)")):
         p.add_argument(f"--{kind}", action="append", default=[], metavar="GLOB",
                        help=f"path policy, gitignore syntax: {what} (repeatable; recorded "
                             "in the session spec, added to .rewindfs.toml's)")

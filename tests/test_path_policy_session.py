@@ -100,15 +100,82 @@ def test_bad_policy_is_refused_before_anything_starts(sessions: Sessions) -> Non
         not list((sessions.store / "sessions").iterdir())
 
 
-def test_exclude_is_refused_until_checkpoints_keep_it_out(sessions: Sessions) -> None:
-    """exclude is not built yet: asking for it fails (exit 10) instead of freezing the
-    excluded paths into every Ref anyway."""
+def test_exclude_is_refused_on_the_no_fuse_fallback(sessions: Sessions) -> None:
+    """The fallback checkpoints a plain directory whole: asking it for exclude fails (exit
+    10) before anything starts, instead of freezing the excluded paths into every Ref."""
     p = sessions.cli("session", "new", "--no-fuse", "--base", str(sessions.base),
                      "--exclude", "node_modules/", check=False)
     assert p.returncode == 10, p.stderr
-    assert "exclude is not supported yet" in p.stderr
+    assert "exclude needs a FUSE session" in p.stderr
     assert not (sessions.store / "sessions").exists() or \
         not list((sessions.store / "sessions").iterdir())
+
+
+def _ls(s: Sessions, ref: str, path: str = "") -> set[str]:
+    out = json.loads(s.cli("ls", ref, *([path] if path else []), "--json").stdout)
+    return {e["name"] for e in out}
+
+
+@pytest.mark.skipif("fuse" not in BACKENDS, reason="needs FUSE")
+def test_excluded_node_modules_is_in_no_checkpoint_and_survives_restore(
+        sessions: Sessions) -> None:
+    """On a real mount: an excluded node_modules is not in the checkpoint's tree, survives
+    a restore (same inode, same content), is in no diff, dirty count or step, and a fork
+    starts without it, like a fresh clone."""
+    seed = _seed(sessions)
+    (seed / ".rewindfs.toml").write_text('[policy]\nexclude = ["__pycache__/"]\n')
+    sid, root = _new(sessions, "fuse", "--seed", str(seed), "--exclude", "node_modules/")
+    fork = None
+    try:
+        seed_ref = json.loads(sessions.cli("log", sid, "--json").stdout)[0]["ref"]
+        (root / "node_modules/left-pad").mkdir(parents=True)
+        (root / "node_modules/left-pad/index.js").write_text("module.exports = 1\n")
+        (root / "src/__pycache__").mkdir()
+        (root / "src/__pycache__/app.cpython-311.pyc").write_bytes(b"\0pyc")
+        (root / "src/app.py").write_text("print('v2')\n")
+        sessions.cli("session", "step", sid, "--label", "install")
+        ref = json.loads(sessions.cli("session", "checkpoint", sid, "--json").stdout)["ref"]
+        assert "node_modules" not in _ls(sessions, ref) and "src" in _ls(sessions, ref)
+        assert _ls(sessions, ref, "src") == {"app.py"}
+        assert sessions.cli("cat", ref, "src/app.py").stdout == "print('v2')\n"
+        st = json.loads(sessions.cli("status", str(root), "--json").stdout)
+        assert st["dirty_inodes"] == 0, st
+        # changes below node_modules: in no diff, no dirty count, no step
+        (root / "node_modules/left-pad/index.js").write_text("module.exports = 2\n")
+        (root / "node_modules/new.js").write_text("x\n")
+        assert json.loads(sessions.cli("diff", str(root), "--json").stdout)["changes"] == []
+        st = json.loads(sessions.cli("status", str(root), "--json").stdout)
+        assert st["dirty_inodes"] == 0, st
+        sessions.cli("session", "step", sid, "--label", "build")
+        log = json.loads(sessions.cli("log", sid, "--changes", "--json").stdout)
+        steps = [e for e in log if e.get("event") == "step" or "step" in e]
+        paths = {c["path"] for e in steps for c in e.get("changes", [])}
+        assert "src/app.py" in paths, log
+        assert not [p for p in paths if "node_modules" in p or "__pycache__" in p], paths
+        ino = (root / "node_modules/left-pad/index.js").stat().st_ino
+        # a restore leaves it as it is
+        sessions.cli("session", "restore", sid, seed_ref)
+        assert (root / "src/app.py").read_text() == "print('app')\n"
+        assert (root / "node_modules/left-pad/index.js").read_text() == "module.exports = 2\n"
+        assert (root / "node_modules/left-pad/index.js").stat().st_ino == ino
+        assert (root / "src/__pycache__/app.cpython-311.pyc").read_bytes() == b"\0pyc"
+        sessions.cli("session", "restore", sid, ref, "--path", "src")
+        assert (root / "src/app.py").read_text() == "print('v2')\n"
+        assert (root / "src/__pycache__/app.cpython-311.pyc").exists()
+        # a fork starts without it; a resume here keeps it
+        out = json.loads(sessions.cli("session", "fork", sid, "--json").stdout)
+        fork, froot = out["id"], Path(out["root"])
+        assert not (froot / "node_modules").exists()
+        assert (froot / "src/app.py").read_text() == "print('v2')\n"
+        sessions.cli("session", "shutdown", sid)
+        root = Path(json.loads(sessions.cli("session", "resume", sid, "--json").stdout)["root"])
+        assert (root / "node_modules/new.js").read_text() == "x\n"
+        ref2 = json.loads(sessions.cli("session", "checkpoint", sid, "--json").stdout)["ref"]
+        assert "node_modules" not in _ls(sessions, ref2)
+    finally:
+        for x in (sid, fork):
+            if x is not None:
+                sessions.cli("session", "shutdown", x, "--force", check=False)
 
 
 def test_diff_tool_does_not_name_hidden_paths(sessions: Sessions) -> None:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from store.objects import JournalEvent, Store
 from store.ref import Ref
 
-from .config import WorkspaceConfig
+from .config import WorkspaceConfig, refuse_exclude_without_fuse
 from .errors import (
     SeedError,
     SessionError,
@@ -111,11 +111,13 @@ class FallbackBackend:
 
     def open_new(self, cfg: WorkspaceConfig, record: SessionRecord,
                  seed: Ref | None) -> SessionHandle:
+        refuse_exclude_without_fuse(cfg.paths)
         core = SessionCore(cfg, record, self.live_tree(cfg, record))
         core.open_new(seed)
         return core
 
     def open_existing(self, cfg: WorkspaceConfig, record: SessionRecord) -> SessionHandle:
+        refuse_exclude_without_fuse(cfg.paths)
         core = SessionCore(cfg, record, self.live_tree(cfg, record))
         core.open_existing()
         return core

@@ -7,7 +7,7 @@ up front (CONTRACT 4.1, 4.3) in the reference system's order:
 4. policy/placement pairing (each needs the other),
 5. shared placement with a required policy,
 6. persistence overlap (store, index, state and spool paths outside the managed root),
-7. path policy (``exclude`` is refused: not supported yet).
+7. path policy (``exclude`` needs the FUSE backend: refused with the fallback).
 
 The first failing step raises its typed error; a returned ``WorkspaceConfig`` is immutable
 and complete. Nothing here creates a file.
@@ -138,17 +138,26 @@ def define(*placements: PlacementSpec, policy: SnapshotPolicy | None = None,
         store_root = canonical_path(placement.store.root)
         if is_within(placement.path, store_root):
             raise PersistenceOverlapError(store_root, placement.path, root_inside=True)
-    # 7. path policy: exclude needs a checkpoint that keeps excluded paths in the upper,
-    # which is not built yet; refusing beats freezing them silently into every Ref.
-    if path_policy is not None and path_policy.exclude:
-        raise PathPolicyError(path_policy.source, "exclude is not supported yet (excluded "
-                              "paths would still be checkpointed); remove the exclude "
-                              "patterns")
+    # 7. path policy: exclude is kept by the FUSE layer's upper across checkpoints
+    if backend == "fallback" and path_policy is not None:
+        refuse_exclude_without_fuse(path_policy)
     if leaser is None and placement is not None:
         leaser = placement.leaser or _default_leaser(store)
     return WorkspaceConfig(store, placement, resolved_policy, base, leaser, float(lease_ttl_s),
                            backend, path_policy if path_policy is not None else PathPolicy(),
                            quota_bytes, quota_inodes)
+
+
+def refuse_exclude_without_fuse(paths: PathPolicy) -> None:
+    """Raise PathPolicyError when ``paths`` has ``exclude`` patterns: they are kept out of
+    every Ref by the FUSE layer's upper (``fusefs.checkpoint``); a session on the no-FUSE
+    fallback checkpoints a plain directory whole, so refusing beats freezing them
+    silently into every Ref."""
+    if paths.exclude:
+        raise PathPolicyError(paths.source, "exclude needs a FUSE session: the no-FUSE "
+                              "fallback (--no-fuse, or no usable /dev/fuse here) would "
+                              "checkpoint the excluded paths; remove the exclude patterns "
+                              "or run the session on FUSE")
 
 
 def _default_leaser(store: Any) -> Any:

@@ -183,6 +183,7 @@ class SessionProcess:
             state_dir=rec.state_dir)
         # The spec's caps (session new/resume --quota-*) go into the upper as it opens.
         m.quota = (self.cfg.quota_bytes, self.cfg.quota_inodes)
+        m.exclude = self.cfg.paths.exclude  # kept in the upper, out of every Ref
         return m
 
     def log_path(self, rec: SessionRecord) -> str:

@@ -219,11 +219,13 @@ def _fsync_dir(d: str) -> None:
 
 
 def open_overlay(store: Any, d: str, ref: Ref | None, cache_mib: int = 128,
-                 quota: tuple[int | None, int | None] = (None, None)) -> Overlay:
+                 quota: tuple[int | None, int | None] = (None, None),
+                 exclude: tuple[str, ...] | None = None) -> Overlay:
     """Open (creating with base ``ref`` if new) and lock the upper in ``d`` and return the
     overlay over its base; ``quota`` (bytes, inodes) is recorded in the upper first (None
-    keeps what it records, 0 removes a cap). Raises StateLockedError, BaseMismatchError,
-    NoBaseError and the store's ObjectNotFoundError for a base missing from the store."""
+    keeps what it records, 0 removes a cap), and so are the ``exclude`` patterns (None
+    keeps the recorded ones). Raises StateLockedError, BaseMismatchError, NoBaseError and
+    the store's ObjectNotFoundError for a base missing from the store."""
     from fusefs.lower import Lower
     from fusefs.overlay import Overlay
     from fusefs.upper import Upper
@@ -234,6 +236,7 @@ def open_overlay(store: Any, d: str, ref: Ref | None, cache_mib: int = 128,
     upper = Upper.open(d, store_root=store.root, chunk_size=store.chunk_size, ref=ref)
     try:
         upper.set_quota(*quota)
+        upper.set_exclude(exclude)
         store.get_tree(upper.base.tree_id)
         return Overlay(Lower(store, upper.base, cache_bytes=cache_mib << 20), upper)
     except BaseException:
@@ -243,10 +246,12 @@ def open_overlay(store: Any, d: str, ref: Ref | None, cache_mib: int = 128,
 
 def freeze_offline(store: Any, d: str) -> Ref:
     """The Ref of the tree the (unmounted) upper in ``d`` shows, written to the store but not
-    listed and not journaled; the upper is left as it is."""
+    listed and not journaled; the upper is left as it is. Excluded paths are in it: it is
+    what a fixed root's real directory gets back."""
     from fusefs import checkpoint as ck
 
     ov = open_overlay(store, d, None)
+    ov.exclude = None
     try:
         p = ck.plan(ov)
         if p.unchanged:
@@ -290,6 +295,7 @@ class FuseMount:
         self.live: Any = None  # fusefs.control.Live while serving
         # caps recorded in the upper when it opens (bytes, inodes; None: keep the recorded)
         self.quota: tuple[int | None, int | None] = (None, None)
+        self.exclude: tuple[str, ...] | None = None  # exclude patterns recorded likewise
         self.last: dict[str, Any] = {}  # the daemon's last checkpoint or restore reply
         # The step log's state a preserved upper continues from (``Journal.resume_point``)
         self.step_resume: tuple[dict[str, Any], dict[str, str]] | None = None
@@ -376,7 +382,8 @@ class FuseMount:
         try:
             self.prepare_root()
             register_state_dir(self.store, self.upper_dir)
-            ov = open_overlay(self.store, self.upper_dir, self.base, cache_mib, self.quota)
+            ov = open_overlay(self.store, self.upper_dir, self.base, cache_mib, self.quota,
+                              self.exclude)
         except Exception as e:
             return self._failed(f"cannot open the upper: {type(e).__name__}: {e}")
         gate = _notifying_gate(self)

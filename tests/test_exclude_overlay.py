@@ -1,0 +1,327 @@
+"""The ``exclude`` path policy on an overlay driven directly (no mount; CONTRACT amendment
+"0, 3.1 policies"): excluded paths stay in the upper across checkpoints and are in no Ref,
+a restore leaves them as they are and takes them from the target only where the live tree
+has none, the upper stays sound (``upper.check``) and a remount finds them again.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+from ckpt_support import overlay_listing, tree_listing
+
+from fusefs.checkpoint import checkpoint_overlay, preview
+from fusefs.inodes import ROOT_INO
+from fusefs.lower import Lower
+from fusefs.overlay import Overlay
+from fusefs.restore import restore_overlay
+from fusefs.upper import Upper, check
+from store.diff import diff_trees
+from store.objects import Store
+from store.ref import Ref
+from store.snapshot import snapshot
+from store.tree import Kind
+
+CS = 64 << 10
+UID, GID = os.getuid(), os.getgid()
+EXCLUDE = ("node_modules/", "__pycache__/", "*.pyc", "/build/")
+
+
+class Env:
+    def __init__(self, tmp: Path, seed_extra: bool = False) -> None:
+        src = tmp / "src"
+        (src / "pkg/lib").mkdir(parents=True)
+        (src / "README").write_bytes(b"readme\n")
+        (src / "pkg/main.py").write_bytes(b"print(1)\n")
+        (src / "pkg/lib/util.py").write_bytes(b"x = 1\n")
+        if seed_extra:  # a seed that already holds derived data
+            (src / "node_modules/left-pad").mkdir(parents=True)
+            (src / "node_modules/left-pad/index.js").write_bytes(b"module.exports = 1\n")
+            (src / "pkg/lib/__pycache__").mkdir()
+            (src / "pkg/lib/__pycache__/util.cpython-311.pyc").write_bytes(b"\x00pyc")
+            (src / "pkg/old.pyc").write_bytes(b"\x00old")
+        self.store = Store(tmp / "store", chunk_size=CS)
+        self.seed = snapshot(self.store, src)
+        self.state = str(tmp / "state")
+        self.ov: Overlay | None = None
+        self.now = 1_700_000_000_000_000_000
+
+    def clock(self) -> int:
+        self.now += 1_000_001
+        return self.now
+
+    def mount(self, exclude: tuple[str, ...] | None = EXCLUDE) -> Overlay:
+        new = not os.path.exists(os.path.join(self.state, "upper.sqlite"))
+        up = Upper.open(self.state, store_root=self.store.root, chunk_size=CS,
+                        ref=self.seed if new else None)
+        up.set_exclude(exclude)
+        self.ov = Overlay(Lower(self.store, up.base), up, uid=UID, gid=GID, clock=self.clock)
+        return self.ov
+
+    def remount(self) -> Overlay:
+        assert self.ov is not None
+        self.ov.close()
+        return self.mount(None)
+
+    def sound(self) -> None:
+        assert self.ov is not None
+        self.ov.commit(durable=True)
+        probs = check(self.state, self.store)
+        assert probs == [], [str(p) for p in probs]
+
+
+@pytest.fixture()
+def env(tmp_path: Path) -> Env:
+    e = Env(tmp_path)
+    e.mount()
+    return e
+
+
+def mkdirs(ov: Overlay, path: str) -> int:
+    ino = ROOT_INO
+    for part in path.encode().split(b"/"):
+        n = ov.lookup(ino, part)
+        if n is None:
+            n = ov.mkdir(ino, part, 0o755, UID, GID)
+        ino = n.ino
+    return ino
+
+
+def write(ov: Overlay, path: str, data: bytes) -> int:
+    head, _, name = path.rpartition("/")
+    d = mkdirs(ov, head) if head else ROOT_INO
+    n = ov.lookup(d, name.encode())
+    if n is None:
+        fh, n = ov.create(d, name.encode(), 0o644, os.O_WRONLY, UID, GID)
+    else:
+        fh = ov.open(n.ino, os.O_WRONLY | os.O_TRUNC)
+    ov.write(fh, 0, data)
+    ov.release(fh)
+    return n.ino
+
+
+def read(ov: Overlay, path: str) -> bytes:
+    n = ov.resolve(path)
+    fh = ov.open(n.ino, os.O_RDONLY)
+    try:
+        return ov.read(fh, 0, n.size + 1)
+    finally:
+        ov.release(fh)
+
+
+def tree_paths(store: Store, ref: Ref) -> set[str]:
+    return {os.fsdecode(p) for p in tree_listing(store, ref)}
+
+
+def npm_install(ov: Overlay, where: str = "") -> None:
+    pre = where + "/" if where else ""
+    write(ov, pre + "node_modules/left-pad/index.js", b"module.exports = 2\n")
+    write(ov, pre + "node_modules/left-pad/package.json", b"{}\n")
+    write(ov, pre + "node_modules/.bin/x", b"#!/bin/sh\n")
+
+
+def test_excluded_paths_stay_in_the_upper_and_out_of_the_ref(env: Env) -> None:
+    ov = env.ov
+    assert ov is not None
+    npm_install(ov)
+    npm_install(ov, "pkg")  # under a directory of the lower
+    write(ov, "pkg/main.py", b"print(2)\n")  # and a change next to it that is frozen
+    write(ov, "pkg/lib/__pycache__/util.cpython-311.pyc", b"\x00pyc")
+    write(ov, "pkg/lib/stale.pyc", b"\x00stale")
+    write(ov, "build/out.o", b"obj")
+    write(ov, "pkg/build/keep.txt", b"not anchored at the root: frozen")
+    before = overlay_listing(ov, with_ino=True)
+    ref = checkpoint_overlay(ov).ref
+    paths = tree_paths(env.store, ref)
+    assert "pkg/main.py" in paths and "pkg/build/keep.txt" in paths
+    assert not [p for p in paths if "node_modules" in p or "__pycache__" in p
+                or p.endswith(".pyc") or p.startswith("build")]
+    # nothing visible changed: content, attributes and inode numbers
+    assert overlay_listing(ov, with_ino=True) == before
+    env.sound()
+    assert read(ov, "node_modules/left-pad/index.js") == b"module.exports = 2\n"
+    # an unchanged overlay gives the same Ref again, and so does a remount
+    assert checkpoint_overlay(ov).ref == ref
+    ov = env.remount()
+    assert overlay_listing(ov, with_ino=True) == before
+    assert checkpoint_overlay(ov).ref == ref
+    env.sound()
+    # the frozen change is in the tree, the excluded ones in no diff
+    assert preview(ov)[0] == ref
+
+
+def test_changes_below_excluded_paths_after_a_checkpoint(env: Env) -> None:
+    ov = env.ov
+    assert ov is not None
+    npm_install(ov, "pkg")
+    ref = checkpoint_overlay(ov).ref
+    write(ov, "pkg/node_modules/left-pad/index.js", b"module.exports = 3\n")
+    write(ov, "pkg/node_modules/new/a.js", b"a\n")
+    ov.unlink(ov.resolve("pkg/node_modules/.bin").ino, b"x")
+    assert preview(ov)[0] == ref  # nothing the tree holds changed
+    assert checkpoint_overlay(ov).ref == ref
+    write(ov, "pkg/lib/util.py", b"x = 2\n")
+    ref2 = checkpoint_overlay(ov).ref
+    assert ref2 != ref
+    changes = [os.fsdecode(c.path) for c in diff_trees(env.store, ref.tree_id, ref2.tree_id)]
+    assert changes == ["pkg/lib/util.py"] or set(changes) <= {"pkg", "pkg/lib",
+                                                                "pkg/lib/util.py"}
+    env.sound()
+    ov = env.remount()
+    assert read(ov, "pkg/node_modules/new/a.js") == b"a\n"
+    assert read(ov, "pkg/node_modules/left-pad/index.js") == b"module.exports = 3\n"
+    with pytest.raises(OSError) as ei:
+        ov.resolve("pkg/node_modules/.bin/x")
+    assert ei.value.errno == errno.ENOENT
+
+
+def test_a_seed_holding_excluded_paths_loses_them_from_the_next_ref(tmp_path: Path) -> None:
+    env = Env(tmp_path, seed_extra=True)
+    ov = env.mount()
+    before = overlay_listing(ov, with_ino=True)
+    res = checkpoint_overlay(ov)
+    assert not res.unchanged
+    paths = tree_paths(env.store, res.ref)
+    assert "node_modules" not in paths and "pkg/old.pyc" not in paths
+    assert "pkg/lib/__pycache__" not in paths and "pkg/lib/util.py" in paths
+    assert overlay_listing(ov, with_ino=True) == before  # still there, same inodes
+    env.sound()
+    assert checkpoint_overlay(ov).ref == res.ref
+    ov = env.remount()
+    assert overlay_listing(ov, with_ino=True) == before
+    assert read(ov, "pkg/old.pyc") == b"\x00old"
+    write(ov, "node_modules/left-pad/index.js", b"changed\n")
+    assert checkpoint_overlay(ov).ref == res.ref
+    env.sound()
+
+
+def test_a_whiteout_of_an_excluded_lower_path(tmp_path: Path) -> None:
+    env = Env(tmp_path, seed_extra=True)
+    ov = env.mount()
+    ov.unlink(ov.resolve("pkg").ino, b"old.pyc")
+    ref = checkpoint_overlay(ov).ref
+    assert "pkg/old.pyc" not in tree_paths(env.store, ref)
+    env.sound()
+    with pytest.raises(OSError):
+        ov.resolve("pkg/old.pyc")
+    ov = env.remount()
+    with pytest.raises(OSError):
+        ov.resolve("pkg/old.pyc")
+
+
+def test_renames_into_and_out_of_excluded_paths(env: Env) -> None:
+    ov = env.ov
+    assert ov is not None
+    npm_install(ov)
+    ref0 = checkpoint_overlay(ov).ref
+    nm = ov.resolve("node_modules").ino
+    pkg = ov.resolve("pkg").ino
+    # a lower file moves into an excluded directory, an excluded file moves out
+    ov.rename(pkg, b"main.py", nm, b"main.py")
+    ov.rename(ov.resolve("node_modules/left-pad").ino, b"package.json", pkg, b"package.json")
+    ref = checkpoint_overlay(ov).ref
+    paths = tree_paths(env.store, ref)
+    assert "pkg/main.py" not in paths and "pkg/package.json" in paths
+    assert ref != ref0
+    env.sound()
+    # the same name made again in pkg is its own file, not the one in node_modules
+    write(ov, "pkg/main.py", b"new\n")
+    checkpoint_overlay(ov)
+    env.sound()
+    ov = env.remount()
+    assert read(ov, "node_modules/main.py") == b"print(1)\n"
+    assert read(ov, "pkg/main.py") == b"new\n"
+    assert ov.resolve("node_modules/main.py").ino != ov.resolve("pkg/main.py").ino
+    # a whole lower directory moved into an excluded one
+    ov.rename(pkg, b"lib", nm, b"lib")
+    ref2 = checkpoint_overlay(ov).ref
+    assert "pkg/lib" not in tree_paths(env.store, ref2)
+    mkdirs(ov, "pkg/lib")
+    write(ov, "pkg/lib/util.py", b"x = 1\n")
+    checkpoint_overlay(ov)
+    env.sound()
+    assert ov.resolve("pkg/lib/util.py").ino != ov.resolve("node_modules/lib/util.py").ino
+
+
+def test_hard_links_across_the_boundary(env: Env) -> None:
+    ov = env.ov
+    assert ov is not None
+    npm_install(ov)
+    src = ov.resolve("pkg/main.py")
+    ov.link(src.ino, ov.resolve("node_modules").ino, b"main.py")
+    ref = checkpoint_overlay(ov).ref
+    listing = tree_listing(env.store, ref)
+    assert b"pkg/main.py" in listing and listing[b"pkg/main.py"].nlink == 1
+    assert b"node_modules/main.py" not in listing
+    env.sound()
+    a, b = ov.resolve("pkg/main.py"), ov.resolve("node_modules/main.py")
+    assert a is b and a.nlink == 2
+    ov = env.remount()
+    a, b = ov.resolve("pkg/main.py"), ov.resolve("node_modules/main.py")
+    assert a.ino == b.ino and a.nlink == 2
+    fh = ov.open(a.ino, os.O_WRONLY | os.O_TRUNC)
+    ov.write(fh, 0, b"both\n")
+    ov.release(fh)
+    assert read(ov, "node_modules/main.py") == b"both\n"
+    ref2 = checkpoint_overlay(ov).ref
+    assert tree_listing(env.store, ref2)[b"pkg/main.py"].digest != listing[b"pkg/main.py"].digest
+    env.sound()
+
+
+def test_restore_keeps_excluded_paths_and_fills_in_missing_ones(tmp_path: Path) -> None:
+    env = Env(tmp_path, seed_extra=True)
+    ov = env.mount()
+    seed = env.seed  # holds node_modules/left-pad, pkg/old.pyc, pkg/lib/__pycache__
+    npm_install(ov, "pkg")
+    write(ov, "node_modules/left-pad/index.js", b"live\n")
+    ov.unlink(ov.resolve("pkg").ino, b"old.pyc")
+    write(ov, "pkg/main.py", b"print(2)\n")
+    ref = checkpoint_overlay(ov).ref
+    nm_ino = ov.resolve("pkg/node_modules/left-pad/index.js").ino
+    restore_overlay(ov, seed)
+    env.sound()
+    assert read(ov, "pkg/main.py") == b"print(1)\n"  # the tree is the seed's
+    assert read(ov, "node_modules/left-pad/index.js") == b"live\n"  # live one kept
+    assert ov.resolve("pkg/node_modules/left-pad/index.js").ino == nm_ino  # as it was
+    assert read(ov, "pkg/old.pyc") == b"\x00old"  # the live tree had none: the seed's
+    # the next checkpoint still leaves every excluded path out
+    ref2 = checkpoint_overlay(ov).ref
+    assert not [p for p in tree_paths(env.store, ref2) if "node_modules" in p
+                or p.endswith(".pyc") or "__pycache__" in p]
+    env.sound()
+    restore_overlay(ov, ref)
+    assert read(ov, "pkg/main.py") == b"print(2)\n"
+    assert read(ov, "pkg/node_modules/left-pad/index.js") == b"module.exports = 2\n"
+    ov = env.remount()
+    assert read(ov, "pkg/old.pyc") == b"\x00old"
+    env.sound()
+
+
+def test_restore_to_a_tree_without_the_excluded_paths_parent(env: Env) -> None:
+    ov = env.ov
+    assert ov is not None
+    mkdirs(ov, "app")
+    write(ov, "app/index.js", b"1\n")
+    npm_install(ov, "app")
+    checkpoint_overlay(ov)
+    restore_overlay(ov, env.seed)  # the seed has no app/
+    env.sound()
+    assert read(ov, "app/node_modules/left-pad/index.js") == b"module.exports = 2\n"
+    with pytest.raises(OSError):
+        ov.resolve("app/index.js")
+    assert ov.resolve("app").kind is Kind.DIR
+    ov = env.remount()
+    assert read(ov, "app/node_modules/.bin/x") == b"#!/bin/sh\n"
+
+
+def test_without_patterns_nothing_is_kept(env: Env) -> None:
+    ov = env.ov
+    assert ov is not None
+    ov.close()
+    ov = env.mount(())  # the patterns removed: node_modules is ordinary data again
+    npm_install(ov)
+    ref = checkpoint_overlay(ov).ref
+    assert "node_modules/left-pad/index.js" in tree_paths(env.store, ref)
