@@ -157,6 +157,11 @@ class Plan:
     full_walk: bool = False
     groups: bool = False
     kept: list[Kept] = field(default_factory=list)  # excluded entries of planned dirs
+    # The lower content excluded files kept in the upper still read (one entry per file,
+    # named by its inode number): ``build`` stores it as a tree the upper records
+    # (``kept_tree``), so GC keeps those chunks once no Ref in the list holds them.
+    kept_pins: list[Entry] = field(default_factory=list)
+    kept_tree: ObjectId | None = None
     # upper files with names both frozen and kept (hard links across the boundary):
     # node -> (the node, where its first frozen name is planned (DirPlan, entry index,
     # name), the number of its frozen names, the directory holding that name)
@@ -496,6 +501,15 @@ def plan(ov: Overlay) -> Plan:
     p = _Planner(ov, dirty, groups).run()
     p.uppers = uppers
     p.upper_inos = {n.ino for n in uppers}
+    if ov.exclude is not None or ov.kept_tree is not None:
+        placed = {pl.ino for pl in p.placements}
+        kept = {k.node.ino: k.node for k in p.kept}
+        kept.update((n.ino, n) for n in uppers if n.nlink > 0 and n.ino not in placed
+                    and n.ino != ROOT_INO)
+        p.kept_pins = [Entry(str(ino).encode(), Kind.FILE, 0o600, 0, 0, 0, n.lower_len,
+                             chunks=n.lower_chunks)
+                       for ino, n in sorted(kept.items())
+                       if n.kind is Kind.FILE and n.lower_len > 0]
     return p
 
 
@@ -706,6 +720,8 @@ def build(p: Plan, store: Store, w: Sink) -> Ref:
     Safe in a worker thread: reads only the plan, the data files and the store."""
     if p.unchanged:
         return p.base
+    if p.kept_pins:
+        p.kept_tree = w.put_tree(p.kept_pins)
     for dp in p.dirs:
         ents = dp.entries
         for idx, job in dp.files.items():
@@ -749,6 +765,7 @@ class Rebase:
     full_rows: list[tuple[object, ...]] = field(default_factory=list)
     dentries: list[tuple[int, bytes, int, int]] = field(default_factory=list)
     graft: Graft | None = None
+    kept_tree: str | None = None  # the ``kept_tree`` meta to record (None: leave it)
 
 
 @dataclass
@@ -995,6 +1012,8 @@ def prepare(ov: Overlay, p: Plan, ref: Ref) -> Rebase:
             _set_pin(ov, rb, o, pl.ino, pl.ctime_ns)
     assert p.root.tree_id is not None
     kept_rows(ov, rb, p.root.tree_id, p.uppers)
+    if ov.exclude is not None or ov.kept_tree is not None:
+        rb.kept_tree = str(Ref(p.kept_tree)) if p.kept_tree is not None else ""
     if p.kept or p.cross:
         tree_of: dict[int, ObjectId] = {}
         for dp in p.dirs:
@@ -1068,6 +1087,9 @@ def reset_upper(upper: Upper, rb: Rebase) -> None:
         c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [
             ("base", str(rb.ref)), ("next_ino", str(rb.next_ino)),
             ("next_cookie", str(rb.next_cookie)), ("held_lowers", " ".join(rb.held))])
+        if rb.kept_tree is not None:
+            c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('kept_tree', ?)",
+                      (rb.kept_tree,))
 
     upper.transact(body, durable=True)
     upper.failing = False
@@ -1131,6 +1153,8 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     if root.upper:
         root.entries = {}
     _forget_origins(ov, p.uppers)
+    if rb.kept_tree is not None:
+        ov.kept_tree = Ref.parse(rb.kept_tree) if rb.kept_tree else None
     if rb.graft is not None:
         graft_apply(ov, rb.graft)
         for dp in p.dirs:  # what the walk made: no excluded path left in these trees

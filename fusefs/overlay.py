@@ -49,7 +49,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterator
 
 from store import chunker
-from store.ref import ObjectId
+from store.ref import ObjectId, Ref
 from store.tree import NAME_MAX, ChunkList, Entry, Kind, decode_runs, encode_runs
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
@@ -229,7 +229,7 @@ class Overlay:
         self.exclude_patterns: tuple[str, ...] = ()
         self.exclude: Callable[[str], bool] | None = None
         self.excluded_trees: dict[tuple[bytes, bytes], bool] = {}
-        self.kept_lowers: set[str] = set()  # lowers read by rows kept for excluded paths
+        self.kept_tree: Ref | None = None  # pins what kept excluded files read (GC)
         if upper is not None:
             self._load(upper.load())
         if ROOT_INO not in self.nodes:
@@ -256,7 +256,8 @@ class Overlay:
             self.exclude_patterns = tuple(json.loads(s.meta["exclude"]))
             self.exclude = PathPolicy(exclude=self.exclude_patterns,
                                       source="the upper's exclude patterns").matcher("exclude")
-        self.kept_lowers = set((s.meta.get("kept_lowers") or "").split())
+        if s.meta.get("kept_tree"):
+            self.kept_tree = Ref.parse(s.meta["kept_tree"])
         for r in s.inodes:
             n = Node(r["ino"], Kind(r["kind"]), r["mode"], r["uid"], r["gid"], 0)
             n.atime_ns, n.mtime_ns, n.ctime_ns = r["atime_ns"], r["mtime_ns"], r["ctime_ns"]

@@ -162,8 +162,9 @@ TABLES: dict[str, dict[str, str]] = {
                "(the session's caps on upper content bytes and inode rows; absent or 0: "
                "none), exclude (JSON list of the session's exclude patterns, gitignore "
                "syntax: paths kept in the upper across checkpoints, in no Ref), "
-               "kept_lowers (space-separated Refs of lowers whose chunks rows of excluded "
-               "files kept from them still read: GC keeps them).",
+               "kept_tree (the Ref of a tree listing the lower content that rows of "
+               "excluded files kept across checkpoints still read, one entry per inode: "
+               "GC keeps it; empty when there is none).",
         "value": "text value.",
     },
     "inodes": {

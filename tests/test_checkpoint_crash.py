@@ -16,7 +16,10 @@ import pytest
 from ckpt_support import client, recorded_base
 
 from fusefs.checkpoint import CRASH_ENV, POINTS
+from store.browse import resolve
+from store.errors import SnapshotNotFoundError
 from store.objects import Store
+from store.ref import Ref
 from store.snapshot import compute_ref
 
 pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
@@ -99,3 +102,61 @@ def test_kill9_during_restore(point: str, discard: bool, mounter: fh.Mounter,
             assert base == old  # the pre-restore checkpoint is the base now
     r = client(m).restore(old if now == lower_ref and not discard else lower_ref)
     assert str(compute_ref(m)) == r["ref"]
+
+
+def excluding_state(mounter: fh.Mounter, ref: str, patterns: tuple[str, ...]) -> Path:
+    """A new state directory over ``ref`` whose upper records ``patterns`` as the session's
+    exclude patterns (as a session records its spec's)."""
+    from fusefs.upper import Upper
+
+    state = mounter.base / f"xstate{len(patterns)}"
+    st = Store(mounter.store)
+    try:
+        up = Upper.open(str(state), store_root=st.root, chunk_size=st.chunk_size,
+                        ref=Ref.parse(ref))
+        up.set_exclude(patterns)
+        up.close()
+    finally:
+        st.close()
+    return state
+
+
+@pytest.mark.parametrize("point", [p for p in POINTS if p.startswith("checkpoint.")])
+def test_kill9_during_checkpoint_keeps_excluded_paths(
+        point: str, mounter: fh.Mounter, fuse_store: Path, lower_ref: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With exclude patterns the reset keeps the excluded entries in the upper in the same
+    transaction: killed at any step, the mount comes back whole, excluded files included,
+    on the old base or on the new one (which holds none of them)."""
+    state = excluding_state(mounter, lower_ref, ("node_modules/",))
+    monkeypatch.setenv(CRASH_ENV, point)
+    try:
+        d = mounter.rw(lower_ref, state=state)
+    finally:
+        monkeypatch.delenv(CRASH_ENV)
+    m = d.mnt
+    make_changes(m)
+    (m / "dir" / "node_modules" / "pkg").mkdir(parents=True)
+    (m / "dir" / "node_modules" / "pkg" / "index.js").write_bytes(b"kept\n")
+    with open(m / "node_modules.sync", "wb") as f:  # not excluded: a file, not a directory
+        f.write(b"x")
+        f.flush()
+        os.fsync(f.fileno())
+    whole = str(compute_ref(m))
+    with pytest.raises(OSError):
+        client(m).checkpoint()
+    mounter.kill9(d)
+    mounter.restart(d)
+    assert str(compute_ref(m)) == whole  # everything, excluded paths included
+    assert (m / "dir" / "node_modules" / "pkg" / "index.js").read_bytes() == b"kept\n"
+    ref = client(m).checkpoint()["ref"]
+    st = Store(fuse_store)
+    try:
+        with pytest.raises(SnapshotNotFoundError):
+            resolve(st, ref, "dir/node_modules")
+        assert resolve(st, ref, "node_modules.sync") is not None
+        base = recorded_base(d.state)  # type: ignore[arg-type]
+        assert base == ref
+    finally:
+        st.close()
+    assert (m / "dir" / "node_modules" / "pkg" / "index.js").read_bytes() == b"kept\n"

@@ -325,3 +325,35 @@ def test_without_patterns_nothing_is_kept(env: Env) -> None:
     npm_install(ov)
     ref = checkpoint_overlay(ov).ref
     assert "node_modules/left-pad/index.js" in tree_paths(env.store, ref)
+
+
+def test_gc_keeps_what_kept_excluded_files_read(tmp_path: Path) -> None:
+    """An excluded file of the seed is kept in the upper reading the seed's chunks; once no
+    listed Ref holds them (the seed forgotten), GC still keeps them for the upper."""
+    from fusefs.session.fusetree import pinned_refs, register_state_dir
+    from store.gc import gc
+
+    env = Env(tmp_path, seed_extra=True)
+    ov = env.mount()
+    big = os.urandom(3 * CS + 5)  # several chunks of its own, in the seed alone
+    write(ov, "pkg/lib/util.py", b"x = 3\n")
+    checkpoint_overlay(ov)
+    ov.close()
+    # a seed whose excluded file is large, then the seed forgotten
+    src = tmp_path / "src2"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg/big.pyc").write_bytes(big)
+    seed2 = snapshot(env.store, src)
+    env.state = str(tmp_path / "state2")
+    env.seed = seed2
+    ov = env.mount()
+    ref = checkpoint_overlay(ov).ref
+    assert "pkg/big.pyc" not in tree_paths(env.store, ref)
+    ov.commit(durable=True)
+    register_state_dir(env.store, env.state)
+    assert env.store.forget(seed2)
+    gc(env.store, state_dirs_reader=pinned_refs)
+    assert read(ov, "pkg/big.pyc") == big
+    ov = env.remount()
+    assert read(ov, "pkg/big.pyc") == big
+    env.sound()

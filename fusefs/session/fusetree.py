@@ -138,8 +138,9 @@ def upper_base(d: str) -> Ref | None:
 
 def pinned_refs(d: str) -> list[Ref]:
     """What the upper in state directory ``d`` pins for GC: its base, every lower tree a
-    row shows through (as Refs of those trees), and the older lowers its daemon still serves
-    to detached inodes (``held_lowers``: files unlinked or removed by a restore while open).
+    row shows through (as Refs of those trees), the older lowers its daemon still serves
+    to detached inodes (``held_lowers``: files unlinked or removed by a restore while open),
+    and the tree of what excluded files kept across checkpoints still read (``kept_tree``).
     An existing directory without an upper pins nothing; a missing directory or an
     unreadable upper raises (GC fails closed)."""
     if not os.path.isdir(d):
@@ -152,12 +153,13 @@ def pinned_refs(d: str) -> list[Ref]:
         trees = c.execute("SELECT DISTINCT lower_tree FROM inodes "
                           "WHERE lower_tree IS NOT NULL").fetchall()
         held = c.execute("SELECT value FROM meta WHERE key='held_lowers'").fetchone()
+        kept = c.execute("SELECT value FROM meta WHERE key='kept_tree'").fetchone()
     finally:
         c.close()
     if row is None:
         raise ValueError(f"the upper in {d} records no base")
     out = [Ref.parse(row[0])]
-    for text in (held[0].split() if held else []):
+    for text in (held[0].split() if held else []) + (kept[0].split() if kept else []):
         r = Ref.parse(text)
         if r not in out:
             out.append(r)
