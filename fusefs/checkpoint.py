@@ -57,7 +57,7 @@ from store.snapshot import link_group_id
 from store.tree import ChunkList, Entry, Kind, Tree, encode_runs, tree_version
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
-from .overlay import Overlay, row_of
+from .overlay import Overlay, held_bytes, row_of
 from .upper import INODE_COLUMNS, ROW_COLUMNS, Upper, _apply, bitmap
 
 CRASH_ENV = "REWINDFS_CRASH_AT"
@@ -762,6 +762,9 @@ class Rebase:
     # entries and the directories holding them), and the dentries of those directories.
     keep: set[int] = field(default_factory=set)
     keep_dentries: set[int] = field(default_factory=set)  # directories whose dentries stay
+    # with kept entries, the rows the reset deletes (every other row stays): O(changes)
+    drop: set[int] = field(default_factory=set)
+    was_upper: set[int] = field(default_factory=set)  # inodes with a row before the plan
     full_rows: list[tuple[object, ...]] = field(default_factory=list)
     dentries: list[tuple[int, bytes, int, int]] = field(default_factory=list)
     graft: Graft | None = None
@@ -892,7 +895,15 @@ def graft_rows(ov: Overlay, rb: Rebase, kept: list[Kept], tree_of: dict[int, Obj
                                          else n.lower_links))
     rb.keep -= g.cleared
     rb.keep_dentries = (rb.keep | g.cleared | set(roots)) - set(chain)
+    rb.drop = (rows_now(ov) | frozen | set(chain)) - rb.keep - g.cleared - set(roots)
     rb.graft = g
+
+
+def rows_now(ov: Overlay, also: Iterable[int] = ()) -> set[int]:
+    """Inodes that may have a row in the upper's database: the nodes with an upper row in
+    memory, those whose row deletion is not written yet, and ``also``."""
+    return ({n.ino for n in ov.nodes.values() if n.upper}
+            | {i for i in ov._dirty_ino if i not in ov.nodes} | set(also))
 
 
 def graft_apply(ov: Overlay, g: Graft) -> None:
@@ -900,6 +911,8 @@ def graft_apply(ov: Overlay, g: Graft) -> None:
     nodes = ov.nodes
     for ino, (tid, origin, nlink, mine) in g.dirs.items():
         d = nodes[ino]
+        if not d.upper and ino != ROOT_INO:
+            ov.used_inodes += 1  # a row again (its own, holding kept entries)
         d.upper = True
         d.lower_tree = tid
         d.nlink = nlink
@@ -925,6 +938,7 @@ def graft_apply(ov: Overlay, g: Graft) -> None:
                 n.nlink = g.nlink[ino]
         n.lower_links = links
         if not n.upper:
+            ov.used_inodes += 1
             n.upper = True
             if n.kind is Kind.DIR and n.entries is None:
                 n.entries = {}
@@ -999,6 +1013,7 @@ def prepare(ov: Overlay, p: Plan, ref: Ref) -> Rebase:
     rb = Rebase(ref)
     if p.unchanged:
         return rb
+    rb.was_upper = p.upper_inos
     seen: set[int] = set()
     for pl in p.placements:
         if pl.ino == ROOT_INO or pl.ino in seen:
@@ -1048,16 +1063,10 @@ def reset_upper(upper: Upper, rb: Rebase) -> None:
             # waits in the spill, then drop every other row.
             for x in pending:
                 _apply(c, x)
-            c.execute("CREATE TEMP TABLE IF NOT EXISTS kept_inos (ino INTEGER PRIMARY KEY)")
-            c.execute("DELETE FROM kept_inos")
-            c.executemany("INSERT INTO kept_inos(ino) VALUES (?)",
-                          [(i,) for i in rb.keep_dentries])
-            c.execute("DELETE FROM dentries WHERE parent NOT IN (SELECT ino FROM kept_inos)")
-            c.execute("DELETE FROM kept_inos")
-            c.executemany("INSERT INTO kept_inos(ino) VALUES (?)", [(i,) for i in rb.keep])
-            c.execute("DELETE FROM inodes WHERE ino NOT IN (SELECT ino FROM kept_inos)")
-            c.execute("DELETE FROM xattrs WHERE ino NOT IN (SELECT ino FROM kept_inos)")
-            c.execute("DELETE FROM kept_inos")
+            gone = [(i,) for i in rb.drop]
+            c.executemany("DELETE FROM dentries WHERE parent=?", gone)
+            c.executemany("DELETE FROM inodes WHERE ino=?", gone)
+            c.executemany("DELETE FROM xattrs WHERE ino=?", gone)
         else:
             c.execute("DELETE FROM dentries")
             c.execute("DELETE FROM inodes")
@@ -1121,6 +1130,16 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     ov.hold(ov.readers_of_lower(), str(ov.lower.ref))
     switch_lower(ov, rb.ref)
     done: set[int] = set(rb.graft.cross) if rb.graft is not None else set()
+    if rb.graft is not None:  # the quota counts, less what the frozen rows held
+        cs = ov.cs
+        for pl in p.placements:
+            n = pl.node
+            if (n is not None and n.upper and n.ino not in done and n.ino != ROOT_INO
+                    and ov.nodes.get(n.ino) is n and n.nlink > 0):
+                done.add(n.ino)
+                ov.used_inodes -= 1
+                ov.used_bytes -= held_bytes(n, cs)
+        done = set(rb.graft.cross)
     for pl in p.placements:
         n = pl.node
         if n is None or n.ino in done or ov.nodes.get(n.ino) is not n:
@@ -1157,6 +1176,7 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
         ov.kept_tree = Ref.parse(rb.kept_tree) if rb.kept_tree else None
     if rb.graft is not None:
         graft_apply(ov, rb.graft)
+    if ov.exclude is not None:
         for dp in p.dirs:  # what the walk made: no excluded path left in these trees
             if dp.tree_id is not None:
                 ov.excluded_trees[(bytes(dp.tree_id), dp.path)] = False
@@ -1167,7 +1187,8 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     ov._dirty_xattr = {i for i in ov._dirty_xattr if i in kept or i in below}
     ov._dirty_data = {i for i in ov._dirty_data if i in kept or i in below}
     # what the upper still holds counts against the quotas
-    ov.recount(p.uppers if rb.graft is None else None)
+    if rb.graft is None:
+        ov.recount(p.uppers)
     # Open directory handles keep the trees and names their listing started with
     # (``DirHandle``): a listing in progress goes on in its own cookies.
 

@@ -528,7 +528,7 @@ def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None)
     the freeze that cleaned the overlay (its kept rows). A kept entry whose directory the
     target does not hold as a directory is given up (``keep_target`` made every other one
     exist). Event-loop thread; before the reset commits."""
-    from .checkpoint import Graft, _below_kept, _set_col
+    from .checkpoint import Graft, _below_kept, _set_col, rows_now
     from .overlay import row_of
 
     rb = sp.rebase
@@ -602,6 +602,8 @@ def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None)
         for ino in prev.graft.cleared & rb.keep:  # (a discard's freeze: not yet written)
             rb.full_rows.append(row_of(nodes[ino]))
     rb.keep_dentries = (rb.keep | set(roots)) - set(where)
+    rb.drop = rows_now(ov, (prev.was_upper if prev is not None else ()) or ()) \
+        - rb.keep - set(roots)
     rb.next_cookie = ov.next_cookie
     rb.graft = g
 

@@ -69,6 +69,9 @@ class Env:
     def sound(self) -> None:
         assert self.ov is not None
         self.ov.commit(durable=True)
+        used = (self.ov.used_bytes, self.ov.used_inodes)  # quotas count kept paths right
+        self.ov.recount()
+        assert (self.ov.used_bytes, self.ov.used_inodes) == used
         probs = check(self.state, self.store)
         assert probs == [], [str(p) for p in probs]
 
