@@ -51,6 +51,7 @@ class Lower:
         self._groups: dict[bytes, int] | None = None
         # Where chunks are stored (read_object re-locates one that GC moved meanwhile).
         self._locs: dict[bytes, Location] = {}
+        self._pages: dict[bytes, int | None] = {}  # chunk id -> data pages (None: unknown)
 
     @property
     def root_tree(self) -> ObjectId:
@@ -86,6 +87,20 @@ class Lower:
                         groups[e.link_group] = groups.get(e.link_group, 0) + 1
             self._groups = groups
         return max(1, self._groups.get(group, 1))
+
+    def data_pages(self, cids: Iterable[bytes]) -> dict[bytes, int]:
+        """Data pages (``store.chunker.data_pages``) of each chunk of ``cids`` whose count
+        this host recorded (cached here; one query for the ids not cached yet). Ids
+        without a record are left out: the caller counts all their pages."""
+        ids = set(cids)
+        want = [c for c in ids if c not in self._pages]
+        if want:
+            found = self.store.chunk_pages(want)
+            if len(self._pages) + len(want) > 1 << 16:
+                self._pages.clear()
+            for c in want:
+                self._pages[c] = found.get(c)
+        return {c: n for c in ids if (n := self._pages.get(c)) is not None}
 
     # -- chunks --------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ import os
 import stat
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from store import chunker
 from store.ref import ObjectId, Ref
@@ -710,17 +710,24 @@ class Overlay:
 
     def blocks(self, n: Node) -> int:
         """``st_blocks`` of ``n``: the 512-byte units of data it holds, as a file system
-        with holes counts them (tmpfs, ext4), not its logical size. Lower content counts
-        per chunk that is not a hole (a zero chunk); upper content is what its data file
-        allocates on the state directory's file system, inline content its length."""
+        with holes counts them (tmpfs, ext4), not its logical size, in whole 4 KiB pages
+        as tmpfs allocates them. Lower content counts the pages of its chunks that hold a
+        non-zero byte (recorded per chunk when it was written, ``Lower.data_pages``; a
+        chunk written elsewhere counts all its pages, a hole none), upper content what
+        its data file allocates on the state directory's file system, inline content its
+        data pages too. So a file shows the same count before and after a checkpoint, in a
+        read-write and a read-only mount alike (except pages of zeros it wrote, which
+        count as holes once checkpointed)."""
         if n.kind is not Kind.FILE:
             return 0
+        page_blocks = chunker.PAGE_SIZE // 512
         if n.inline is not None and n.upper:
-            return (len(n.inline) + 511) // 512
-        held = 0
+            return chunker.data_pages(n.inline) * page_blocks
+        blocks = 0
         if n.lower_len:
-            held = lower_held(n.lower_chunks, n.lower_len, n.present, self.cs)
-        blocks = (held + 511) // 512
+            known = self.lower.data_pages(cid for cid, _k in n.lower_chunks.runs())
+            blocks = page_blocks * lower_pages(n.lower_chunks, n.lower_len, n.present,
+                                               self.cs, known)
         if n.has_data and self.upper is not None:
             try:
                 st = (os.fstat(n.fd) if n.fd is not None
@@ -1555,32 +1562,39 @@ def _pwrite_all(fd: int, data: bytes | bytearray, off: int) -> None:
         done += os.pwrite(fd, data[done:] if done else data, off + done)
 
 
-def lower_held(chunks: ChunkList, lower_len: int, present: set[int], cs: int) -> int:
-    """Bytes of ``[0, lower_len)`` held by lower chunks that are neither copied up (in
-    ``present``) nor holes (the zero chunk of their length). O(runs + present)."""
+def lower_pages(chunks: ChunkList, lower_len: int, present: set[int], cs: int,
+                known: Mapping[bytes, int]) -> int:
+    """4 KiB pages (``chunker.PAGE_SIZE``) of ``[0, lower_len)`` that hold data in lower
+    chunks not copied up (not in ``present``): per chunk, its data pages as recorded in
+    ``known`` (``Lower.data_pages``), else every page of it; a hole (a zero chunk) none.
+    O(runs + present)."""
     slots = -(-lower_len // cs)
     full = chunker.zero_chunk_id(cs)
     last = slots - 1
     tail = lower_len - last * cs  # length of the last slot
-    held = 0
+
+    def pages(cid: bytes, ln: int) -> int:
+        if cid == full or cid == chunker.zero_chunk_id(ln):
+            return 0
+        n = -(-ln // chunker.PAGE_SIZE)
+        got = known.get(cid)
+        return n if got is None else min(got, n)
+
+    total = 0
     for first, k, cid in chunks.spans():
         if first >= slots:
             break
         k = min(k, slots - first)
         if cid == full:
             continue
-        held += k * cs
         if first + k - 1 == last:
-            held -= cs - tail
-            if k == 1 and cid == chunker.zero_chunk_id(tail):
-                held -= tail
+            total += (k - 1) * pages(cid, cs) + pages(cid, tail)
+        else:
+            total += k * pages(cid, cs)
     for i in present:
         if i < slots:
-            cid = chunks[i]
-            ln = tail if i == last else cs
-            if cid != full and cid != chunker.zero_chunk_id(ln):
-                held -= ln
-    return held
+            total -= pages(chunks[i], tail if i == last else cs)
+    return total
 
 
 _SYNCFS_ABOVE = 8  # more unsynced files than this: one syncfs(2) beats one fsync each

@@ -43,7 +43,7 @@ def zero_chunk_id(length: int) -> ObjectId:
     return object_id(zeros(length))
 
 
-def is_zero(data: bytes) -> bool:
+def is_zero(data: bytes | bytearray) -> bool:
     """True if ``data`` is all zero bytes (a chunk that can be written as a hole)."""
     n = len(data)
     if not n:
@@ -51,3 +51,28 @@ def is_zero(data: bytes) -> bool:
     if data[0] or data[-1] or data[n >> 1]:
         return False
     return data == zeros(n)
+
+
+PAGE_SIZE = 4096
+"""The page ``data_pages`` counts in (what tmpfs allocates)."""
+
+
+def data_pages(data: bytes | bytearray) -> int:
+    """Number of ``PAGE_SIZE`` pages of ``data`` (from its start; the last one may be
+    short) that hold a non-zero byte: the pages a file system with holes (tmpfs, ext4)
+    allocates for it when only its non-zero pages are written. O(len(data))."""
+    n = len(data)
+    pages = -(-n // PAGE_SIZE)
+    zero = zeros(PAGE_SIZE)
+    if zero not in data:  # no run of a page of zeros anywhere: at most the short tail
+        tail = n % PAGE_SIZE
+        return pages - 1 if tail and is_zero(data[n - tail:]) else pages
+    data = bytes(data)
+    held = 0
+    for off in range(0, n - PAGE_SIZE + 1, PAGE_SIZE):
+        if data[off:off + PAGE_SIZE] != zero:
+            held += 1
+    tail = n % PAGE_SIZE
+    if tail and not is_zero(data[n - tail:]):
+        held += 1
+    return held

@@ -30,9 +30,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import schema
+from . import chunker, schema
 from .backend import BlobBackend, LocalDirBackend, check_key
-from .catalog import Catalog, SQLiteCatalog, sqlite_full
+from .catalog import Catalog, SQLiteCatalog, sqlite_full, write_transaction
 from .errors import (
     BlobNotFoundError,
     FencedError,
@@ -223,6 +223,18 @@ class Store:
         self.catalog.set_config(key, value)
 
     # -- reading ---------------------------------------------------------------------
+
+    def chunk_pages(self, ids: list[bytes]) -> dict[bytes, int]:
+        """The data pages (``chunker.data_pages``) this host recorded for each chunk of
+        ``ids`` that it wrote or put again (``chunk_pages``, a cache); ids without a row
+        are left out (one query per 500 ids)."""
+        out: dict[bytes, int] = {}
+        c = self.conn
+        for i in range(0, len(ids), 500):
+            batch = ids[i:i + 500]
+            out.update(c.execute("SELECT id, pages FROM chunk_pages WHERE id IN (" +
+                                 ",".join("?" * len(batch)) + ")", batch).fetchall())
+        return out
 
     def has(self, oid: ObjectId) -> bool:
         return self.catalog.has(oid)
@@ -535,6 +547,7 @@ class Writer:
         self._rows: list[Location] = []
         self._packs: list[tuple[str, int, int]] = []
         self._builder = PackBuilder(self._emit, level=store.level)
+        self._pages: dict[bytes, int] = {}  # chunk id -> data pages, for chunk_pages
         self.packs_written = 0
         self.bytes_written = 0
 
@@ -566,7 +579,10 @@ class Writer:
         """Store ``data`` under ``oid`` (its id, computed by the caller) unless known;
         ``encoded``: its record made beforehand (``pack.encode_chunk``). Returns False if
         it was known (``known``), True if it is written or, on a shared catalog, waits for
-        its batched look-up."""
+        its batched look-up. A chunk's data pages (``chunker.data_pages``) are recorded
+        in this host's ``chunk_pages`` at ``commit``, known or not."""
+        if kind is ObjKind.CHUNK and oid not in self._pages:
+            self._pages[oid] = chunker.data_pages(data)
         if self.known(oid):
             return False
         self._pending.add(oid)
@@ -604,10 +620,14 @@ class Writer:
         """Flush packs, one durable barrier, then commit their index rows in one transaction."""
         self._check()
         self._builder.flush()
-        if not self._rows:
-            return
-        self.store.backend.sync()
-        self.store.catalog.add_objects(self._rows, self._packs)
-        self._rows = []
-        self._packs = []
-        self._pending.clear()
+        if self._rows:
+            self.store.backend.sync()
+            self.store.catalog.add_objects(self._rows, self._packs)
+            self._rows = []
+            self._packs = []
+            self._pending.clear()
+        if self._pages:
+            with write_transaction(self.store.conn, self.store.index_path) as c:
+                c.executemany("INSERT OR IGNORE INTO chunk_pages(id, pages) VALUES (?, ?)",
+                              self._pages.items())
+            self._pages = {}

@@ -10,7 +10,7 @@ On a shared store (store/config.py) the catalog tables (``objects``, ``packs``,
 ``snapshots``, ``journal``, ``named_refs``, ``state_dirs`` with a ``host`` column,
 ``sessions``, ``leases``, ``config``) live in the PostgreSQL catalog instead
 (store/pgcatalog.py, its own versioned migrations), read and written only through
-store/catalog.py; this host's file keeps ``files_cache`` and ``dirs_cache``, trusted against
+store/catalog.py; this host's file keeps ``files_cache``, ``dirs_cache`` and ``chunk_pages``, trusted against
 the catalog's object index.
 
 Invariants, each checked by ``verify`` (store/verify.py, which keeps the same list in
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # table -> (column -> comment). The comments are the documentation of the schema.
 TABLES: dict[str, dict[str, str]] = {
@@ -120,6 +120,13 @@ TABLES: dict[str, dict[str, str]] = {
                              "the row exists only if every mtime and ctime it depends on is "
                              "older, and never for a directory with a hard-linked file below.",
     },
+    "chunk_pages": {
+        "id": "32-byte id of a chunk written (or put again) through this host (primary "
+              "key). Only a cache: a chunk without a row counts all its pages.",
+        "pages": "4 KiB pages of the chunk's plaintext that hold a non-zero byte "
+                 "(store.chunker.data_pages): what st_blocks counts of it, as a file "
+                 "system with holes counts allocated pages.",
+    },
     "config": {
         "key": "setting name (primary key): schema_version, unverified_rebuild, ...",
         "value": "setting value as text.",
@@ -178,6 +185,8 @@ def create(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE TABLE dirs_cache (path BLOB PRIMARY KEY NOT NULL, own BLOB, "
                  "subdirs BLOB, others BLOB, stat_digest BLOB, children_digest BLOB, "
                  "tree_id BLOB, trusted_before_ns INTEGER) WITHOUT ROWID")
+    conn.execute("CREATE TABLE IF NOT EXISTS chunk_pages (id BLOB PRIMARY KEY NOT NULL, "
+                 "pages INTEGER NOT NULL) WITHOUT ROWID")
     db.table("config").create({"key": str, "value": str}, pk="key", if_not_exists=True)
     db.table("leases").create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
                         pk="name", if_not_exists=True)

@@ -189,13 +189,33 @@ def test_st_blocks_of_a_sparse_file_counts_data_not_holes(
     assert 8 <= st.st_blocks <= 64, st.st_blocks
     dense = d.mnt / "dense"
     dense.write_bytes(b"z" * 100_000)
+    (d.mnt / "one").write_bytes(b"1")
+    gappy = d.mnt / "gappy"  # data, a page-sized hole, data: in one chunk
+    with open(gappy, "wb") as f:
+        f.write(b"a" * 4096)
+        f.seek(8192)
+        f.write(b"b" * 100)
+    # As tmpfs counts them: whole 4 KiB pages (8 blocks) that hold data, holes not.
+    want = {"sparse": 8, "dense": 25 * 8, "one": 8, "gappy": 16}
+    got = {n: os.stat(d.mnt / n).st_blocks for n in want}
+    # Data files' allocation on the state disk (a file system may allocate ahead).
+    assert 8 <= got.pop("sparse") <= 64 and 200 <= got.pop("dense") <= 256
+    assert got == {"one": 8, "gappy": 16}  # inline content: its data pages
     ref = cli(fuse_store, "checkpoint", str(d.mnt)).stdout.strip()
+    # Served from the new lower: the chunk holding the 4 KiB (1 MiB in this store) counts
+    # its data pages, not the whole chunk; nothing jumps at the checkpoint.
+    assert {n: os.stat(d.mnt / n).st_blocks for n in want} == want
     mounter.unmount(d)
     d = mounter.rw(None, state=d.state, mnt=d.mnt)  # attributes computed from the lower
-    # One chunk (the store's 1 MiB) holds the 4 KiB; every other chunk is a hole.
-    assert os.stat(p).st_blocks == (1 << 20) // 512
-    assert os.stat(dense).st_blocks == (100_000 + 511) // 512
+    assert {n: os.stat(d.mnt / n).st_blocks for n in want} == want
     ro = mounter.ro(ref)
+    assert {n: os.stat(ro.mnt / n).st_blocks for n in want} == want
+    # A copy-up of the sparse file's data chunk, then a checkpoint: the same count again.
+    with open(p, "r+b") as f:
+        f.seek((1 << 30) + 4096)
+        f.write(b"e" * 4096)
+    cli(fuse_store, "checkpoint", str(d.mnt))
+    assert os.stat(p).st_blocks == 16
     with open(ro.mnt / "sparse", "rb") as f:
         assert os.fstat(f.fileno()).st_size == 1 << 40
         f.seek((1 << 30) - 1)
