@@ -228,6 +228,8 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
             c.execute("DELETE FROM packs WHERE key=?", (key,))
         rep.files_cache_pruned = _prune_files_cache(store)
         rep.dirs_cache_pruned = dircache.prune(c, live)
+        # Data page counts (a per-chunk cache for st_blocks) of chunks no longer stored.
+        c.execute("DELETE FROM chunk_pages WHERE id NOT IN (SELECT id FROM objects)")
 
     for key in dead_packs + sparse + leftovers:
         if not PACK_KEY.fullmatch(key):

@@ -68,6 +68,9 @@ def test_forgotten_snapshot_objects_go_and_listed_ones_stay(tmp_path: object) ->
     assert rep.bytes_freed > 0
     assert all_ids(s).isdisjoint(a_ids - b_ids)
     assert not s.has(a.spare_chunk)
+    # The chunks' data page counts (st_blocks) go with them; the kept ones stay.
+    paged = {bytes(r[0]) for r in s.conn.execute("SELECT id FROM chunk_pages")}
+    assert paged and paged <= all_ids(s)
     # b's unreferenced chunk shares a mostly live pack: it stays until that pack is sparse.
     assert s.has(b.spare_chunk)
     assert reachable(s, b.ref) == b_ids

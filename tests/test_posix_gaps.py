@@ -282,6 +282,12 @@ def test_hard_links_of_fifos_symlinks_and_devices_survive_checkpoint_and_materia
     d2 = mounter.rw(None, state=d.state, mnt=d.mnt)
     assert_linked(d2.mnt, pairs)
     assert_linked(mounter.ro(ref).mnt, pairs)
+    # Names removed, then a restore of the Ref: the groups come back whole.
+    os.unlink(d2.mnt / "b/sym2")
+    os.unlink(d2.mnt / "a/fifo")
+    assert os.lstat(d2.mnt / "a/sym").st_nlink == 1
+    cli(fuse_store, "restore", str(d2.mnt), ref)
+    assert_linked(d2.mnt, pairs)
     dest = tmp_path / "out"
     cli(fuse_store, "materialize", ref, str(dest))
     assert_linked(dest, pairs)
