@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 from store.errors import ObjectNotFoundError
 from store.objects import Store
-from store.pack import FRAME_SIZE, Codec, Location
+from store.pack import Location, unit_size
 from store.ref import ObjectId, Ref
 from store.tree import Kind, Tree
 
@@ -42,8 +42,8 @@ class Lower:
         self.store = store
         self.ref = ref
         self.chunk_size = store.chunk_size
-        # whole chunks by id, frames by (id, frame index)
-        self._cache: OrderedDict[bytes | tuple[bytes, int], bytes] = OrderedDict()
+        # whole chunks by id, frames and blocks by (id, unit size, index)
+        self._cache: OrderedDict[bytes | tuple[bytes, int, int], bytes] = OrderedDict()
         self._cache_size = 0
         self._cache_max = cache_bytes
         self._lock = threading.Lock()
@@ -111,7 +111,7 @@ class Lower:
                 self._cache.move_to_end(cid)
             return data
 
-    def _put(self, key: bytes | tuple[bytes, int], data: bytes) -> None:
+    def _put(self, key: bytes | tuple[bytes, int, int], data: bytes) -> None:
         with self._lock:
             if key in self._cache:
                 return
@@ -149,26 +149,28 @@ class Lower:
         if data is not None:
             return data[lo:hi]
         loc = self._loc(cid)
-        if loc is None or loc.codec is not Codec.FRAMED or hi <= lo:
+        unit = None if loc is None else unit_size(loc.codec)
+        if unit is None or hi <= lo:
             return self.chunk(cid)[lo:hi]
-        first, last = lo // FRAME_SIZE, (hi - 1) // FRAME_SIZE
+        first, last = lo // unit, (hi - 1) // unit
         frames: list[bytes | None] = []
         with self._lock:
             for i in range(first, last + 1):
-                f = self._cache.get((cid, i))
+                f = self._cache.get((cid, unit, i))
                 if f is not None:
-                    self._cache.move_to_end((cid, i))
+                    self._cache.move_to_end((cid, unit, i))
                 frames.append(f)
         missing = [first + k for k, f in enumerate(frames) if f is None]
         if missing:
             got = self.store.read_frames(ObjectId(cid), missing[0], missing[-1], loc)
-            if got is None:  # repacked unframed meanwhile
+            if got is None:  # repacked otherwise meanwhile
+                self._locs.pop(cid, None)
                 return self.chunk(cid)[lo:hi]
             for k, f in enumerate(got):
                 i = missing[0] + k
-                self._put((cid, i), f)
+                self._put((cid, unit, i), f)
                 frames[i - first] = f
-        base = first * FRAME_SIZE
+        base = first * unit
         return b"".join(f for f in frames if f is not None)[lo - base:hi - base]
 
     def _loc(self, cid: bytes) -> Location | None:
@@ -189,7 +191,7 @@ class Lower:
         loc = self._loc(cid)
         if loc is None:
             return True  # let the read raise its own error on the request thread
-        return loc.raw_length <= SMALL_CHUNK or (not whole and loc.codec is Codec.FRAMED)
+        return loc.raw_length <= SMALL_CHUNK or (not whole and unit_size(loc.codec) is not None)
 
     def load_chunks(self, cids: Iterable[bytes]) -> None:
         """Read chunks into the cache; safe to call from a worker thread."""

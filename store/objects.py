@@ -43,14 +43,19 @@ from .errors import (
     StoreFullError,
 )
 from .pack import (
+    BLOCK_SIZE,
+    TAG_SIZE,
     Codec,
     FrameTable,
     Location,
     ObjKind,
     PackBuilder,
+    blocks_length,
     decode_frame,
     decode_record,
+    split_blocks,
     table_length,
+    unit_size,
 )
 from .ref import ObjectId, Ref, object_id
 from .tree import Entry, Tree, decode_tree, encode_tree
@@ -324,29 +329,38 @@ class Store:
         return t
 
     def _frames(self, loc: Location, first: int, last: int) -> list[bytes]:
+        what = loc.oid.hex()
+        if loc.codec is Codec.BLOCKS:
+            if loc.rec_length != blocks_length(loc.raw_length):
+                raise IntegrityError(what, "record length does not match its blocks")
+            if not 0 <= first <= last < -(-loc.raw_length // BLOCK_SIZE):
+                raise ValueError(f"blocks {first}..{last} of a chunk of {loc.raw_length} bytes")
+            step = TAG_SIZE + BLOCK_SIZE
+            start = first * step
+            data = self._fetch(loc, start, min(loc.rec_length, (last + 1) * step) - start)
+            return split_blocks(what, data, first, loc.oid)
         t = self._frame_table(loc)
         if not 0 <= first <= last < len(t.offsets):
             raise ValueError(f"frames {first}..{last} of a chunk of {len(t.offsets)} frames")
         start = t.offsets[first]
         data = self._fetch(loc, start, t.offsets[last] + t.lengths[last] - start)
-        what = loc.oid.hex()
         return [decode_frame(what, t, i, data[t.offsets[i] - start:
                                               t.offsets[i] - start + t.lengths[i]], loc.oid)
                 for i in range(first, last + 1)]
 
     def read_frames(self, oid: ObjectId, first: int, last: int,
                     loc: Location | None = None) -> list[bytes] | None:
-        """The plaintexts of frames ``first..last`` (inclusive) of chunk ``oid``, each
-        verified against its tag (pack.py), fetched in one range read; None if the chunk
-        is not framed (read it whole with ``read_object``). Frame ``i`` holds bytes
-        ``[i * pack.FRAME_SIZE, (i + 1) * pack.FRAME_SIZE)`` of the chunk. ``loc`` as for
-        ``read_object``.
+        """The plaintexts of units ``first..last`` (inclusive) of chunk ``oid`` (frames of
+        a framed chunk, blocks of one in raw blocks: ``pack.unit_size``), each verified
+        against its tag (pack.py), fetched in one range read; None if the chunk is read
+        whole (``read_object``). Unit ``i`` holds bytes ``[i * u, (i + 1) * u)`` of the
+        chunk, ``u`` its unit size. ``loc`` as for ``read_object``.
 
         Raises ObjectNotFoundError if ``oid`` is not indexed, IntegrityError if the table or
-        a frame is damaged or missing, ValueError for frames the chunk does not have."""
+        a unit is damaged or missing, ValueError for units the chunk does not have."""
         if loc is None or loc.oid != oid:
             loc = self.locate(oid)
-        if loc.codec is not Codec.FRAMED:
+        if unit_size(loc.codec) is None:
             return None
         try:
             return self._frames(loc, first, last)
@@ -356,7 +370,9 @@ class Store:
                 with self._cache_lock:
                     self._tables.pop((loc.pack, loc.rec_offset), None)
                 raise
-            return self._frames(again, first, last) if again.codec is Codec.FRAMED else None
+            if unit_size(again.codec) != unit_size(loc.codec):
+                return None
+            return self._frames(again, first, last)
 
     def get_tree(self, tree_id: ObjectId, loc: Location | None = None) -> Tree:
         """Return the decoded tree ``tree_id`` (verified; cached, trees are immutable);

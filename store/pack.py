@@ -27,9 +27,16 @@ one 64 KiB frame instead of the whole chunk::
     count x 37 bytes: stored length (u32) | codec (u8: 0 raw, 1 zstd) | tag (32)
     count frames, back to back
 
-The tag of frame ``i`` is the keyed blake3 (key: the chunk id) of ``offset (u64 BE) ||
-frame plaintext``, ``offset = i * frame size``, so a frame verifies on its own, only at its
-own place of its own chunk: a damaged frame, table or index row is an ``IntegrityError``,
+Codec 3, a chunk in raw blocks: a chunk above ``FRAME_SIZE`` bytes none of whose frames
+zstd shrinks is stored uncompressed in blocks of ``BLOCK_SIZE`` (4 KiB, the last one
+shorter), each after its tag, so that a 4 KiB read of incompressible data fetches and
+hashes 4 KiB plus 32 bytes, in one range, with no table to look up first::
+
+    per block: tag (32) | block plaintext
+
+The tag of frame (block) ``i`` is the keyed blake3 (key: the chunk id) of ``offset (u64 BE)
+|| its plaintext``, ``offset = i * frame (block) size``, so it verifies on its own, only at
+its own place of its own chunk: a damaged frame, table or index row is an ``IntegrityError``,
 never other bytes. The chunk id stays the blake3 of the whole plaintext (Refs and dedup do
 not change), and reading a whole framed chunk still checks it against that id; ``verify``
 also checks every tag, which is what ties a table to its chunk id (blake3's own tree
@@ -56,6 +63,8 @@ _FOOTER = struct.Struct(">QI32s4s")
 ROW_SIZE = _ROW.size
 FOOTER_SIZE = _FOOTER.size
 FRAME_SIZE = 64 << 10
+BLOCK_SIZE = 4 << 10
+TAG_SIZE = 32
 _TABLE_HEAD = struct.Struct(">II")
 _FRAME_ROW = struct.Struct(">IB32s")
 _OFFSET = struct.Struct(">Q")
@@ -70,6 +79,14 @@ class Codec(IntEnum):
     RAW = 0
     ZSTD = 1
     FRAMED = 2
+    BLOCKS = 3
+
+
+def unit_size(codec: Codec) -> int | None:
+    """Plaintext bytes per separately readable unit of a record of ``codec`` (a frame of
+    codec 2, a block of codec 3); None for a record read whole."""
+    return FRAME_SIZE if codec is Codec.FRAMED else BLOCK_SIZE if codec is Codec.BLOCKS \
+        else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +138,8 @@ def decode_record(loc_pack: str, codec: Codec, data: bytes, raw_hint: int,
 
     A framed chunk (codec 2) is decoded whole, frame by frame; with ``oid`` (its chunk id)
     every frame's tag is checked too. The caller checks the plaintext against its id."""
+    if codec is Codec.BLOCKS:
+        return b"".join(split_blocks(loc_pack, data, 0, oid))
     if codec is Codec.FRAMED:
         table = FrameTable.parse(loc_pack, data, len(data))
         parts = [decode_frame(loc_pack, table, i, data[o:o + n], oid)
@@ -134,12 +153,36 @@ def decode_record(loc_pack: str, codec: Codec, data: bytes, raw_hint: int,
         raise IntegrityError(loc_pack, f"record does not decompress: {e}") from None
 
 
-def frame_tag(oid: ObjectId, index: int, plain: bytes | memoryview) -> bytes:
-    """The tag of frame ``index`` of chunk ``oid`` with plaintext ``plain`` (32 bytes)."""
+def frame_tag(oid: ObjectId, offset: int, plain: bytes | memoryview) -> bytes:
+    """The tag (32 bytes) of the frame or block of chunk ``oid`` at byte ``offset`` of its
+    plaintext, holding ``plain``."""
     h = blake3.blake3(key=oid)
-    h.update(_OFFSET.pack(index * FRAME_SIZE))
+    h.update(_OFFSET.pack(offset))
     h.update(plain)
     return h.digest()
+
+
+def blocks_length(raw_length: int) -> int:
+    """Record length of a codec 3 chunk of ``raw_length`` plaintext bytes."""
+    return raw_length + -(-raw_length // BLOCK_SIZE) * TAG_SIZE
+
+
+def split_blocks(what: str, data: bytes, first: int, oid: ObjectId | None) -> list[bytes]:
+    """The block plaintexts in ``data``: bytes of a codec 3 record starting at block
+    ``first``, each checked against its tag when ``oid`` (the chunk id) is given. Raises
+    IntegrityError for a damaged block or a short one before the end."""
+    out = []
+    step = TAG_SIZE + BLOCK_SIZE
+    for k, pos in enumerate(range(0, len(data), step)):
+        piece = data[pos:pos + step]
+        if len(piece) <= TAG_SIZE:
+            raise IntegrityError(what, f"block {first + k} is truncated")
+        plain = piece[TAG_SIZE:]
+        if oid is not None and frame_tag(oid, (first + k) * BLOCK_SIZE,
+                                         plain) != piece[:TAG_SIZE]:
+            raise IntegrityError(what, f"block {first + k} does not match its tag")
+        out.append(plain)
+    return out
 
 
 def frame_count(raw_length: int) -> int:
@@ -208,7 +251,8 @@ def decode_frame(what: str, table: FrameTable, index: int, stored: bytes,
         except zstandard.ZstdError as e:
             raise IntegrityError(what, f"frame {index} does not decompress: {e}") from None
     if len(plain) > FRAME_SIZE or (oid is not None
-                                   and frame_tag(oid, index, plain) != table.tags[index]):
+                                   and frame_tag(oid, index * FRAME_SIZE,
+                                                 plain) != table.tags[index]):
         raise IntegrityError(what, f"frame {index} does not match its tag")
     return plain
 
@@ -221,18 +265,26 @@ def encode_plain(data: bytes, cctx: zstandard.ZstdCompressor) -> tuple[Codec, by
 
 def encode_chunk(oid: ObjectId, data: bytes, cctx: zstandard.ZstdCompressor
                  ) -> tuple[Codec, bytes]:
-    """The record of chunk ``oid``: framed (codec 2) above ``FRAME_SIZE`` bytes, else as
-    ``encode_plain``."""
+    """The record of chunk ``oid``: above ``FRAME_SIZE`` bytes framed (codec 2), or in raw
+    blocks (codec 3) when zstd shrinks none of its frames; else as ``encode_plain``."""
     if len(data) <= FRAME_SIZE:
         return encode_plain(data, cctx)
     view = memoryview(data)
     rows, bodies = [], []
-    for i, off in enumerate(range(0, len(data), FRAME_SIZE)):
+    shrunk = False
+    for off in range(0, len(data), FRAME_SIZE):
         plain = view[off:off + FRAME_SIZE]
         z = cctx.compress(plain)
         codec, body = (Codec.ZSTD, z) if len(z) < len(plain) else (Codec.RAW, bytes(plain))
-        rows.append(_FRAME_ROW.pack(len(body), codec, frame_tag(oid, i, plain)))
+        shrunk = shrunk or codec is Codec.ZSTD
+        rows.append(_FRAME_ROW.pack(len(body), codec, frame_tag(oid, off, plain)))
         bodies.append(body)
+    if not shrunk:
+        parts: list[bytes | memoryview] = []
+        for off in range(0, len(data), BLOCK_SIZE):
+            plain = view[off:off + BLOCK_SIZE]
+            parts += [frame_tag(oid, off, plain), plain]
+        return Codec.BLOCKS, b"".join(parts)
     return Codec.FRAMED, b"".join([_TABLE_HEAD.pack(FRAME_SIZE, len(rows)), *rows, *bodies])
 
 

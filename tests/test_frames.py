@@ -26,7 +26,7 @@ from store.errors import IntegrityError
 from store.gc import gc
 from store.materialize import materialize
 from store.objects import Store
-from store.pack import FRAME_SIZE, Codec, FrameTable, Location, table_length
+from store.pack import BLOCK_SIZE, FRAME_SIZE, Codec, FrameTable, Location, table_length
 from store.ref import ObjectId, Ref
 from store.snapshot import snapshot
 from store.verify import verify
@@ -51,7 +51,10 @@ def mixed_bytes(n: int, seed: int) -> bytes:
 @pytest.fixture(scope="module")
 def framed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, Ref, bytes]:
     tmp = tmp_path_factory.mktemp("frames")
-    content = mixed_bytes(5 * CS + 12_345, 1)
+    # four chunks of text and random runs (framed), one of random bytes (raw blocks), and
+    # a short tail (one record)
+    content = (mixed_bytes(4 * CS, 1) + random.Random(9).randbytes(CS)
+               + mixed_bytes(12_345, 3))
     src = tmp / "src"
     src.mkdir()
     (src / "f.bin").write_bytes(content)
@@ -69,12 +72,13 @@ def test_new_chunks_are_framed_and_keep_their_ids(framed: tuple[Store, Ref, byte
     s, ref, content = framed
     cids = _entry_chunks(s, ref, b"f.bin")
     locs = [s.locate(c) for c in cids]
-    # every chunk of more than one frame is stored framed; the last one (12,345 bytes)
-    # is one record as before (zstd, or raw when that does not shrink it)
-    assert [loc.codec for loc in locs[:5]] == [Codec.FRAMED] * 5
+    # a chunk of more than one frame is stored framed, or in raw blocks when no frame of
+    # it compresses; the last one (12,345 bytes) is one record as before
+    assert [loc.codec for loc in locs[:5]] == [Codec.FRAMED] * 4 + [Codec.BLOCKS]
     assert locs[5].codec in (Codec.RAW, Codec.ZSTD)
+    assert locs[4].rec_length == CS + CS // BLOCK_SIZE * 32
     codecs = set()
-    for loc in locs[:5]:
+    for loc in locs[:4]:
         head = s.backend.get_range(loc.pack, loc.rec_offset, table_length(loc.raw_length))
         codecs |= set(FrameTable.parse("t", head, loc.rec_length, loc.raw_length).codecs)
     assert codecs == {Codec.RAW, Codec.ZSTD}
@@ -140,6 +144,7 @@ def test_a_damaged_frame_fails_only_the_reads_that_touch_it(tmp_path: Path,
     ref = snapshot(s, src)
     cids = _entry_chunks(s, ref, b"f.bin")
     loc = s.locate(cids[1])
+    assert loc.codec is Codec.FRAMED
     pack, off, n = _frame_file_offset(s, loc, 2)
     row = loc.rec_offset + 8 + 2 * 37  # frame 2's table row
     _flip(pack, {"frame": off + n // 2, "tag": row + 5 + 17, "length": row + 3}[where])
@@ -177,20 +182,59 @@ def test_a_damaged_frame_fails_only_the_reads_that_touch_it(tmp_path: Path,
                                                         ("pack-trailer", loc.pack)}
 
 
-def test_an_index_row_pointing_at_another_chunks_record_is_refused(tmp_path: Path) -> None:
-    """Frames verify only as part of their own chunk: tags are keyed by the chunk id, so an
-    index row misdirected to another framed chunk's record (a well-formed table and frames)
-    gives IntegrityError, never that chunk's bytes."""
+@pytest.mark.parametrize("where", ["block", "tag"])
+def test_a_damaged_block_fails_only_the_reads_that_touch_it(tmp_path: Path,
+                                                            where: str) -> None:
+    content = random.Random(8).randbytes(3 * CS)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f.bin").write_bytes(content)
+    s = Store(tmp_path / "store", chunk_size=CS)
+    ref = snapshot(s, src)
+    cids = _entry_chunks(s, ref, b"f.bin")
+    loc = s.locate(cids[1])
+    assert loc.codec is Codec.BLOCKS
+    step = 32 + BLOCK_SIZE
+    at = loc.rec_offset + 5 * step + {"block": 32 + 1000, "tag": 7}[where]
+    _flip(Path(s.root) / "backend" / loc.pack, at)
+    lower = Lower(s, ref)
+    b5 = 5 * BLOCK_SIZE
+    for lo, hi in [(b5, b5 + BLOCK_SIZE), (b5 + 4095, b5 + 4096), (b5 - 1, b5 + 1), (0, CS)]:
+        with pytest.raises(IntegrityError):
+            lower.read(cids[1], lo, hi)
+    for lo, hi in [(0, b5), (b5 + BLOCK_SIZE, CS), (b5 - BLOCK_SIZE, b5)]:
+        assert lower.read(cids[1], lo, hi) == content[CS + lo:CS + hi]
+    for i in (0, 2):
+        assert lower.read(cids[i], 0, CS) == content[i * CS:(i + 1) * CS]
+    if where == "tag":
+        assert s.read_object(cids[1]) == content[CS:2 * CS]
+    else:
+        with pytest.raises(IntegrityError):
+            s.read_object(cids[1])
+    problems = verify(s, full=True)
+    assert {(p.invariant, p.key) for p in problems} == {("object-hash", cids[1].hex()),
+                                                        ("pack-trailer", loc.pack)}
+
+
+@pytest.mark.parametrize("kind", ["framed", "blocks"])
+def test_an_index_row_pointing_at_another_chunks_record_is_refused(tmp_path: Path,
+                                                                   kind: str) -> None:
+    """Frames and blocks verify only as part of their own chunk: tags are keyed by the
+    chunk id, so an index row misdirected to another chunk's record (well-formed, of the
+    same codec and length) gives IntegrityError, never that chunk's bytes."""
     rnd = random.Random(4)
     src = tmp_path / "src"
     src.mkdir()
-    a_bytes, b_bytes = rnd.randbytes(CS), rnd.randbytes(CS)
+    make = rnd.randbytes if kind == "blocks" else (lambda n: mixed_bytes(n, rnd.randrange(1 << 30)))
+    a_bytes, b_bytes = make(CS), make(CS)
     (src / "a.bin").write_bytes(a_bytes)
     (src / "b.bin").write_bytes(b_bytes)
     s = Store(tmp_path / "store", chunk_size=CS)
     ref = snapshot(s, src)
     [a], [b] = _entry_chunks(s, ref, b"a.bin"), _entry_chunks(s, ref, b"b.bin")
     la = s.locate(a)
+    assert la.codec is (Codec.BLOCKS if kind == "blocks" else Codec.FRAMED)
+    assert s.locate(b).codec is la.codec
     s.conn.execute("UPDATE objects SET pack=?, rec_offset=?, rec_length=? WHERE id=?",
                    (la.pack, la.rec_offset, la.rec_length, b))
     lower = Lower(s, ref)
@@ -198,6 +242,8 @@ def test_an_index_row_pointing_at_another_chunks_record_is_refused(tmp_path: Pat
         lower.read(b, 0, 10)
     with pytest.raises(IntegrityError):
         lower.read(b, FRAME_SIZE, FRAME_SIZE + 10)
+    with pytest.raises(IntegrityError):
+        s.read_object(b)
     assert lower.read(a, 0, 10) == a_bytes[:10]
 
 
