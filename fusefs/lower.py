@@ -27,7 +27,8 @@ from store.ref import ObjectId, Ref
 from store.tree import Kind, Tree
 
 # Chunks up to this plaintext size are read on the request thread; bigger ones are worth a
-# worker thread, since decompressing them would stall every other request.
+# worker thread, since decompressing them would stall every other request. A read of at
+# most this many bytes of a bigger chunk stored in frames or blocks reads only those.
 SMALL_CHUNK = 256 << 10
 LOCATE_AHEAD = 256  # chunks of a file located in one catalog query
 
@@ -129,6 +130,10 @@ class Lower:
             self._put(cid, data)
         return data
 
+    def located(self, cid: bytes) -> bool:
+        """True if where ``cid`` is stored is known (``locate_ahead`` need not ask)."""
+        return cid in self._locs
+
     def locate_ahead(self, cids: Sequence[bytes]) -> None:
         """Look up where the chunks ``cids`` (a file's, from the one read next) are stored,
         in one catalog query, unless the first is known already: a sequential reader then
@@ -142,15 +147,16 @@ class Lower:
         self._locs.update(found)
 
     def read(self, cid: bytes, lo: int, hi: int) -> bytes:
-        """Bytes ``[lo, hi)`` of chunk ``cid`` (verified): from the cached chunk, else from
-        its frames when it is framed (each frame verified and cached), else from the whole
-        chunk. Raises the store's IntegrityError and ObjectNotFoundError."""
+        """Bytes ``[lo, hi)`` of chunk ``cid`` (verified): from the cached chunk, else, for
+        at most SMALL_CHUNK bytes of a chunk stored in frames or blocks, from those (each
+        verified and cached), else from the whole chunk. Raises the store's
+        IntegrityError and ObjectNotFoundError."""
         data = self.cached(cid)
         if data is not None:
             return data[lo:hi]
         loc = self._loc(cid)
         unit = None if loc is None else unit_size(loc.codec)
-        if unit is None or hi <= lo:
+        if unit is None or hi <= lo or hi - lo > SMALL_CHUNK:
             return self.chunk(cid)[lo:hi]
         first, last = lo // unit, (hi - 1) // unit
         frames: list[bytes | None] = []

@@ -45,6 +45,7 @@ from pyfuse3 import (
 from . import binding
 from .errors import UpperSpilledError
 from .inodes import Node
+from .lower import SMALL_CHUNK
 from .overlay import Overlay, sync_paths
 from .upper import Batch
 
@@ -233,18 +234,24 @@ class Operations(pyfuse3.Operations):
 
     async def _load_chunks(self, fh: int, off: int, size: int, whole: bool = True) -> None:
         """Load in worker threads the lower chunks a request of ``[off, off+size)`` needs
-        (``whole``: a write copies them up; else a read needs only their frames where they
-        are framed, cheap enough on this thread unless a whole load is under way)."""
+        (``whole``: a write copies them up; else a read of at most SMALL_CHUNK bytes needs
+        only their frames or blocks where they have them, cheap enough on this thread
+        unless a whole load is under way)."""
         lower = self.ov.lower
+        whole = whole or size > SMALL_CHUNK
         for cid in self.ov.lower_chunks_needed(fh, off, size):
             if whole or cid in self._inflight or not lower.is_small(cid, whole=False):
                 await self._fetch(cid)
         h = self.ov.handles.get(fh) if fh > 0 else self.ov.inode_handles.get(fh)
         if h is None or self._nursery is None:
             return
-        sequential = abs(off - h.seq_end) <= SEQ_SLACK
-        h.seq_end = off + size
-        if sequential:  # a sequential reader: load the next chunks meanwhile
+        near = abs(off - h.seq_end) <= SEQ_SLACK
+        # A sequential reader (two requests in a row each near the previous one's end, or
+        # the first one at 0): load the next chunks meanwhile. One near request alone is
+        # as likely a random reader's, which needs none of them.
+        sequential = near and (h.seq_near or off == 0)
+        h.seq_end, h.seq_near = off + size, near
+        if sequential:
             for cid in self.ov.lower_chunks_needed(fh, off + size, PREFETCH * self.ov.cs):
                 if cid not in self._inflight:
                     self._nursery.start_soon(self._prefetch, cid)

@@ -106,13 +106,14 @@ def _err(code: int, what: object = None) -> OSError:
 class Handle:
     """An open file: ``node``, the open flags, and where its last read ended."""
 
-    __slots__ = ("node", "flags", "writable", "seq_end")
+    __slots__ = ("node", "flags", "writable", "seq_end", "seq_near")
 
     def __init__(self, node: Node, flags: int) -> None:
         self.node = node
         self.flags = flags
         self.writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
         self.seq_end = 0  # where the last read ended (the adapter's readahead hint)
+        self.seq_near = False  # whether that read began near the one before it
 
 
 class DirHandle:
@@ -1157,7 +1158,8 @@ class Overlay:
             return []
         out = []
         first = off // self.cs
-        if first < len(n.lower_chunks) and self.lower.cached(n.lower_chunks[first]) is None:
+        if first < len(n.lower_chunks) and not self.lower.located(n.lower_chunks[first]):
+            # (slicing a chunk list costs O(LOCATE_AHEAD): only when it will be used)
             self.lower.locate_ahead(n.lower_chunks[first:first + LOCATE_AHEAD])
         for i in range(first, (end - 1) // self.cs + 1):
             if i not in n.present and i < len(n.lower_chunks):

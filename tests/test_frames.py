@@ -10,12 +10,16 @@ repack turning old records into framed ones under the same ids.
 
 from __future__ import annotations
 
+import errno
 import random
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import blake3
+import fusehelpers as fh
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -107,14 +111,15 @@ def test_random_ranges_read_exact_bytes(framed: tuple[Store, Ref, bytes],
 def test_overlay_reads_across_chunks_and_frames(framed: tuple[Store, Ref, bytes]) -> None:
     s, ref, content = framed
     ov = Overlay(Lower(s, ref))
-    ino = ov.lookup(1, b"f.bin").ino
-    fh = ov.open(ino, 0)
+    node = ov.lookup(1, b"f.bin")
+    assert node is not None
+    h = ov.open(node.ino, 0)
     rnd = random.Random(3)
     for _ in range(300):
         off = rnd.randrange(len(content) + 10)
         size = rnd.choice([1, 4096, FRAME_SIZE + 1, 128 << 10, CS + 7])
-        assert ov.read(fh, off, size) == content[off:off + size]
-    ov.release(fh)
+        assert ov.read(h, off, size) == content[off:off + size]
+    ov.release(h)
 
 
 def _frame_file_offset(s: Store, loc: Location, index: int) -> tuple[Path, int, int]:
@@ -336,3 +341,74 @@ def test_frame_table_bounds(tmp_path: Path) -> None:
         FrameTable.parse("t", head, len(head) + 21, 2 * FRAME_SIZE)
     with pytest.raises(IntegrityError):
         FrameTable.parse("t", head, len(head) + 20, 3 * FRAME_SIZE)
+
+
+# -- through a real mount ------------------------------------------------------------------
+
+_PREAD = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: each read asks its pages
+for spec in sys.argv[2:]:
+    off, n = map(int, spec.split(":"))
+    try:
+        data = os.pread(fd, n, off)
+    except OSError as e:
+        print("E", e.errno)
+    else:
+        sys.stdout.buffer.write(b"D %d " % len(data) + data.hex().encode() + b"\\n")
+"""
+
+
+def _preads(path: Path, spans: list[tuple[int, int]]) -> list[bytes | int]:
+    """pread each ``(offset, length)`` of ``path`` in another process: the bytes, or the
+    errno of a failed read."""
+    out = subprocess.run([sys.executable, "-c", _PREAD, str(path)]
+                         + [f"{o}:{n}" for o, n in spans],
+                         capture_output=True, check=True).stdout.splitlines()
+    res: list[bytes | int] = []
+    for line in out:
+        kind, val, *rest = line.split(b" ")
+        res.append(int(val) if kind == b"E" else bytes.fromhex((rest or [b""])[0].decode()))
+    return res
+
+
+@pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
+def test_mount_random_reads_are_exact_and_a_damaged_unit_is_eio_only_where_touched(
+        mounter: fh.Mounter, fuse_store: Path, tmp_path: Path) -> None:
+    mb = 1 << 20
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {b"mixed.bin": mixed_bytes(3 * mb + 777, 11),
+             b"rand.bin": random.Random(12).randbytes(3 * mb + 777)}
+    for name, data in files.items():
+        (src / name.decode()).write_bytes(data)
+    ref = fh.snapshot(fuse_store, src)
+    st = Store(fuse_store)
+    r = Ref.parse(ref)
+    cm, cr = _entry_chunks(st, r, b"mixed.bin"), _entry_chunks(st, r, b"rand.bin")
+    lm, lr = st.locate(cm[1]), st.locate(cr[1])
+    assert (lm.codec, lr.codec) == (Codec.FRAMED, Codec.BLOCKS)
+    pack, off, n = _frame_file_offset(st, lm, 3)  # bytes [mb + 3 * 64K, mb + 4 * 64K)
+    _flip(pack, off + n // 3)
+    _flip(Path(st.root) / "backend" / lr.pack, lr.rec_offset + 7 * (32 + BLOCK_SIZE) + 40)
+    st.close()
+    d = mounter.ro(ref)
+    mounter.tracebacks_ok = True  # the integrity errors may be logged with a traceback
+    rnd = random.Random(13)
+    bad = {b"mixed.bin": (mb + 3 * FRAME_SIZE, mb + 4 * FRAME_SIZE),
+           b"rand.bin": (mb + 7 * BLOCK_SIZE, mb + 8 * BLOCK_SIZE)}
+    for name, data in files.items():
+        lo_bad, hi_bad = bad[name]
+        spans: list[tuple[int, int]] = []
+        while len(spans) < 300:
+            o = rnd.randrange(len(data) // 4096) * 4096
+            if not (o + 4096 <= lo_bad or o >= hi_bad):
+                continue
+            spans.append((o, 4096))
+        spans += [(lo_bad, 4096), (hi_bad - 4096, 4096), (len(data) - 777, 4096)]
+        got = _preads(d.mnt / name.decode(), spans)
+        assert got[-3:-1] == [errno.EIO, errno.EIO]
+        assert got[-1] == data[-777:]
+        for (o, ln), g in zip(spans[:-3], got[:-3], strict=True):
+            assert g == data[o:o + ln], (name, o)
