@@ -6,7 +6,7 @@ Layout of ``packs/<blake3 of the whole pack, hex>.pack``::
     record*                 each record holds the plaintext of one object, or of a group of
                             small objects stored back to back (grouping lets zstd see many
                             small files at once): one zstd frame or raw bytes (codec 0, 1),
-                            or a framed chunk (codec 2, below)
+                            a framed chunk (codec 2) or a chunk in raw blocks (codec 3)
     index                   count x 54-byte rows, one per object:
                               id (32) | kind (u8) | record offset (u64) | record length (u32)
                               | codec (u8) | offset inside the record's plaintext (u32)
@@ -17,10 +17,11 @@ Codec 0 is raw, 1 is zstd. The index row is exactly what the SQLite index stores
 so ``rebuild-index`` needs only the trailers. An object's bytes are verified against its id
 on every read (``IntegrityError`` otherwise); the trailer is verified against its digest.
 
-Codec 2, a framed chunk (packs ``RWP2``; ``RWP1`` packs hold codecs 0 and 1 only, and code
-that predates codec 2 refuses such rows as unknown instead of misreading them): a chunk of
-more than ``FRAME_SIZE`` plaintext bytes cut into frames of ``FRAME_SIZE`` bytes (the last
-one shorter), each compressed on its own, so that a read of 4 KiB decompresses and verifies
+Codecs 2 and 3 appear in packs ``RWP2`` only (``RWP1`` packs hold codecs 0 and 1; code that
+predates codec 2 refuses such rows as unknown instead of misreading them).
+
+Codec 2, a framed chunk: a chunk of more than ``FRAME_SIZE`` plaintext bytes cut into frames
+of ``FRAME_SIZE`` bytes (the last one shorter), each compressed on its own, so that a read of 4 KiB decompresses and verifies
 one 64 KiB frame instead of the whole chunk::
 
     frame size (u32) | count (u32)             count = ceil(plaintext length / frame size)
