@@ -338,7 +338,7 @@ class Store:
             step = TAG_SIZE + BLOCK_SIZE
             start = first * step
             data = self._fetch(loc, start, min(loc.rec_length, (last + 1) * step) - start)
-            return split_blocks(what, data, first, loc.oid)
+            return [bytes(b) for b in split_blocks(what, data, first, loc.oid)]
         t = self._frame_table(loc)
         if not 0 <= first <= last < len(t.offsets):
             raise ValueError(f"frames {first}..{last} of a chunk of {len(t.offsets)} frames")

@@ -168,21 +168,21 @@ def blocks_length(raw_length: int) -> int:
     return raw_length + -(-raw_length // BLOCK_SIZE) * TAG_SIZE
 
 
-def split_blocks(what: str, data: bytes, first: int, oid: ObjectId | None) -> list[bytes]:
-    """The block plaintexts in ``data``: bytes of a codec 3 record starting at block
-    ``first``, each checked against its tag when ``oid`` (the chunk id) is given. Raises
-    IntegrityError for a damaged block or a short one before the end."""
-    out = []
+def split_blocks(what: str, data: bytes, first: int, oid: ObjectId | None
+                 ) -> list[memoryview]:
+    """The block plaintexts in ``data`` (views into it): bytes of a codec 3 record starting
+    at block ``first``, each checked against its tag when ``oid`` (the chunk id) is given.
+    Raises IntegrityError for a damaged block or a short one before the end."""
+    view = memoryview(data)
     step = TAG_SIZE + BLOCK_SIZE
-    for k, pos in enumerate(range(0, len(data), step)):
-        piece = data[pos:pos + step]
-        if len(piece) <= TAG_SIZE:
-            raise IntegrityError(what, f"block {first + k} is truncated")
-        plain = piece[TAG_SIZE:]
-        if oid is not None and frame_tag(oid, (first + k) * BLOCK_SIZE,
-                                         plain) != piece[:TAG_SIZE]:
-            raise IntegrityError(what, f"block {first + k} does not match its tag")
-        out.append(plain)
+    out = [view[pos + TAG_SIZE:pos + step] for pos in range(0, len(data), step)]
+    if out and not len(out[-1]):
+        raise IntegrityError(what, f"block {first + len(out) - 1} is truncated")
+    if oid is not None:
+        for k, plain in enumerate(out):
+            pos = k * step
+            if frame_tag(oid, (first + k) * BLOCK_SIZE, plain) != view[pos:pos + TAG_SIZE]:
+                raise IntegrityError(what, f"block {first + k} does not match its tag")
     return out
 
 
