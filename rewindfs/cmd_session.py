@@ -83,6 +83,10 @@ def register(sub: Any) -> None:
 
     r = ss.add_parser("resume", help="start the host of a stopped session again")
     r.add_argument("id")
+    r.add_argument("--discard-upper", action="store_true",
+                   help="a session another host of a shared store may hold un-checkpointed "
+                        "changes of: resume it here from its last checkpoint, giving those "
+                        "changes up")
     _placement_args(r, defaults=False)
     add_json(r)
     r.set_defaults(handler=cmd_resume)
@@ -342,7 +346,36 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _elsewhere(args: argparse.Namespace, session_id: str) -> Any:
+    """The shared catalog's registry row of ``session_id`` if another host ran it last
+    (``fusefs.session.moves``), else None (also for an embedded store)."""
+    from store import config
+
+    if config.read(args.store) is None:
+        return None
+    from fusefs.session.moves import elsewhere
+    from store.objects import Store
+
+    st = Store(args.store)
+    try:
+        return elsewhere(st, session_id)
+    finally:
+        st.close()
+
+
+def _moved_spec(args: argparse.Namespace, away: Any) -> dict[str, Any]:
+    """The spec of a session moving here from another host: its recorded policy, path
+    policies and quotas, this host's store and placement paths, this command's options."""
+    from fusefs.session.moves import movable_spec
+
+    return _spec_from_args(args, movable_spec(away.spec))
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
+    away = _elsewhere(args, args.id)
+    if away is not None:  # another host ran it last: it moves here (or is refused)
+        mode = ["--resume", args.id] + (["--discard-upper"] if args.discard_upper else [])
+        return _show(args, _spawn(_moved_spec(args, away), mode))
     rec = _registry(args).load(args.id)
     path = _live(args, args.id)
     if path is not None:
@@ -364,6 +397,9 @@ def cmd_fork(args: argparse.Namespace) -> int:
         src = str(parse_ref(args, src))
         spec = _with_seed_policy(args, _spec_from_args(args, None), src)
         return _show(args, _spawn(spec, ["--new", "--seed", src, "--parent", src]))
+    away = _elsewhere(args, src)
+    if away is not None:  # another host ran it last: forked from its last checkpoint
+        return _show(args, _spawn(_moved_spec(args, away), ["--fork", src]))
     rec = _registry(args).load(src)
     spec = _spec_from_args(args, _recorded_spec(rec.state_dir))
     if _live(args, src) is not None:

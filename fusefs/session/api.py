@@ -26,11 +26,13 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any, Protocol
 
 from store.objects import JournalEvent, Store
 from store.ref import Ref
 
+from . import moves
 from .config import WorkspaceConfig, refuse_exclude_without_fuse
 from .errors import (
     SeedError,
@@ -365,6 +367,7 @@ def remove_session(store: Any, registry: Registry, session_id: str, leaser: Any,
                 _fsync_dir(state_dir)
             if rec is None or rec.mode != Mode.SHARED.value:
                 unregister_state_dir(store, os.path.join(state_dir, UPPER))
+            moves.forget(store, session_id)  # a shared catalog's row, if this host's
             force_rmtree(state_dir)
             if root is not None:
                 force_rmtree(root)
@@ -488,16 +491,25 @@ class Workspace:
                 raise
         return self._remember(Session(self, rec, handle))
 
-    def resume_session(self, session_id: str) -> Session:
+    def resume_session(self, session_id: str, *, discard_upper: bool = False) -> Session:
         """Open a registered session again after its process ended: its live tree with its
         un-checkpointed changes, after recovering an interrupted restore (CONTRACT 4.6).
 
+        On a shared store, a session another host ran last moves here (``moves.py``) when
+        that host stopped it holding no un-checkpointed change (``shutdown(checkpoint=
+        True)``): it serves its last checkpoint, the same tree. ``discard_upper``: move it
+        even though the other host's upper may hold changes (they are given up).
+
         Raises SessionNotFoundError, PlacementDriftError (another placement than the one it
         was created under), SessionBusyError (another process holds it),
+        SessionChangesElsewhereError (another host may hold changes of it),
         WorkspaceRootBusyError."""
         cfg = self.config
         if cfg.placement is None or self.registry is None:
             raise SessionNotFoundError(session_id)
+        away = moves.elsewhere(self.store, session_id)
+        if away is not None:
+            return self._move_in(away, discard_upper)
         with self.registry.starting(session_id):  # no removal meanwhile (see new_session)
             rec = self.registry.load(session_id)
             cfg.placement.check_drift(session_id, rec.fingerprint or "")
@@ -508,20 +520,83 @@ class Workspace:
             handle = backend.open_existing(cfg, rec)
         return self._remember(Session(self, rec, handle))
 
+    def _move_in(self, away: moves.SessionEntry, discard_upper: bool) -> Session:
+        """Open session ``away``, registered by another host, here (``moves.py``): a fresh
+        state directory (a stale one of an earlier stay here is dropped first) under this
+        workspace's per-session placement, with no upper, over its last checkpoint."""
+        from .errors import SessionError
+        from .registry import START_LOCK
+
+        cfg = self.config
+        assert cfg.placement is not None and self.registry is not None
+        if cfg.placement.mode is not Mode.PER_SESSION:
+            raise SessionError(f"session {away.id} moves to a per-session placement only, "
+                               f"not {cfg.placement.mode.value}")
+        moves.check_move_in(cfg.leaser, away, discard_upper=discard_upper)
+        backend = self.backend
+        sid = away.id
+        rec = SessionRecord(sid, cfg.placement.fingerprint, cfg.placement.mode.value,
+                            cfg.placement.root_for(sid), self.registry.state_dir(sid),
+                            backend.name, away.created_ns, away.parent)
+        if not os.path.isdir(rec.state_dir):
+            with self.registry.creating(rec):
+                try:
+                    handle = backend.open_existing(cfg, rec)
+                except BaseException:
+                    force_rmtree(rec.state_dir)
+                    if rec.root is not None:
+                        force_rmtree(rec.root)
+                    raise
+            return self._remember(Session(self, rec, handle))
+        with self.registry.starting(sid):
+            self._drop_stale(rec, keep=START_LOCK)
+            handle = backend.open_existing(cfg, rec)
+        return self._remember(Session(self, rec, handle))
+
+    def _drop_stale(self, rec: SessionRecord, keep: str) -> None:
+        """Drop this host's stale state of session ``rec.id`` (it ran on another host
+        since): its old per-session root, its upper (unlisted from ``state_dirs`` first)
+        and every file of its state directory but ``keep``; then write ``rec``."""
+        from .fusetree import UPPER, clear_dead_mounts, unregister_state_dir
+        from .registry import RECORD, write_json_atomic
+
+        assert self.registry is not None
+        try:
+            old: SessionRecord | None = self.registry.load(rec.id)
+        except SessionNotFoundError:
+            old = None
+        for root in {r.root for r in (old, rec) if r is not None and r.root
+                     and r.mode == Mode.PER_SESSION.value}:
+            clear_dead_mounts(root)
+            force_rmtree(root)
+        unregister_state_dir(self.store, os.path.join(rec.state_dir, UPPER))
+        for name in os.listdir(rec.state_dir):
+            if name != keep:
+                force_rmtree(os.path.join(rec.state_dir, name))
+        write_json_atomic(os.path.join(rec.state_dir, RECORD), asdict(rec))
+
     def fork_session(self, id_or_ref: str | Ref) -> Session:
         """Start a session from another session's current state (checkpointed there with
         trigger ``fork``) or from a Ref. Copies no file content into the store.
 
+        A session another host of a shared store ran last is forked from its last
+        checkpoint when that host stopped it holding no un-checkpointed change
+        (``moves.py``); nothing is journaled in it then.
+
         Raises InvalidRefError/SessionNotFoundError for an unknown source, SessionBusyError
-        if the source session is live in another process, and ``new_session``'s errors."""
+        if the source session is live in another process, SessionChangesElsewhereError
+        (another host may hold changes of it), and ``new_session``'s errors."""
         if isinstance(id_or_ref, Ref) or str(id_or_ref).startswith("v1:"):
             ref = Ref.parse(id_or_ref)
             return self.new_session(ref, parent=str(ref))
         sid = str(id_or_ref)
         with self._lock:
             src = self._open.get(sid)
+        away = moves.elsewhere(self.store, sid) if src is None else None
         if src is not None:
             ref = src._h("fork").checkpoint("fork", None)
+        elif away is not None:  # another host ran it last: its last checkpoint, if clean
+            ref = moves.check_move_in(self.config.leaser, away, op="fork")
         else:
             if self.registry is None or not self.registry.exists(sid):
                 raise SessionNotFoundError(sid)

@@ -61,11 +61,18 @@ def error_reply(e: BaseException) -> dict[str, Any]:
 
 
 def raise_reply(reply: dict[str, Any]) -> dict[str, Any]:
-    """Return ``reply`` if it is a success, else raise it as HostError."""
+    """Return ``reply`` if it is a success, else raise it as HostError, carrying the typed
+    error's own fields (``host``, ``ref``, ...) besides its name, kind and exit code."""
     if reply.get("ok"):
         return reply
-    raise HostError(str(reply.get("error")), reply.get("kind"), str(reply.get("message")),
-                    int(reply.get("exit_code") or 1))
+    e = HostError(str(reply.get("error")), reply.get("kind"), str(reply.get("message")),
+                  int(reply.get("exit_code") or 1))
+    fields = reply.get("fields")
+    if isinstance(fields, dict):
+        for k, v in fields.items():
+            if isinstance(k, str) and not k.startswith("_") and k not in vars(e):
+                setattr(e, k, v)
+    raise e
 
 
 def control_path(state_dir: str) -> str | None:

@@ -140,6 +140,40 @@ class SessionStartingError(SessionBusyError):
                      "not removed",)
 
 
+class SessionChangesElsewhereError(SessionError):
+    """A session of a shared store cannot be opened on this host (``op``: resume or fork)
+    because the catalog says its upper on host ``host`` may hold changes no checkpoint
+    took. ``reason``: ``crashed`` (its process there ended without a shutdown, or cannot
+    be reached: its lease expired), ``dirty`` (stopped without ``--checkpoint`` with
+    changes in its upper), ``unknown`` (stopped where that cannot be told: a session
+    without FUSE, or with a fixed root). ``head`` is its last checkpoint or restore (the
+    tree that opening it here would serve), None if it has none."""
+
+    kind = "changes_elsewhere"
+
+    def __init__(self, session: str, host: str, reason: str, head: str | None,
+                 op: str = "resume") -> None:
+        self.session = session
+        self.host = host
+        self.reason = reason
+        self.head = head
+        self.op = op
+        why = {"crashed": "its process there ended without a shutdown",
+               "dirty": "it was stopped there without --checkpoint",
+               }.get(reason, "it was stopped there where its changes cannot be told")
+        there = (f"resume it on {host} (then `session shutdown {session} --checkpoint` "
+                 "there lets it move)")
+        if op == "fork":
+            other = (f"or fork its last checkpoint here (`session fork {head}`)" if head
+                     else "it has no checkpoint to fork")
+        else:
+            other = ("or resume here with --discard-upper to start from its last "
+                     f"checkpoint {head} without those changes" if head
+                     else "it has no checkpoint to start from here")
+        super().__init__(f"session {session}: its upper on host {host} may hold changes "
+                         f"no checkpoint took ({why}); {there}, {other}")
+
+
 class RootInUseError(SessionError):
     """A session's root is still used by processes (their cwd, root, open files or
     mappings are inside it), so it is not shut down: like umount(8) on EBUSY. ``users``

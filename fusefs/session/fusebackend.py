@@ -41,6 +41,7 @@ from .config import WorkspaceConfig
 from .control import HostError, request
 from .errors import SessionClosedError, SessionError
 from .fusetree import ATTACH_FILE, shared_dir, state_dirs_reader, unregister_state_dir, upper_dir
+from .host import spec_of
 from .placement import Mode
 from .registry import SessionRecord
 from .zygote import REPO, Zygote
@@ -52,20 +53,6 @@ EXIT_TIMEOUT_S = 120.0
 ZYGOTE_ENV = "REWINDFS_SESSION_ZYGOTE"
 
 _zygote = Zygote()
-
-
-def spec_of(cfg: WorkspaceConfig) -> dict[str, Any]:
-    """The workspace spec (``host.config_from_spec``) that rebuilds ``cfg`` in a session
-    process. Leases live in the store's index (a leaser over the same store)."""
-    p = cfg.placement
-    pol = cfg.policy
-    assert p is not None and pol is not None
-    return {"store": p.store.root, "placement": p.mode.value, "path": p.path,
-            "policy": pol.trigger, "required": pol.priority == "required",
-            "timeout_s": pol.timeout_s, "idle_s": pol.idle_s, "ttl": cfg.lease_ttl_s,
-            "state_base": cfg.state_base, "backend": "fuse", "paths": cfg.paths.to_spec(),
-            **{k: v for k, v in (("quota_bytes", cfg.quota_bytes),
-                                 ("quota_inodes", cfg.quota_inodes)) if v is not None}}
 
 
 # -- errors across the socket ------------------------------------------------------------------
@@ -224,7 +211,7 @@ class FuseBackend:
 
     def _open(self, cfg: WorkspaceConfig, record: SessionRecord, argv: list[str],
               resume: bool) -> RemoteSession:
-        ws_spec = spec_of(cfg)
+        ws_spec = spec_of(cfg, "fuse")
         spec = ["--spec", json.dumps(ws_spec)]
         if record.mode != Mode.SHARED.value:
             log = os.path.join(record.state_dir, "daemon.log")

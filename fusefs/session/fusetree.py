@@ -267,6 +267,23 @@ def freeze_offline(store: Any, d: str) -> Ref:
         ov.upper.close()
 
 
+def upper_holds_changes(store: Any, d: str, pointer: Ref | None) -> bool:
+    """True if the (unmounted) upper in ``d`` shows a tree other than ``pointer``: it sits
+    on another base, or a checkpoint of it would write something. No upper: False."""
+    from fusefs import checkpoint as ck
+
+    if not has_upper(d):
+        return False
+    if upper_base(d) != pointer:
+        return True
+    ov = open_overlay(store, d, None)
+    try:
+        return not ck.plan(ov).unchanged
+    finally:
+        assert ov.upper is not None
+        ov.upper.close()
+
+
 # -- the mount ------------------------------------------------------------------------------
 
 class FuseMount:
@@ -835,6 +852,15 @@ class FuseTree:
     def swap(self, ref: Ref, seq_before: int, on_commit: OnCommit) -> None:
         del seq_before  # the upper's recorded base is what recovery compares
         self.restore_live(ref, True, 60.0, None, on_commit)
+
+    def holds_changes(self, pointer: Ref | None) -> bool | None:
+        """After ``close``: does the upper still hold changes no checkpoint took (its tree
+        differs from ``pointer``, the restore pointer)? None for a fixed root (written back
+        into its directory) or a mount other sessions still use (``moves.py``)."""
+        m = self.mount
+        if m.fixed or not m.unmounted.is_set():
+            return None
+        return upper_holds_changes(self.store, m.upper_dir, pointer)
 
     def close(self) -> None:
         """Leave the mount: the last session unmounts it (and writes a fixed root back)."""

@@ -79,6 +79,21 @@ def shutdown_checkpoint(session: Any, req: dict[str, Any]) -> str | None:
     return str(session._h("checkpoint").checkpoint("shutdown", req.get("timeout_s")))
 
 
+def spec_of(cfg: WorkspaceConfig, backend: str) -> dict[str, Any]:
+    """The workspace spec (``config_from_spec``) that rebuilds ``cfg`` (on ``backend``)
+    in a session process. Leases live in the store's catalog (a leaser over the same
+    store)."""
+    p = cfg.placement
+    pol = cfg.policy
+    assert p is not None and pol is not None
+    return {"store": p.store.root, "placement": p.mode.value, "path": p.path,
+            "policy": pol.trigger, "required": pol.priority == "required",
+            "timeout_s": pol.timeout_s, "idle_s": pol.idle_s, "ttl": cfg.lease_ttl_s,
+            "state_base": cfg.state_base, "backend": backend, "paths": cfg.paths.to_spec(),
+            **{k: v for k, v in (("quota_bytes", cfg.quota_bytes),
+                                 ("quota_inodes", cfg.quota_inodes)) if v is not None}}
+
+
 class _Handler(socketserver.StreamRequestHandler):
     server: _Server
 
@@ -255,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--fork", metavar="ID_OR_REF")
     ap.add_argument("--seed")
     ap.add_argument("--parent")
+    ap.add_argument("--discard-upper", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ready = os.fdopen(args.ready_fd, "w")
@@ -277,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 s = ws.new_session(args.seed)
         elif args.resume:
-            s = ws.resume_session(args.resume)
+            s = ws.resume_session(args.resume, discard_upper=args.discard_upper)
         else:
             s = ws.fork_session(args.fork)
         if getattr(s._handle, "remote", False):

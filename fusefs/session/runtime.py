@@ -34,6 +34,7 @@ from typing import Any
 from store.errors import LeaseBusyError, LeaseLostError
 from store.ref import Ref
 
+from . import moves
 from .config import WorkspaceConfig
 from .errors import (
     CheckpointError,
@@ -137,6 +138,8 @@ class SessionCore:
         self._renewer: threading.Thread | None = None
         self._op_lock = threading.Lock()  # one checkpoint or restore at a time
         self._step_lock = threading.Lock()  # steps are numbered in the order they close
+        # The last checkpoint was a shutdown's and no mutation was seen since (moves.py)
+        self._shutdown_checkpointed = False
 
     # -- leases (CONTRACT 4.2) ----------------------------------------------------------
 
@@ -230,6 +233,7 @@ class SessionCore:
                     self.tree.install(seed)
                     ref = seed
                 self.journal.checkpointed(ref, "seed", self.tree.consistency, self.epoch)
+            self._publish(moves.RUNNING, ref)
         except BaseException:
             self._release_leases()
             raise
@@ -246,6 +250,7 @@ class SessionCore:
             if pointer is not None and self.tree.is_empty() and not os.path.isdir(
                     self.tree.root):
                 self.tree.install(pointer)  # the root was removed while closed
+            self._publish(moves.RUNNING, pointer)
         except BaseException:
             self._release_leases()
             raise
@@ -268,6 +273,7 @@ class SessionCore:
     def write_permit(self) -> Iterator[None]:
         """Hold a write permit for a mutation; when it ends the idle timer restarts."""
         self._check_usable()
+        self._shutdown_checkpointed = False
         with self.gate.write():
             yield
         self.policy.mutated()
@@ -279,6 +285,7 @@ class SessionCore:
         of a tree whose writes bypass the session (``writes_unseen``: the no-FUSE
         fallback's plain directory) taken meanwhile are journaled ``fuzzy``."""
         self._check_usable()
+        self._shutdown_checkpointed = False
         with self._background_lock:
             self._background += 1
         try:
@@ -298,6 +305,7 @@ class SessionCore:
 
     def mutated(self) -> None:
         """A mutation happened outside any permit (restarts the idle timer)."""
+        self._shutdown_checkpointed = False
         self.policy.mutated()
 
     @contextlib.contextmanager
@@ -335,6 +343,7 @@ class SessionCore:
             if not self.leases_healthy():
                 raise CheckpointError(trigger, "the session lease is not held")
             self.journal.checkpointed(ref, trigger, self._consistency(), self.epoch)
+            self._shutdown_checkpointed = trigger == "shutdown"
         if trigger == "manual":
             self.latched_fault = None
             self.policy.manual_succeeded()
@@ -543,9 +552,44 @@ class SessionCore:
         with self._op_lock:
             try:
                 self.tree.close()
+                if moves.shared(self.store):
+                    self._publish_stopped()
             finally:
                 self._release_leases()
                 self.state = CLOSED
+
+    # -- the shared catalog's session registry (fusefs/session/moves.py) ---------------
+
+    def _publish(self, state: str, head: Ref | None, dirty: bool | None = None) -> None:
+        """Register this session as this host's in ``state`` (shared catalogs only)."""
+        if not moves.shared(self.store):
+            return
+        from .host import spec_of
+
+        moves.publish(self.store, self.id, state, head=head, dirty=dirty,
+                      mode=self.record.mode, parent=self.record.parent,
+                      created_ns=self.record.created_ns, epoch=self.epoch,
+                      spec=spec_of(self.cfg, self.record.backend))
+
+    def _publish_stopped(self) -> None:
+        """At shutdown, the tree closed, the leases still held: ``stopped`` with the restore
+        pointer and whether the upper still holds un-checkpointed changes (the tree's
+        ``holds_changes(pointer)``; None where it cannot tell). A failure is logged: the
+        row then still says ``running``, which other hosts treat as changes held here."""
+        try:
+            if not self.leases_healthy():
+                log.warning("session %s: not registered as stopped: its lease is not held",
+                            self.id)
+                return
+            pointer = self.journal.restore_pointer()
+            probe = getattr(self.tree, "holds_changes", None)
+            dirty = None if probe is None else probe(pointer)
+            if dirty is None and self._shutdown_checkpointed:
+                dirty = False  # a tree that keeps no dirty set, checkpointed just now
+            self._publish(moves.STOPPED, pointer, dirty)
+        except Exception as e:
+            log.error("session %s: registering the shutdown in the catalog failed: %s: %s",
+                      self.id, type(e).__name__, e)
 
 def verify_complete(store: Any, ref: Ref) -> None:
     """Check that every tree and chunk reachable from ``ref`` is indexed in ``store``.

@@ -1,0 +1,162 @@
+"""Sessions that move between the hosts of a shared store (issue 13.4, amended CONTRACT 4.9).
+
+On a shared catalog (``store.catalog.shared``: PostgreSQL, store/pgcatalog.py) every
+session is registered in the catalog's session registry (``sessions``: id -> host,
+record), written by the session process itself::
+
+    {"state": "running" | "stopped", "head": Ref text | null, "dirty": bool | null,
+     "mode": placement mode, "parent": id or Ref | null, "created_ns", "time_ns",
+     "epoch": session lease epoch, "spec": the workspace spec (host.spec_of)}
+
+- ``running`` once the process holds the session lease, before the root is usable;
+- ``stopped`` at shutdown, after the tree is closed (unmounted, the upper persisted) and
+  before the leases are released: ``head`` is the restore pointer (the last checkpoint or
+  restore), ``dirty`` whether the upper still holds changes no checkpoint took (None: it
+  cannot be told, e.g. a session without FUSE, whose plain directory has no dirty set, or
+  a fixed root, written back into its directory).
+
+A host opening a session whose row names another host (``check_move_in``):
+
+- its lease is held there and unexpired: ``SessionBusyError`` (it runs, or has not been
+  gone for a lease ttl yet);
+- ``running`` (so its process ended without a shutdown: crashed, killed, or cut off until
+  its lease expired) or ``dirty`` not False: ``SessionChangesElsewhereError`` naming the
+  host, unless the caller explicitly gives those changes up (``discard_upper``: resume
+  from ``head``; the other host's upper stays on its disk, and is dropped there when the
+  session comes back);
+- a fixed root (exclusive, shared) never moves (its tree is the directory on that host):
+  ``SessionError``; fork it instead.
+
+Otherwise the session moves: this host makes it a fresh local state directory under its
+own placement, with no upper, so it serves ``head`` exactly (the same tree, digest-equal),
+and publishes itself as the session's host. A host whose local state of a session is
+stale (the session ran elsewhere since) drops that state the same way before it opens
+it. Of two hosts moving one session at once, the session lease lets exactly one win.
+
+The embedded store (one host) registers nothing here; its registry is the state
+directories (``registry.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from store.ref import Ref
+
+from .errors import SessionBusyError, SessionChangesElsewhereError, SessionError
+
+log = logging.getLogger("rewindfs.session")
+
+RUNNING = "running"
+STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class SessionEntry:
+    """A session's row in a shared catalog's registry (see the module docstring)."""
+
+    id: str
+    host: str
+    state: str
+    head: str | None
+    dirty: bool | None
+    mode: str | None
+    parent: str | None
+    created_ns: int
+    spec: dict[str, Any]
+
+    @classmethod
+    def parse(cls, session: str, host: str, record: str) -> SessionEntry:
+        try:
+            d = json.loads(record)
+            dirty = d.get("dirty")
+            return cls(session, host, str(d["state"]), d.get("head") or None,
+                       None if dirty is None else bool(dirty), d.get("mode"),
+                       d.get("parent"), int(d.get("created_ns") or 0),
+                       dict(d.get("spec") or {}))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SessionError(f"the catalog's record of session {session} is not readable "
+                               f"({e})") from None
+
+
+def shared(store: Any) -> bool:
+    return bool(store is not None and getattr(store.catalog, "shared", False))
+
+
+def entry(store: Any, session_id: str) -> SessionEntry | None:
+    """The registry row of ``session_id`` in ``store``'s shared catalog, or None (no such
+    row, or an embedded store)."""
+    if not shared(store):
+        return None
+    row = store.catalog.session(session_id)
+    return None if row is None else SessionEntry.parse(session_id, row[0], row[1])
+
+
+def elsewhere(store: Any, session_id: str) -> SessionEntry | None:
+    """The registry row of ``session_id`` if it names another host than this one."""
+    from store.hostid import host_id
+
+    e = entry(store, session_id)
+    return e if e is not None and e.host != host_id() else None
+
+
+def publish(store: Any, session_id: str, state: str, *, head: Ref | None,
+            dirty: bool | None, mode: str | None, parent: str | None, created_ns: int,
+            epoch: int, spec: dict[str, Any]) -> None:
+    """Register ``session_id`` as this host's in ``state`` (no-op on an embedded store)."""
+    if not shared(store):
+        return
+    from store.hostid import host_id
+
+    store.catalog.put_session(session_id, host_id(), json.dumps({
+        "state": state, "head": None if head is None else str(head), "dirty": dirty,
+        "mode": mode, "parent": parent, "created_ns": created_ns, "time_ns": time.time_ns(),
+        "epoch": epoch, "spec": spec}, sort_keys=True))
+
+
+def forget(store: Any, session_id: str) -> None:
+    """Drop ``session_id``'s row if it is this host's (``session rm``)."""
+    if elsewhere(store, session_id) is None and shared(store):
+        store.catalog.delete_session(session_id)
+
+
+def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,
+                  op: str = "resume") -> Ref:
+    """May session ``e`` (a row naming another host) be opened here? Returns the Ref it
+    would serve (its head). Raises SessionBusyError (its lease is held elsewhere),
+    SessionChangesElsewhereError (changes may be in the other host's upper; with
+    ``discard_upper`` only if it has no head), SessionError (a fixed root, or no head)."""
+    cur = leaser.current(f"session/{e.id}")
+    if cur is not None:
+        raise SessionBusyError(e.id, cur.epoch, cur.holder,
+                               max(0.0, (cur.expires_ns - time.time_ns()) / 1e9))
+    if op != "fork" and e.mode not in (None, "per-session"):
+        raise SessionError(f"session {e.id} has a fixed root ({e.mode}) on host {e.host}; "
+                           "such a session does not move: fork it here instead")
+    reason = None
+    if e.state != STOPPED:
+        reason = "crashed"
+    elif e.dirty is None:
+        reason = "unknown"
+    elif e.dirty:
+        reason = "dirty"
+    if reason is not None and (not discard_upper or e.head is None or op == "fork"):
+        raise SessionChangesElsewhereError(e.id, e.host, reason, e.head, op)
+    if e.head is None:
+        raise SessionError(f"session {e.id} has no checkpoint to open on this host")
+    if reason is not None:
+        log.warning("session %s: resuming from %s on this host, giving up the changes its "
+                    "upper on host %s may hold (%s)", e.id, e.head, e.host, reason)
+    return Ref.parse(e.head)
+
+
+def movable_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The part of another host's workspace spec that moves with a session: the policy,
+    path policies, quotas, lease ttl, placement mode; never that host's paths (store,
+    state base, roots) nor its backend (each host runs what it has)."""
+    return {k: v for k, v in spec.items()
+            if k not in ("store", "path", "state_base", "backend")}

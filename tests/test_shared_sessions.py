@@ -1,0 +1,219 @@
+"""Sessions that move between two hosts of one shared store (issue 13.4), end to end.
+
+Two "hosts" are two store configurations (local directory, cache, host id, workspace base)
+with processes of their own, against the same real SeaweedFS and PostgreSQL servers
+(tests/servers.py). Sessions are FUSE mounts (their session processes are the mount
+daemons). A session stopped with ``--checkpoint`` on host A resumes and forks on host B
+with the same tree; one whose upper still holds changes (stopped without it, or crashed) is
+refused on B with an error naming A; ``mount --ro`` of A's Ref works on B.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from session_support import ref_of
+from test_shared_store import Host
+
+from fusefs.session.control import control_path, request
+from fusefs.session.fallback import fuse_available
+
+pytestmark = pytest.mark.skipif(not fuse_available(), reason="needs /dev/fuse")
+
+
+class SessionHost(Host):
+    """A host whose sessions live under its own workspace base; ``cleanup`` stops every
+    session process it started and unmounts what a killed one left."""
+
+    def __init__(self, name: str, tmp: Path, url: str, endpoint: str, dsn: str) -> None:
+        super().__init__(name, tmp, url, endpoint, dsn)
+        self.base = tmp / f"{name}-ws"
+        self.killed: list[str] = []
+
+    def session(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.run("session", *args, check=check)
+
+    def started(self, *args: str) -> dict[str, str]:
+        out = json.loads(self.session(*args, "--base", str(self.base), "--json").stdout)
+        assert isinstance(out, dict)
+        return out
+
+    def refused(self, *args: str) -> dict[str, object]:
+        r = self.session(*args, "--base", str(self.base), "--json", check=False)
+        assert r.returncode != 0, r.stdout
+        out = json.loads(r.stdout)
+        assert isinstance(out, dict)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        return out
+
+    def pid(self, session_id: str) -> int:
+        path = control_path(str(self.local / "sessions" / session_id))
+        assert path is not None
+        return int(request(path, {"op": "status"}, 30)["pid"])
+
+    def cleanup(self) -> None:
+        state = self.local / "sessions"
+        for d in state.iterdir() if state.is_dir() else []:
+            path = control_path(str(d))
+            if path is None:
+                continue
+            try:
+                pid = int(request(path, {"op": "status"}, 30)["pid"])
+            except (OSError, ValueError, KeyError):
+                continue
+            self.session("shutdown", d.name, "--force", check=False)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for root in self.killed:
+            subprocess.run(["fusermount3", "-uz", root], capture_output=True)
+
+
+@pytest.fixture
+def hosts(s3_env: object, s3_bucket: str, pg_dsn: str,
+          tmp_path: Path) -> Iterator[tuple[SessionHost, SessionHost]]:
+    url = f"s3://{s3_bucket}/team/store"
+    ep = s3_env.endpoint  # type: ignore[attr-defined]
+    a = SessionHost("hostA", tmp_path, url, ep, pg_dsn)
+    b = SessionHost("hostB", tmp_path, url, ep, pg_dsn)
+    try:
+        yield a, b
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+def _project(tmp: Path) -> Path:
+    src = tmp / "project"
+    (src / "pkg").mkdir(parents=True)
+    (src / "README").write_text("a project\n")
+    (src / "pkg" / "data.bin").write_bytes(os.urandom(2 << 20))
+    return src
+
+
+def test_a_session_checkpointed_at_shutdown_moves_to_b_and_back(
+        hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
+    a, b = hosts
+    s = a.started("new", "--seed", str(_project(tmp_path)))
+    sid, root_a = s["id"], Path(s["root"])
+    (root_a / "README").write_text("changed on A\n")
+    (root_a / "pkg" / "new.py").write_text("print('A')\n")
+    (root_a / "pkg" / "data.bin").unlink()
+    want = ref_of(root_a)
+    out = json.loads(a.session("shutdown", sid, "--checkpoint", "--json").stdout)
+    assert out["ref"] == str(want)
+
+    moved = b.started("resume", sid)
+    root_b = Path(moved["root"])
+    assert moved["id"] == sid and root_b == b.base / sid
+    assert ref_of(root_b) == want  # the same tree, digest-equal
+    assert (root_b / "README").read_text() == "changed on A\n"
+    log = [(e["trigger"], e["ref"]) for e in json.loads(b.run("log", sid, "--json").stdout)]
+    assert log[-1] == ("shutdown", str(want))
+    # A fork on A of the session running on B is refused, naming B's process.
+    r = a.refused("fork", sid)
+    assert r["type"] == "SessionBusyError" and "hostB" in str(r["error"])
+    (root_b / "README").write_text("changed on B\n")
+    back = json.loads(b.session("shutdown", sid, "--checkpoint", "--json").stdout)["ref"]
+
+    # Back on A: its stale local state (the upper of before the move) is dropped, and the
+    # session serves what B checkpointed.
+    again = a.started("resume", sid)
+    assert ref_of(again["root"]) == ref_of(root_a) and str(ref_of(root_a)) == back
+    assert (root_a / "README").read_text() == "changed on B\n"
+    a.session("shutdown", sid, "--checkpoint")
+
+    f = b.started("fork", sid)  # of the session A stopped clean: its last checkpoint
+    assert f["id"] != sid and str(ref_of(f["root"])) == back
+    b.session("shutdown", f["id"])
+
+
+def test_changes_left_in_an_upper_keep_the_session_on_its_host(
+        hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
+    a, b = hosts
+    seed = json.loads(a.run("snapshot", str(_project(tmp_path)), "--json").stdout)["ref"]
+    s = a.started("new", "--seed", seed)
+    sid, root_a = s["id"], Path(s["root"])
+    (root_a / "README").write_text("not checkpointed\n")
+    a.session("shutdown", sid)  # the default: no checkpoint, the change stays in A's upper
+
+    for op in ("resume", "fork"):
+        r = b.refused(op, sid)
+        assert r["type"] == "SessionChangesElsewhereError" and r["reason"] == "dirty"
+        assert r["host"] == "hostA" and r["exit_code"] == 10
+        assert "hostA" in str(r["error"]) and "--checkpoint" in str(r["error"])
+    assert not (b.base / sid).exists()
+    # A resumes it with its change; a checkpointed shutdown there lets it move.
+    a.started("resume", sid)
+    assert (root_a / "README").read_text() == "not checkpointed\n"
+    a.session("shutdown", sid, "--checkpoint")
+    assert b.started("resume", sid)["id"] == sid
+    assert (b.base / sid / "README").read_text() == "not checkpointed\n"
+    b.session("shutdown", sid, "--checkpoint")
+
+
+def test_a_crashed_session_is_refused_elsewhere_until_its_changes_are_given_up(
+        hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
+    a, b = hosts
+    ttl = 20.0  # renewed every ttl/3: held for at least 2/3 ttl after the kill, at most ttl
+    s = a.started("new", "--seed", str(_project(tmp_path)), "--lease-ttl", str(ttl))
+    sid, root_a = s["id"], Path(s["root"])
+    seed_ref = ref_of(root_a)
+    (root_a / "README").write_text("lost with the crash of A\n")
+    a.killed.append(str(root_a))
+    os.kill(a.pid(sid), signal.SIGKILL)
+    killed = time.monotonic()
+    # Its lease is still held: B cannot tell A died, and says whose lease it is.
+    r = b.refused("resume", sid)
+    assert r["type"] == "SessionBusyError" and "hostA" in str(r["error"])
+    time.sleep(max(0.0, killed + ttl + 0.5 - time.monotonic()))
+    r = b.refused("resume", sid)
+    assert r["type"] == "SessionChangesElsewhereError" and r["reason"] == "crashed"
+    assert "--discard-upper" in str(r["error"])
+    moved = b.started("resume", sid, "--discard-upper")
+    assert ref_of(moved["root"]) == seed_ref  # the last checkpoint, without A's change
+    b.session("shutdown", sid, "--checkpoint")
+
+
+def test_a_read_only_mount_of_a_ref_of_a_serves_on_b(hosts: tuple[SessionHost, SessionHost],
+                                                     tmp_path: Path) -> None:
+    a, b = hosts
+    src = _project(tmp_path)
+    ref = json.loads(a.run("snapshot", str(src), "--json").stdout)["ref"]
+    mnt = tmp_path / "ro-on-b"
+    mnt.mkdir()
+    b.run("mount", "--ro", ref, str(mnt))
+    try:
+        assert str(ref_of(mnt)) == ref
+        assert (mnt / "pkg" / "data.bin").read_bytes() == (src / "pkg" / "data.bin").read_bytes()
+        with pytest.raises(OSError):
+            (mnt / "README").write_text("no\n")
+    finally:
+        b.run("umount", str(mnt), check=False)
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+
+
+def test_a_session_without_fuse_moves_only_after_a_shutdown_checkpoint(
+        hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
+    a, b = hosts
+    s = a.started("new", "--no-fuse", "--seed", str(_project(tmp_path)))
+    sid, root_a = s["id"], Path(s["root"])
+    (root_a / "README").write_text("in a plain directory\n")
+    a.session("shutdown", sid)
+    # A plain directory keeps no dirty set: without a shutdown checkpoint, B cannot know.
+    r = b.refused("resume", sid, "--no-fuse")
+    assert r["type"] == "SessionChangesElsewhereError" and r["reason"] == "unknown"
+    a.started("resume", sid)
+    want = ref_of(root_a)
+    a.session("shutdown", sid, "--checkpoint")
+    moved = b.started("resume", sid, "--no-fuse")
+    assert ref_of(moved["root"]) == want
+    b.session("shutdown", sid)
