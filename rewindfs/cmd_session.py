@@ -333,17 +333,43 @@ def cmd_new(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from fusefs.session.control import live_host
 
+    away = _registered_elsewhere(args)
     rows = []
     for rec in _registry(args).list():
+        if rec.id in away:
+            continue  # it ran on another host since: that host's row below says how it is
         rows.append({"id": rec.id, "root": rec.root, "placement": rec.mode,
                      "state": "running" if live_host(rec.state_dir) else "stopped",
                      "parent": rec.parent})
+    for e in away.values():  # a shared store's sessions of other hosts (host: where)
+        rows.append({"id": e.id, "root": None, "placement": e.mode, "state": e.state,
+                     "parent": e.parent, "host": e.host})
     if getattr(args, "json", False):
         emit(args, rows)
     else:
         for r in rows:
-            print(f"{r['id']}  {r['state']:<8} {r['placement']:<12} {r['root']}")
+            where = f"on {r['host']}" if r.get("host") else r["root"]
+            print(f"{r['id']}  {r['state']:<8} {r['placement']:<12} {where}")
     return 0
+
+
+def _registered_elsewhere(args: argparse.Namespace) -> dict[str, Any]:
+    """id -> registry row of every session a shared store's catalog registers on another
+    host (``fusefs.session.moves``); empty for an embedded store."""
+    from store import config
+
+    if config.read(args.store) is None:
+        return {}
+    from fusefs.session.moves import SessionEntry
+    from store.hostid import host_id
+    from store.objects import Store
+
+    st = Store(args.store)
+    try:
+        return {sid: SessionEntry.parse(sid, host, record)
+                for sid, host, record in st.catalog.sessions() if host != host_id()}
+    finally:
+        st.close()
 
 
 def _elsewhere(args: argparse.Namespace, session_id: str) -> Any:

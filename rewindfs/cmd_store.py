@@ -93,6 +93,12 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_diff)
 
     p = sub.add_parser("gc", help="delete objects no listed snapshot or journal reaches")
+    p.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                   help="shared store: keep packs indexed less than this long ago, and "
+                        "everything their trees reach (default 3600)")
+    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                   help="shared store: how long to wait for writers of other hosts to "
+                        "finish before refusing (default 120)")
     add_json(p)
     p.set_defaults(handler=cmd_gc)
 
@@ -448,8 +454,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     st = open_store(args)
     t0 = time.perf_counter()
     # What live mounts serve (a plain rw mount's state directory is not registered).
+    shared = {k: v for k, v in (("grace_s", args.grace), ("wait_s", args.wait))
+              if v is not None}
     report = gc(st, extra_live=[Ref.parse(r) for r in served_refs(st.root)],
-                state_dirs_reader=state_dirs_reader)
+                state_dirs_reader=state_dirs_reader, **shared)
     data = jsonable(report)
     if not isinstance(data, dict):
         data = {"report": data}

@@ -163,7 +163,8 @@ class Catalog(Protocol):
     def has(self, oid: bytes) -> bool: ...
     def locate(self, oid: bytes) -> Location | None: ...
     def locate_many(self, ids: list[bytes]) -> dict[bytes, Location]: ...
-    def add_objects(self, rows: list[Location], packs: list[PackRow]) -> None: ...
+    def add_objects(self, rows: list[Location], packs: list[PackRow],
+                    pin: str | None = None) -> None: ...
     def packs(self) -> list[PackRow]: ...
 
     # snapshot list
@@ -255,7 +256,10 @@ class SQLiteCatalog:
                 out[row[0]] = location(row)
         return out
 
-    def add_objects(self, rows: list[Location], packs: list[PackRow]) -> None:
+    def add_objects(self, rows: list[Location], packs: list[PackRow],
+                    pin: str | None = None) -> None:
+        # ``pin``: a writer pin of a shared catalog (store/sharedgc.py); one host has none.
+        assert pin is None, "writer pins exist in shared catalogs only"
         with self._tx() as c:
             c.executemany(
                 "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, codec, "

@@ -252,6 +252,16 @@ class FencedError(LeaseLostError):
         return str(self.args[0])
 
 
+class WriterPinLostError(StoreError):
+    """A writer's pin in a shared catalog is gone (it expired and a GC removed it: see
+    store/sharedgc.py), so what it uploaded may be deleted and its commit is refused."""
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+        super().__init__(f"writer pin {holder} expired and was removed by a gc; nothing "
+                         "was indexed, write again")
+
+
 class CatalogError(StoreError):
     """The catalog (the shared metadata database) cannot be reached or used, or its schema
     is of another version than this program's."""

@@ -148,14 +148,20 @@ class _PackUse:
 
 def gc(store: Store, *, extra_live: Iterable[Ref] = (),
        state_dirs_reader: StateDirsReader | None = None,
-       repack_below: float = REPACK_BELOW) -> GCReport:
+       repack_below: float = REPACK_BELOW, grace_s: float | None = None,
+       wait_s: float | None = None) -> GCReport:
     """Collect garbage in ``store`` (see the module docstring). Returns a GCReport; raises
-    GCError(op, key, cause) when it refuses or a step fails (re-running is safe); on a
-    shared catalog it refuses (the cross-host pin protocol is not built yet: a writer on
-    another host does not hold this host's gc.lock)."""
+    GCError(op, key, cause) when it refuses or a step fails (re-running is safe). On a
+    shared catalog, a writer of another host does not hold this host's gc.lock: GC runs
+    the writer pin protocol of store/sharedgc.py instead (``grace_s``, ``wait_s``: see
+    there; no repacking)."""
     if store.catalog.shared:
-        raise GCError("check", "catalog", "gc of a shared store (s3:// with a shared "
-                                          "catalog) is not supported yet; nothing deleted")
+        from . import sharedgc
+
+        return sharedgc.gc_shared(
+            store, extra_live=extra_live, state_dirs_reader=state_dirs_reader,
+            grace_s=sharedgc.GRACE_S if grace_s is None else grace_s,
+            wait_s=sharedgc.WAIT_S if wait_s is None else wait_s)
     fd = store.lock(exclusive=True)
     assert fd is not None
     try:

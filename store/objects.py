@@ -556,6 +556,17 @@ class Writer:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._lock_fd = store.lock(exclusive=False)
+        # On a shared catalog, the cross-host form of that lock: a writer pin, taken
+        # before the first dedup check (store/sharedgc.py).
+        self._pin: Any = None
+        if store.catalog.shared:
+            from .sharedgc import WriterPin
+
+            try:
+                self._pin = WriterPin(store)
+            except BaseException:
+                self.close()
+                raise
         self._pending: set[bytes] = set()
         self._batched = store.catalog.shared
         self._unchecked: list[tuple[ObjectId, ObjKind, bytes, tuple[Codec, bytes] | None]] = []
@@ -574,6 +585,9 @@ class Writer:
         self.close()
 
     def close(self) -> None:
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
         if self._lock_fd is not None:
             Store.unlock(self._lock_fd)
             self._lock_fd = None
@@ -638,7 +652,10 @@ class Writer:
         self._builder.flush()
         if self._rows:
             self.store.backend.sync()
-            self.store.catalog.add_objects(self._rows, self._packs)
+            if self._pin is not None:  # refused in the same transaction if a GC fenced it
+                self.store.catalog.add_objects(self._rows, self._packs, pin=self._pin.holder)
+            else:
+                self.store.catalog.add_objects(self._rows, self._packs)
             self._rows = []
             self._packs = []
             self._pending.clear()

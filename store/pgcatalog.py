@@ -10,6 +10,12 @@ entries of ``MIGRATIONS`` applied; opening a catalog applies the missing ones in
 in one transaction under an advisory lock (two hosts opening a new catalog at once do
 not race), and refuses (``CatalogError``) a catalog of a newer version than this program.
 
+Version 2 adds the cross-host GC protocol (store/sharedgc.py): ``writer_pins(holder,
+host, started_ns, expires_ns)``, one row per pinned writer, and ``packs.indexed_ns``, when
+a pack was indexed (0 for packs of version 1 and rebuilt ones), which the GC grace period
+reads; the GC lease is the ``leases`` row ``gc``, and ``config.gc_generation`` counts GC
+runs that deleted index rows.
+
 Connections: a pool of ``max_size`` connections, each checked before it is handed out, so
 after a PostgreSQL restart the next operation reconnects (the operation that was running
 when the server went away fails with ``CatalogError``). Every method is one transaction.
@@ -34,7 +40,7 @@ from .catalog import (
     decide_acquire,
     location,
 )
-from .errors import CatalogError, FencedError, LeaseLostError, StoreError
+from .errors import CatalogError, FencedError, LeaseLostError, StoreError, WriterPinLostError
 from .pack import Location
 
 # Advisory lock key of schema migrations (any constant unique to this product).
@@ -61,6 +67,12 @@ MIGRATIONS: list[str] = [
     CREATE TABLE leases (name text PRIMARY KEY, holder text NOT NULL, epoch bigint NOT NULL,
         expires_ns bigint NOT NULL);
     CREATE TABLE config (key text PRIMARY KEY, value text NOT NULL);
+    """,
+    # 2: the cross-host GC protocol (store/sharedgc.py): writer pins, pack index times.
+    """
+    CREATE TABLE writer_pins (holder text PRIMARY KEY, host text NOT NULL,
+        started_ns bigint NOT NULL, expires_ns bigint NOT NULL);
+    ALTER TABLE packs ADD COLUMN indexed_ns bigint NOT NULL DEFAULT 0;
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -178,11 +190,93 @@ class PostgresCatalog:
                 out[bytes(loc.oid)] = loc
         return out
 
-    def add_objects(self, rows: list[Location], packs: list[PackRow]) -> None:
+    def add_objects(self, rows: list[Location], packs: list[PackRow],
+                    pin: str | None = None) -> None:
+        """Index ``rows`` and ``packs`` (stamped with the time, ``indexed_ns``). With
+        ``pin``, refuse (WriterPinLostError) unless that writer pin still exists, in the
+        same transaction (store/sharedgc.py)."""
+        import time
+
+        now = time.time_ns()
         with self._tx() as c, c.cursor() as cur:
+            if pin is not None and cur.execute(
+                    "SELECT 1 FROM writer_pins WHERE holder=%s FOR UPDATE",
+                    (pin,)).fetchone() is None:
+                raise WriterPinLostError(pin)
             cur.executemany(_INSERT_OBJECT, [_object_row(r) for r in rows])
-            cur.executemany("INSERT INTO packs(key, size, objects) VALUES (%s, %s, %s) "
-                            "ON CONFLICT (key) DO NOTHING", packs)
+            cur.executemany("INSERT INTO packs(key, size, objects, indexed_ns) "
+                            "VALUES (%s, %s, %s, %s) ON CONFLICT (key) DO NOTHING",
+                            [(*p, now) for p in packs])
+
+    # -- the cross-host GC protocol (store/sharedgc.py) --------------------------------
+
+    def pin_writer(self, holder: str, host: str, ttl_ns: int, now_ns: int) -> bool:
+        """Pin writer ``holder`` unless a GC holds its lease unexpired (then False). The
+        ``gc`` lease row is read FOR SHARE, so a pin and a GC start are serialized."""
+        from .sharedgc import GC_LEASE
+
+        with self._tx() as c:
+            c.execute("INSERT INTO leases(name, holder, epoch, expires_ns) "
+                      "VALUES (%s, '', 0, 0) ON CONFLICT (name) DO NOTHING", (GC_LEASE,))
+            h, x = c.execute("SELECT holder, expires_ns FROM leases WHERE name=%s FOR SHARE",
+                             (GC_LEASE,)).fetchone()
+            if h and int(x) > now_ns:
+                return False
+            c.execute("INSERT INTO writer_pins(holder, host, started_ns, expires_ns) "
+                      "VALUES (%s, %s, %s, %s) ON CONFLICT (holder) DO UPDATE SET "
+                      "expires_ns=excluded.expires_ns", (holder, host, now_ns, now_ns + ttl_ns))
+        return True
+
+    def renew_writer_pin(self, holder: str, ttl_ns: int, now_ns: int) -> None:
+        """Extend pin ``holder``; WriterPinLostError if a GC removed it."""
+        with self._tx() as c:
+            n = c.execute("UPDATE writer_pins SET expires_ns=%s WHERE holder=%s",
+                          (now_ns + ttl_ns, holder)).rowcount
+        if not n:
+            raise WriterPinLostError(holder)
+
+    def unpin_writer(self, holder: str) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM writer_pins WHERE holder=%s", (holder,))
+
+    def writer_pins(self) -> list[tuple[str, str, int, int]]:
+        """Every pin: ``(holder, host, started_ns, expires_ns)``."""
+        with self._tx() as c:
+            return [(r[0], r[1], int(r[2]), int(r[3])) for r in c.execute(
+                "SELECT holder, host, started_ns, expires_ns FROM writer_pins ORDER BY holder")]
+
+    def drop_writer_pins(self, holders: list[str]) -> None:
+        if holders:
+            with self._tx() as c:
+                c.execute("DELETE FROM writer_pins WHERE holder = ANY(%s)", (holders,))
+
+    def gc_view(self) -> tuple[list[tuple[bytes, int, str]], dict[str, tuple[int, int]]]:
+        """In one snapshot of the catalog: every object ``(id, kind, pack)`` and every pack
+        ``key -> (size, indexed_ns)``."""
+        with self._tx() as c:
+            c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            objects = [(bytes(r[0]), int(r[1]), str(r[2])) for r in c.execute(
+                "SELECT id, kind, pack FROM objects")]
+            packs = {r[0]: (int(r[1]), int(r[2])) for r in c.execute(
+                "SELECT key, size, indexed_ns FROM packs")}
+        return objects, packs
+
+    def gc_drop(self, keys: list[str], lease: Lease) -> int:
+        """Drop the index rows of packs ``keys`` and bump ``gc_generation``, in one
+        transaction that first checks GC ``lease`` is still held at its epoch
+        (LeaseLostError otherwise). Returns the object rows deleted."""
+        from .sharedgc import GENERATION
+
+        with self._tx() as c:
+            row = c.execute("SELECT holder, epoch FROM leases WHERE name=%s FOR UPDATE",
+                            (lease.name,)).fetchone()
+            if row is None or row[0] != lease.holder or int(row[1]) != lease.epoch:
+                raise LeaseLostError(lease.name, lease.holder, lease.epoch)
+            n = int(c.execute("DELETE FROM objects WHERE pack = ANY(%s)", (keys,)).rowcount)
+            c.execute("DELETE FROM packs WHERE key = ANY(%s)", (keys,))
+            c.execute("INSERT INTO config(key, value) VALUES (%s, '1') ON CONFLICT (key) "
+                      "DO UPDATE SET value = (config.value::bigint + 1)::text", (GENERATION,))
+        return n
 
     def packs(self) -> list[PackRow]:
         with self._tx() as c:

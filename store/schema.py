@@ -11,7 +11,10 @@ On a shared store (store/config.py) the catalog tables (``objects``, ``packs``,
 ``sessions``, ``leases``, ``config``) live in the PostgreSQL catalog instead
 (store/pgcatalog.py, its own versioned migrations), read and written only through
 store/catalog.py; this host's file keeps ``files_cache``, ``dirs_cache`` and ``chunk_pages``, trusted against
-the catalog's object index.
+the catalog's object index. The PostgreSQL catalog also has ``writer_pins`` and
+``packs.indexed_ns``, the cross-host GC protocol's rows (store/sharedgc.py: what they mean,
+and the protocol's crash windows), and the session registry's records are written by the
+session processes (fusefs/session/moves.py).
 
 Invariants, each checked by ``verify`` (store/verify.py, which keeps the same list in
 ``INVARIANTS``) under the stable name given in brackets:

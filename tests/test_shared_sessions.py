@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from session_support import ref_of
-from test_shared_store import Host
+from test_shared_store import Host, two_hosts
 
 from fusefs.session.control import control_path, request
 from fusefs.session.fallback import fuse_available
@@ -80,10 +80,8 @@ class SessionHost(Host):
 @pytest.fixture
 def hosts(s3_env: object, s3_bucket: str, pg_dsn: str,
           tmp_path: Path) -> Iterator[tuple[SessionHost, SessionHost]]:
-    url = f"s3://{s3_bucket}/team/store"
-    ep = s3_env.endpoint  # type: ignore[attr-defined]
-    a = SessionHost("hostA", tmp_path, url, ep, pg_dsn)
-    b = SessionHost("hostB", tmp_path, url, ep, pg_dsn)
+    a, b = two_hosts(s3_env, s3_bucket, pg_dsn, tmp_path, SessionHost)
+    assert isinstance(a, SessionHost) and isinstance(b, SessionHost)
     try:
         yield a, b
     finally:
@@ -111,8 +109,12 @@ def test_a_session_checkpointed_at_shutdown_moves_to_b_and_back(
     out = json.loads(a.session("shutdown", sid, "--checkpoint", "--json").stdout)
     assert out["ref"] == str(want)
 
+    listed = json.loads(b.session("list", "--json").stdout)
+    assert [(r["id"], r["state"], r.get("host")) for r in listed] == [(sid, "stopped", "hostA")]
     moved = b.started("resume", sid)
     root_b = Path(moved["root"])
+    listed = json.loads(a.session("list", "--json").stdout)  # A's stale record is not shown
+    assert [(r["id"], r["state"], r.get("host")) for r in listed] == [(sid, "running", "hostB")]
     assert moved["id"] == sid and root_b == b.base / sid
     assert ref_of(root_b) == want  # the same tree, digest-equal
     assert (root_b / "README").read_text() == "changed on A\n"

@@ -1,0 +1,302 @@
+"""Garbage collection of a shared store: the cross-host writer pin protocol (issue 13.4).
+
+On the embedded store, writers and GC share one host and ``gc.lock`` (store/gc.py): GC holds
+it exclusively, every ``Writer`` shared. Hosts of a shared store have no common lock file,
+so the same exclusion is made of catalog rows (store/pgcatalog.py, schema version 2):
+
+- **GC lease**: the lease ``gc`` in ``leases`` (store/lease.py rules: an epoch, an expiry,
+  one holder). Exactly one GC runs at a time across hosts; a GC that died is taken over
+  once its lease expires.
+- **Writer pins**: ``writer_pins(holder, host, started_ns, expires_ns)``. A ``Writer``
+  (store/objects.py) on a shared catalog pins itself *before its first dedup check*, in a
+  transaction that reads the ``gc`` lease row ``FOR SHARE``: while a GC holds that lease
+  unexpired the writer does not pin, it waits (polling) until the GC is done; a GC's
+  acquisition locks the same row ``FOR UPDATE``, so a pin and a GC start are serialized.
+  A thread renews the pin every third of its ttl (``PIN_TTL_S``); ``Writer.close`` (after
+  the snapshot is listed or the journal appended, inside the writer's block) deletes it.
+- **Fenced commit**: ``Writer.commit`` indexes its packs with ``add_objects(..., pin=)``,
+  which refuses (``WriterPinLostError``) in the same transaction if the pin row is gone.
+- **GC run** (``gc_shared``): take the ``gc`` lease; wait (at most ``wait_s``) until no
+  unexpired pin is left, then delete the expired ones (their writers are fenced from then
+  on); refuse (``GCError``, nothing deleted) if live pins remain. Catch up the history,
+  mark from the snapshot list, every journal, the named refs, this host's state
+  directories and mounts (``extra_live``) **and every tree of a pack indexed less than
+  ``grace_s`` ago** (``packs.indexed_ns``). Dead packs are those with no live object and
+  indexed before the grace period; in one transaction that re-checks the ``gc`` lease
+  (holder and epoch, ``FOR UPDATE``) their index rows go and the catalog's
+  ``gc_generation`` increases; then the blobs are deleted (the lease checked and renewed
+  before each), then crash leftovers (``packs/`` keys with no index row: no live writer
+  can be uploading one, since none is pinned and none may pin). Sparse packs are not
+  repacked on a shared store.
+- **Dirs caches of other hosts** (store/dircache.py trusts an indexed tree to be
+  complete): a writer that pins compares the catalog's ``gc_generation`` with the one its
+  host last saw and drops its dirs cache when it changed, so no host reuses a tree whose
+  children a GC deleted. Files caches check chunk ids against the catalog already.
+
+Crash windows, each safe:
+
+- A writer dies pinned: its pin expires after at most ``PIN_TTL_S``; until then GC waits
+  (or refuses after ``wait_s``). Its uploaded, unindexed packs are leftovers the next GC
+  deletes.
+- A writer paused past its pin's expiry (a partitioned host): GC may run and delete
+  what it had reused or uploaded; its commit is then refused (fenced), so nothing
+  references the missing objects; the checkpoint or snapshot fails with
+  ``WriterPinLostError`` and can be retried.
+- A writer that committed, then paused past its pin's expiry before listing: its new
+  trees are in packs indexed within the grace period, which GC treats as live roots, so
+  neither they nor the older objects they reuse are deleted (unless the pause outlasts
+  ``grace_s``; then the listing names a Ref whose objects may be gone, found by
+  ``verify``).
+- GC dies holding its lease: writers wait until the lease expires (``GC_LEASE_TTL_S``);
+  index rows it deleted without deleting their blobs leave leftovers the next GC deletes.
+- GC paused past its lease's expiry between its last lease check and a blob delete: a
+  writer may have started meanwhile and uploaded a pack with exactly the same bytes (the
+  same key) as a dead one, which the late delete would remove. The window is one delete
+  call; the lease is checked and renewed before each.
+
+Not covered: a Ref mounted or used as an upper's base *on another host* that is not listed
+and in no journal (``mount --ro`` of a forgotten Ref there): only this host's mounts and
+state directories are read. Session uppers are covered (their bases and held lowers are
+journaled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from .errors import BlobNotFoundError, GCError, LeaseBusyError, LeaseLostError, StoreError
+from .ref import ObjectId, Ref
+
+if TYPE_CHECKING:
+    from .gc import GCReport
+
+log = logging.getLogger("rewindfs.store")
+
+GC_LEASE = "gc"
+GC_LEASE_TTL_S = 60.0
+PIN_TTL_S = float(os.environ.get("REWINDFS_WRITER_PIN_TTL", "60"))
+"""Writer pin time to live in seconds (renewed every third); the environment variable is
+for tests that crash a writer."""
+PIN_POLL_S = 0.2
+GRACE_S = 3600.0
+"""Packs indexed less than this long ago (s) are never deleted and their trees are roots."""
+WAIT_S = 120.0
+"""How long GC waits for pinned writers (s) before it refuses."""
+GENERATION = "gc_generation"
+
+
+class WriterPin:
+    """A writer's pin in a shared catalog (see the module docstring): ``holder`` is
+    ``host:pid:nonce``; renewed by a thread until ``release``. ``lost`` is set when a
+    renewal found the pin gone (a GC fenced it: the commit will be refused)."""
+
+    def __init__(self, store: Any, ttl_s: float = PIN_TTL_S) -> None:
+        import secrets
+
+        from .hostid import host_id
+        from .lease import holder_name
+
+        self.store = store
+        self.ttl_s = ttl_s
+        self.holder = holder_name(os.getpid(), secrets.token_hex(4))
+        cat = store.catalog
+        waited = 0.0
+        while not cat.pin_writer(self.holder, host_id(), int(ttl_s * 1e9), time.time_ns()):
+            if waited == 0.0:
+                log.info("a GC runs on this shared store: the writer waits for it")
+            time.sleep(PIN_POLL_S)
+            waited += PIN_POLL_S
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="writer-pin", daemon=True)
+        self._thread.start()
+        _sync_generation(store)
+
+    def _renew(self) -> None:
+        from .errors import WriterPinLostError
+
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.store.catalog.renew_writer_pin(self.holder, int(self.ttl_s * 1e9),
+                                                    time.time_ns())
+            except WriterPinLostError:
+                self.lost = True
+                return
+            except StoreError as e:  # the catalog is away: retry at the next tick
+                log.warning("renewing writer pin %s failed: %s", self.holder, e)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        try:
+            self.store.catalog.unpin_writer(self.holder)
+        except StoreError as e:  # it expires by itself
+            log.warning("releasing writer pin %s failed: %s", self.holder, e)
+
+
+def _sync_generation(store: Any) -> None:
+    """Drop this host's dirs cache if a GC ran since it last looked (module docstring)."""
+    now = store.catalog.config_value(GENERATION) or "0"
+    c = store.conn
+    row = c.execute("SELECT value FROM config WHERE key=?", (GENERATION,)).fetchone()
+    if row is not None and row[0] == now:
+        return
+    c.execute("BEGIN IMMEDIATE")
+    try:
+        c.execute("DELETE FROM dirs_cache")
+        c.execute("INSERT OR REPLACE INTO config(key, value) VALUES (?, ?)", (GENERATION, now))
+        c.execute("COMMIT")
+    except BaseException:
+        c.execute("ROLLBACK")
+        raise
+
+
+def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
+              state_dirs_reader: Callable[[str], list[Ref]] | None = None,
+              grace_s: float = GRACE_S, wait_s: float = WAIT_S) -> GCReport:
+    """Collect garbage in a shared store (see the module docstring); returns a
+    ``gc.GCReport``. Raises GCError (nothing deleted) when another GC runs, pinned writers
+    stay past ``wait_s`` seconds, or a step fails (re-running is safe)."""
+    import secrets
+
+    from .gc import mark
+    from .hostid import host_id
+    from .lease import Leaser, holder_name
+    from .rebuild import PACK_KEY, UNVERIFIED, catch_up, is_known_key
+
+    cat = store.catalog
+    leaser = Leaser(store)
+    holder = holder_name(os.getpid(), secrets.token_hex(4))
+    try:
+        lease = leaser.acquire(GC_LEASE, holder, GC_LEASE_TTL_S)
+    except LeaseBusyError as e:
+        raise GCError("check", GC_LEASE, f"another gc runs ({e.holder})") from None
+    from .gc import GCReport
+
+    rep = GCReport()
+    try:
+        lease = _wait_for_writers(store, leaser, lease, wait_s)
+        if store.config_value(UNVERIFIED):
+            raise GCError("check", "index", "the index was rebuilt and has not been "
+                                            "verified; run verify first")
+        try:
+            catch_up(store)
+        except StoreError as e:
+            raise GCError("catch-up", "history", str(e)) from e
+        objects, packs = cat.gc_view()
+        young_before = time.time_ns() - int(grace_s * 1e9)
+        young = {k for k, (_, t) in packs.items() if t > young_before}
+        roots = _live_roots(store, extra_live, state_dirs_reader)
+        roots.update(ObjectId(oid) for oid, kind, pack in objects
+                     if pack in young and kind == 2)
+        live = mark(store, roots)
+        used: dict[str, bool] = {k: False for k in packs}
+        found = 0
+        for oid, _kind, pack in objects:
+            if oid in live:
+                found += 1
+                used[pack] = True
+        if found != len(live):
+            missing = next(o for o in live if not store.has(o))
+            raise GCError("mark", missing.hex(), "a live object is not indexed; the index "
+                                                 "is incomplete (run rebuild-index, verify)")
+        dead = sorted(k for k, u in used.items() if not u and k not in young)
+        try:
+            backend_keys = store.backend.list("")
+        except StoreError as e:
+            raise GCError("list", "packs/", str(e)) from e
+        leftovers = []
+        for key in backend_keys:
+            if PACK_KEY.fullmatch(key):
+                if key not in packs:
+                    leftovers.append(key)
+            elif not is_known_key(key):
+                rep.unknown_keys.append(key)
+        try:
+            rep.objects_deleted = cat.gc_drop(dead, lease)
+        except LeaseLostError:
+            raise GCError("lease", GC_LEASE, "the gc lease was lost before anything was "
+                                             "deleted; re-run it") from None
+        for key in dead + leftovers:
+            if not PACK_KEY.fullmatch(key):
+                rep.unknown_keys.append(key)
+                continue
+            lease = _renew(leaser, lease)  # lost: stop deleting
+            try:
+                store.backend.delete(key)
+            except BlobNotFoundError:
+                continue
+            except StoreError as e:
+                raise GCError("delete", key, str(e)) from e
+            rep.bytes_freed += packs[key][0] if key in packs else 0
+        rep.packs_deleted = len(dead) + len(leftovers)
+        rep.leftover_packs = len(leftovers)
+        log.info("gc on host %s: %d packs deleted (%d leftovers), %d objects", host_id(),
+                 rep.packs_deleted, rep.leftover_packs, rep.objects_deleted)
+        return rep
+    finally:
+        leaser.release(lease)
+
+
+def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float) -> Any:
+    """Holding the GC lease (so no writer pins meanwhile): wait until every pin has
+    expired or been released, then delete the expired ones. Returns the renewed lease.
+    GCError naming the writers if some are still pinned after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = time.time_ns()
+        pins = store.catalog.writer_pins()
+        live = [p for p in pins if p[3] > now]
+        if not live:
+            store.catalog.drop_writer_pins([p[0] for p in pins])
+            return lease
+        if time.monotonic() >= deadline:
+            who = ", ".join(f"{h} (host {host})" for h, host, _, _ in live[:5])
+            raise GCError("wait", "writer_pins", f"{len(live)} writer(s) still upload to "
+                                                 f"this store: {who}; nothing deleted")
+        time.sleep(PIN_POLL_S)
+        lease = _renew(leaser, lease)
+
+
+def _renew(leaser: Any, lease: Any) -> Any:
+    """The GC lease renewed; GCError if it was lost (expired and taken over)."""
+    try:
+        return leaser.renew(lease, GC_LEASE_TTL_S)
+    except LeaseLostError:
+        raise GCError("lease", GC_LEASE, "the gc lease was lost (this gc was paused past "
+                                         "its ttl); it stopped, re-run it") from None
+
+
+def _live_roots(store: Any, extra_live: Iterable[Ref],
+                state_dirs_reader: Callable[[str], list[Ref]] | None) -> set[ObjectId]:
+    """The root tree ids of a shared store: listed, journaled, named, this host's state
+    directories and ``extra_live``. GCError for an unreadable ref or state directory."""
+    from .hostid import host_id
+
+    cat = store.catalog
+    refs: set[str] = {r[0] for r in cat.snapshots()}
+    refs.update(cat.journal_refs())
+    refs.update(r for _, r in cat.named_refs())
+    roots: set[ObjectId] = set()
+    for text in refs:
+        try:
+            roots.add(Ref.parse(text).tree_id)
+        except StoreError as e:
+            raise GCError("live", text, f"unparseable ref in the catalog: {e}") from None
+    for path, _host in cat.state_dirs(host_id()):
+        if state_dirs_reader is None:
+            raise GCError("live", path, "a state directory is registered but no reader for "
+                                        "state directories was given")
+        try:
+            roots.update(Ref.parse(r).tree_id for r in state_dirs_reader(path))
+        except Exception as e:
+            raise GCError("live", path, f"cannot read state directory: {e}") from e
+    for r in extra_live:
+        roots.add(Ref.parse(r).tree_id)
+    return roots

@@ -1,0 +1,211 @@
+"""GC of a shared store across hosts (store/sharedgc.py), against real SeaweedFS + PostgreSQL.
+
+Host A's writer runs in a process of its own (its host id, local directory and cache) and is
+held in the middle of its upload; host B's ``rewindfs gc`` must never delete what that
+writer uploads or reuses: it waits for the writer's pin (or refuses, deleting nothing), and
+a writer paused past its pin's expiry has its commit refused rather than indexing packs a GC
+may have deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from session_support import child, read_line, reap
+from test_shared_store import REPO, Host, _tree, two_hosts
+
+# Host A's writer: a snapshot of SRC that stops after its first pack upload until a line
+# comes on stdin (the pause hook wraps the real S3 backend's put; nothing is faked).
+WRITER = """
+    import os, sys
+    from store.objects import Store
+    from store.snapshot import run_snapshot
+
+    st = Store(os.environ["LOCAL"])
+    put = st.backend.put
+    held = []
+
+    def paused_put(key, data):
+        put(key, data)
+        if key.startswith("packs/") and not held:
+            held.append(key)
+            print("uploaded", key, flush=True)
+            sys.stdin.readline()
+
+    st.backend.put = paused_put
+    try:
+        print("ref", run_snapshot(st, os.environ["SRC"]).ref, flush=True)
+    except Exception as e:
+        print("error", type(e).__name__, e, flush=True)
+        sys.exit(3)
+"""
+
+
+@pytest.fixture
+def hosts(s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> tuple[Host, Host]:
+    return two_hosts(s3_env, s3_bucket, pg_dsn, tmp_path)
+
+
+def _writer(host: Host, src: Path, **env: str) -> subprocess.Popen[str]:
+    return child(WRITER, env={"LOCAL": str(host.local), "SRC": str(src),
+                              "REWINDFS_HOST_ID": host.name, **host.env, **env})
+
+
+def _packs(host: Host) -> int:
+    return int(host.json("stats")["packs"])  # type: ignore[index]
+
+
+def test_gc_on_b_keeps_what_a_writer_on_a_uploads_and_reuses(hosts: tuple[Host, Host],
+                                                           tmp_path: Path) -> None:
+    a, b = hosts
+    src = _tree(tmp_path)
+    old = a.json("snapshot", str(src))["ref"]  # type: ignore[index]
+    a.run("forget", old)  # garbage now, but its chunks are what the next snapshot reuses
+    gone_src = tmp_path / "gone"
+    gone_src.mkdir()
+    (gone_src / "unique.bin").write_bytes(os.urandom(1 << 20))
+    gone = a.json("snapshot", str(gone_src))["ref"]  # type: ignore[index]
+    a.run("forget", gone)
+    again = tmp_path / "again"  # the same files at another path, plus one new file
+    shutil.copytree(src, again, symlinks=True)
+    (again / "new.bin").write_bytes(os.urandom(1 << 20))
+
+    w = _writer(a, again)
+    try:
+        assert read_line(w).startswith("uploaded packs/")
+        packs = _packs(b)
+        r = b.run("gc", "--grace", "0", "--wait", "1", check=False)
+        assert r.returncode == 8 and "hostA" in r.stderr and "nothing deleted" in r.stderr
+        assert _packs(b) == packs
+        # A GC started while the writer is pinned waits for it, then collects.
+        g = subprocess.Popen([*_cli_args(b), "gc", "--grace", "0", "--wait", "120",
+                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, **b.env}, cwd=REPO)
+        try:
+            assert w.stdin is not None
+            w.stdin.write("go\n")
+            w.stdin.flush()
+            line = read_line(w)
+            assert line.startswith("ref "), line
+            new = line.split()[1]
+            out, err = g.communicate(timeout=300)
+        finally:
+            if g.poll() is None:
+                g.kill()
+                g.wait()
+        assert g.returncode == 0, err
+        report = json.loads(out)
+        assert report["packs_deleted"] >= 1 and report["bytes_freed"] > 0
+    finally:
+        reap(w)
+    # What A wrote and reused is whole; what nothing reached is gone.
+    assert b.json("verify")["ok"] is True  # type: ignore[index]
+    dest = tmp_path / "dest"
+    b.run("materialize", new, str(dest))
+    for rel in ("README", "pkg/big.bin", "new.bin"):
+        assert (dest / rel).read_bytes() == (again / rel).read_bytes()
+    r = b.run("cat", gone, "unique.bin", check=False)
+    assert r.returncode == 4
+
+
+def _cli_args(host: Host) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "rewindfs", *host.opts]
+
+
+def test_a_writer_paused_past_its_pin_is_fenced_and_a_crashed_one_is_waited_for(
+        hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    a, b = hosts
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.bin").write_bytes(os.urandom(1 << 20))
+    a.run("list")  # both local directories configured
+    b.run("list")
+    # A paused host (SIGSTOP: its pin is not renewed) past its pin's 2 s ttl: B's GC waits
+    # for the pin to expire, drops it and deletes the unindexed upload; A's late commit
+    # is then refused, so nothing indexes the deleted pack.
+    w = _writer(a, src, REWINDFS_WRITER_PIN_TTL="2")
+    try:
+        assert read_line(w).startswith("uploaded packs/")
+        os.kill(w.pid, signal.SIGSTOP)
+        report = b.json("gc", "--grace", "0", "--wait", "60")
+        assert report["leftover_packs"] == 1  # type: ignore[index]
+        os.kill(w.pid, signal.SIGCONT)
+        assert w.stdin is not None
+        w.stdin.write("go\n")
+        w.stdin.flush()
+        assert read_line(w).startswith("error WriterPinLostError"), "late commit indexed"
+        assert w.wait(60) == 3
+    finally:
+        if w.poll() is None:
+            os.kill(w.pid, signal.SIGCONT)
+        reap(w)
+    assert b.json("verify")["ok"] is True  # type: ignore[index]
+    assert b.json("stats")["packs"] == 0  # type: ignore[index]
+    # A writer killed mid-upload: GC waits for its pin to expire, then deletes its upload.
+    w = _writer(a, src, REWINDFS_WRITER_PIN_TTL="2")
+    try:
+        assert read_line(w).startswith("uploaded packs/")
+        w.kill()
+        w.wait()
+    finally:
+        reap(w)
+    report = b.json("gc", "--grace", "0", "--wait", "60")
+    assert report["leftover_packs"] == 1  # type: ignore[index]
+    # Afterwards a writer works as usual.
+    ref = a.json("snapshot", str(src))["ref"]  # type: ignore[index]
+    b.run("materialize", ref, str(tmp_path / "dest"))
+    assert (tmp_path / "dest" / "data.bin").read_bytes() == (src / "data.bin").read_bytes()
+    assert b.json("verify")["ok"] is True  # type: ignore[index]
+
+
+def test_the_catalog_serializes_pins_with_the_gc_lease(pg_dsn: str) -> None:
+    import time
+
+    from store.errors import WriterPinLostError
+    from store.pgcatalog import PostgresCatalog
+
+    c = PostgresCatalog(pg_dsn)
+    try:
+        now = time.time_ns()
+        assert c.pin_writer("hostA:1:a", "hostA", 10**10, now)
+        gc = c.lease_acquire("gc", "hostB:2:b", 10**10, now, lambda h: False)
+        assert not c.pin_writer("hostA:1:c", "hostA", 10**10, now)  # a GC runs: wait
+        assert [p[0] for p in c.writer_pins()] == ["hostA:1:a"]  # the earlier pin stays
+        c.add_objects([], [("packs/" + "0" * 64 + ".pack", 10, 0)], pin="hostA:1:a")
+        c.drop_writer_pins(["hostA:1:a"])
+        with pytest.raises(WriterPinLostError):  # fenced: nothing is indexed
+            c.add_objects([], [("packs/" + "1" * 64 + ".pack", 10, 0)], pin="hostA:1:a")
+        with pytest.raises(WriterPinLostError):
+            c.renew_writer_pin("hostA:1:a", 10**10, now)
+        assert [p[0] for p in c.packs()] == ["packs/" + "0" * 64 + ".pack"]
+        c.lease_release(gc)
+        assert c.pin_writer("hostA:1:c", "hostA", 10**10, now)
+    finally:
+        c.close()
+
+
+def test_a_version_1_catalog_is_migrated_keeping_its_packs(pg_dsn: str) -> None:
+    import psycopg
+
+    from store.pgcatalog import MIGRATIONS, SCHEMA_VERSION, PostgresCatalog
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # a catalog of the last release
+        conn.execute("CREATE TABLE catalog_meta (key text PRIMARY KEY, value text NOT NULL)")
+        conn.execute(MIGRATIONS[0])
+        conn.execute("INSERT INTO catalog_meta VALUES ('schema_version', '1')")
+        conn.execute("INSERT INTO packs VALUES ('packs/old.pack', 5, 1)")
+    c = PostgresCatalog(pg_dsn)
+    try:
+        assert SCHEMA_VERSION == 2 and c.schema_version() == 2
+        assert c.packs() == [("packs/old.pack", 5, 1)]
+        assert c.gc_view()[1] == {"packs/old.pack": (5, 0)}  # indexed before the grace
+    finally:
+        c.close()
