@@ -408,14 +408,18 @@ class FixedTree(_DirTree):
 def fuse_unavailable_reason() -> str | None:
     """Why this process cannot mount FUSE file systems, or None when it can: /dev/fuse
     must exist and open read-write for this user (it is mode 0600 on some machines), and
-    ``fusermount3`` must be on PATH. Opening the device creates a FUSE connection that
+    ``fusermount3`` must be on PATH (setuid root, for a user other than root; ``rewindfs
+    doctor`` checks the same). Opening the device creates a FUSE connection that
     closing it ends; nothing is mounted."""
     try:
         os.close(os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC))
     except OSError as e:
         return f"/dev/fuse cannot be opened: {os.strerror(e.errno or 0)}"
-    if shutil.which("fusermount3") is None:
+    fm = shutil.which("fusermount3")
+    if fm is None:
         return "fusermount3 is not on PATH"
+    if os.getuid() != 0 and not os.stat(fm).st_mode & stat.S_ISUID:
+        return f"{fm} is not setuid root, so this user cannot mount"
     return None
 
 
