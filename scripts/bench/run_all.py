@@ -423,6 +423,10 @@ def machine() -> str:
             mem = f", {kb / 1024 / 1024:.0f} GiB RAM"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip() or "?"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=REPO, capture_output=True, text=True).stdout.strip()
+    if dirty:  # the figures are not of that commit alone
+        commit += " with uncommitted changes"
     return (f"{os.cpu_count()} CPUs{mem}, Linux {platform.release()}, Python "
             f"{platform.python_version()}; commit {commit}")
 
