@@ -298,6 +298,17 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         ready(str(e))
         raise
     gate = None
+    # A shared store's GCs on other hosts cannot read this host's mount records.
+    from store.sharedgc import pin_mount, unpin_mount
+
+    try:
+        mount_pin = pin_mount(store, ov.lower.ref) if ov.readonly else None
+    except Exception as e:
+        log.error("cannot mount %s: pinning its Ref in the catalog failed: %s",
+                  cfg.mountpoint, e)
+        ready(str(e))
+        release_claim(cfg.mountpoint, claim)
+        raise
     if not ov.readonly:
         from .gate import Gate
 
@@ -391,7 +402,9 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     if our_mount is None:  # never mounted: clean up, then report the first cause
         err = init_error or _start_error(cfg.mountpoint, loop_error)
         for what, step in (("mount record", lambda: remove_record(cfg.mountpoint, os.getpid())),
-                           ("upper", ops.close), ("store", store.close)):
+                           ("upper", ops.close),
+                           ("mount pin", lambda: unpin_mount(store, mount_pin)),
+                           ("store", store.close)):
             try:
                 step()
             except Exception as e:
@@ -430,6 +443,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         write_stats()
     except OSError:
         pass
+    unpin_mount(store, mount_pin)
     store.close()
     log.info("unmounted %s (%d requests)", cfg.mountpoint, sum(ops.counts.values()))
     release_claim(cfg.mountpoint, claim)

@@ -54,10 +54,17 @@ Crash windows, each safe:
   same key) as a dead one, which the late delete would remove. The window is one delete
   call; the lease is checked and renewed before each.
 
-Not covered: a Ref mounted or used as an upper's base *on another host* that is not listed
-and in no journal (``mount --ro`` of a forgotten Ref there): only this host's mounts and
-state directories are read. Session uppers are covered (their bases and held lowers are
-journaled).
+- **Mounts of other hosts**: GC reads only this host's state directories and mount
+  records. A read-only mount of a shared store therefore also pins its Ref in the
+  catalog as the named ref ``mount/<host>:<pid>:<nonce>`` (``pin_mount``) while it serves,
+  and drops it at unmount; a GC drops such pins of its own host whose process is gone
+  (``store.lease.holder_is_dead``), so a killed daemon's pin keeps garbage only until the
+  next GC on its host. Session uppers need no pin: their bases and held lowers are
+  journaled.
+
+Not covered: a read-write ``mount REF MNT --state DIR`` (not a session) of a Ref that is not
+listed and in no journal, on another host: its base is read from its state directory, which
+only its own host can read.
 """
 
 from __future__ import annotations
@@ -189,6 +196,7 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
             catch_up(store)
         except StoreError as e:
             raise GCError("catch-up", "history", str(e)) from e
+        _drop_dead_mount_pins(store)
         objects, packs = cat.gc_view()
         young_before = time.time_ns() - int(grace_s * 1e9)
         young = {k for k, (_, t) in packs.items() if t > young_before}
@@ -262,6 +270,43 @@ def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float) -> Any
                                                  f"this store: {who}; nothing deleted")
         time.sleep(PIN_POLL_S)
         lease = _renew(leaser, lease)
+
+
+MOUNT_PIN = "mount/"
+
+
+def pin_mount(store: Any, ref: Ref) -> str | None:
+    """Pin ``ref`` for the GCs of every host while this process serves it read-only: a
+    named ref ``mount/<host>:<pid>:<nonce>``, whose name it returns (None on an embedded
+    store, whose GC reads this host's mount records)."""
+    if not store.catalog.shared:
+        return None
+    import secrets
+
+    from .lease import holder_name
+
+    name = MOUNT_PIN + holder_name(os.getpid(), secrets.token_hex(4))
+    store.catalog.set_named_ref(name, str(ref))
+    return name
+
+
+def unpin_mount(store: Any, name: str | None) -> None:
+    """Drop a ``pin_mount`` pin (a failure is logged: the next GC on this host drops it)."""
+    if name is None:
+        return
+    try:
+        store.catalog.delete_named_ref(name)
+    except StoreError as e:
+        log.warning("dropping the mount pin %s failed: %s", name, e)
+
+
+def _drop_dead_mount_pins(store: Any) -> None:
+    """Drop the mount pins of this host's processes that are gone."""
+    from .lease import holder_is_dead
+
+    for name, _ref in store.catalog.named_refs():
+        if name.startswith(MOUNT_PIN) and holder_is_dead(name[len(MOUNT_PIN):]):
+            store.catalog.delete_named_ref(name)
 
 
 def _renew(leaser: Any, lease: Any) -> Any:

@@ -209,3 +209,40 @@ def test_a_version_1_catalog_is_migrated_keeping_its_packs(pg_dsn: str) -> None:
         assert c.gc_view()[1] == {"packs/old.pack": (5, 0)}  # indexed before the grace
     finally:
         c.close()
+
+
+def test_a_read_only_mount_on_a_pins_its_ref_against_gc_on_b(hosts: tuple[Host, Host],
+                                                             tmp_path: Path) -> None:
+    from fusefs.session.fallback import fuse_available
+
+    if not fuse_available():
+        pytest.skip("needs /dev/fuse")
+    a, b = hosts
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.bin").write_bytes(os.urandom(1 << 20))
+    ref = a.json("snapshot", str(src))["ref"]  # type: ignore[index]
+    a.run("forget", ref)  # garbage, but host A serves it
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    a.run("mount", "--ro", ref, str(mnt))
+    try:
+        assert b.json("gc", "--grace", "0")["packs_deleted"] == 0  # type: ignore[index]
+        assert (mnt / "data.bin").read_bytes() == (src / "data.bin").read_bytes()
+    finally:
+        a.run("umount", str(mnt), check=False)
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+    # A killed daemon's pin: only its own host can tell the process is gone, so B's GC
+    # keeps the Ref and A's next GC drops the pin and collects it.
+    from fusefs.mounts import read_record
+
+    a.run("mount", "--ro", ref, str(mnt))
+    try:
+        rec = read_record(str(mnt))
+        assert rec is not None
+        os.kill(int(rec["pid"]), signal.SIGKILL)
+    finally:
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+    assert b.json("gc", "--grace", "0")["packs_deleted"] == 0  # type: ignore[index]
+    assert a.json("gc", "--grace", "0")["packs_deleted"] == 1  # type: ignore[index]
+    assert b.run("cat", ref, "data.bin", check=False).returncode == 4
