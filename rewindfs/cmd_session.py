@@ -559,11 +559,12 @@ def cmd_log(args: argparse.Namespace) -> int:
 
     _registry(args).load(args.id)  # SessionNotFoundError for an unknown id
     store = Store(args.store)
-    events = Journal(store, args.id).events()
+    journal = Journal(store, args.id)
+    events = journal.events()
     steps: dict[int, dict[str, Any]] = {}
     for e in events:
         if e.event == STEP:
-            steps[e.seq] = step_dict(e, store.journal_record(args.id, e.seq))
+            steps[e.seq] = step_dict(e, journal.record(e.seq))
             if not args.changes:
                 del steps[e.seq]["changes"]
     if getattr(args, "json", False):
@@ -574,7 +575,8 @@ def cmd_log(args: argparse.Namespace) -> int:
         when = datetime.datetime.fromtimestamp(e.time_ns / 1e9).isoformat(timespec="seconds")
         st = steps.get(e.seq)
         if st is not None:
-            what = f"step {st['step']}" + (f" {st['label']}" if st["label"] else "")
+            what = ("step (record lost)" if st.get("lost") else f"step {st['step']}"
+                    + (f" {st['label']}" if st["label"] else ""))
         else:
             what = ("checkpoint " + f"{e.trigger}/{e.consistency}"
                     if e.event == "WorkspaceCheckpointed" else "restore")

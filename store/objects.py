@@ -89,6 +89,9 @@ class JournalEvent:
     consistency: str | None
 
 
+_EVENT_FIELDS = frozenset({"time_ns", "epoch", "event", "ref"})
+
+
 class _Held:
     """A thread's index connection (``Store.conn``): when the thread ends (its
     ``threading.local`` entry is dropped), the connection goes back to the store's pool of
@@ -438,9 +441,10 @@ class Store:
 
     # -- snapshot list (CONTRACT 1.6) --------------------------------------------------
 
-    def _history_put(self, key: str, record: dict[str, object]) -> None:
+    def _history_put(self, key: str, record: dict[str, object], durable: bool = True) -> None:
         self.backend.put(check_key(key), json.dumps(record, sort_keys=True).encode())
-        self.backend.sync()
+        if durable:
+            self.backend.sync()
 
     def add_snapshot(self, ref: Ref | str, origin: str, label: str | None = None) -> None:
         """List ``ref`` (durably, then in the index). Re-listing updates the time and
@@ -482,10 +486,16 @@ class Store:
     def append_journal(self, session: str, event: str, ref: Ref | str, *, epoch: int = 0,
                        trigger: str | None = None, consistency: str | None = None,
                        fence: str | None = None,
-                       data: dict[str, Any] | None = None) -> int:
+                       data: dict[str, Any] | None = None, durable: bool = True) -> int:
         """Append one event to ``session``'s journal, durably; return its seq (1, 2, ...).
         ``data``: further JSON fields kept in the event's backend object only (read back
         with ``journal_record``; e.g. a step's paths), never overriding the indexed ones.
+        ``durable=False`` leaves the backend object to the next barrier (``backend.sync()``,
+        which every durable write runs): it survives a crash of any process at once, and
+        a power loss or kernel crash only after that barrier (group commit; the caller
+        runs one soon, see fusefs/session/journal.py). An object a power loss left
+        damaged at the next seq, without its index row, is such an event, lost: it is
+        replaced.
 
         With ``fence`` (a lease name, e.g. ``session/<id>``), the append is refused with
         FencedError unless that lease is still at ``epoch``: checked before the backend
@@ -502,7 +512,16 @@ class Store:
         while self.backend.exists(key):
             # A crash after the durable record and before its index row: the event happened,
             # so index it and append after it.
-            rec = json.loads(self.backend.get(key))
+            try:
+                rec = json.loads(self.backend.get(key))
+                if not isinstance(rec, dict) or not _EVENT_FIELDS <= rec.keys():
+                    raise ValueError("not a journal event")
+            except ValueError:
+                # Only a record appended without its barrier can be damaged (a power loss
+                # before it): that event is lost; its seq is taken again.
+                self.backend.delete(key)
+                self.backend.sync()
+                break
             self.catalog.add_journal((session, seq, rec["time_ns"], rec["epoch"], rec["event"],
                                       rec["ref"], rec.get("trigger"), rec.get("consistency"),
                                       key))
@@ -512,7 +531,7 @@ class Store:
         self._history_put(key, {**(data or {}), "session": session, "seq": seq,
                                 "time_ns": now, "epoch": epoch, "event": event,
                                 "ref": str(ref), "trigger": trigger,
-                                "consistency": consistency})
+                                "consistency": consistency}, durable)
         # Ignored if present: verify/gc may have applied the durable record already
         # (rebuild.catch_up).
         self.catalog.add_journal((session, seq, now, epoch, event, str(ref), trigger,

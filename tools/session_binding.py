@@ -202,7 +202,8 @@ class SessionToolBinding:
     def log(self) -> str:
         """The session's journal, oldest first, one line per event (times in UTC); a
         checkpoint whose Ref carries a label in the snapshot list shows it."""
-        events = Journal(self.store, self.id).events()
+        journal = Journal(self.store, self.id)
+        events = journal.events()
         if not events:
             return M.SESSION_LOG_EMPTY
         labels = {str(i.ref): i.label for i in self.store.list_snapshots() if i.label}
@@ -218,7 +219,7 @@ class SessionToolBinding:
                     line += M.SESSION_LOG_LABEL.format(label=label)
                 lines.append(line)
             elif e.event == STEP:
-                rec = self.store.journal_record(self.id, e.seq)
+                rec = journal.record(e.seq)
                 n = len(rec.get("changes") or [])
                 label = f" {rec['label']}" if rec.get("label") else ""
                 lines.append(M.SESSION_LOG_STEP.format(seq=e.seq, time=t, step=rec.get("step"),

@@ -24,8 +24,11 @@ restore pointer is the Ref of the last checkpointed-or-restored event (steps do 
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
+from store.errors import StoreError
 from store.objects import JournalEvent
 from store.ref import Ref
 
@@ -37,6 +40,9 @@ STEP = "WorkspaceStep"
 TRIGGERS = ("manual", "idle", "interrupt", "turn_done", "step_done", "seed", "pre_restore",
             "fork", "shutdown")
 CONSISTENCIES = ("quiescent", "fuzzy")
+GROUP_COMMIT_S = 0.2  # a step's record is durable against a power loss this soon after it
+
+log = logging.getLogger(__name__)
 
 
 class JournalError(SessionError):
@@ -94,15 +100,18 @@ class Journal:
         return f"session/{self.session_id}" if epoch else None
 
     def step(self, ref: Ref, label: str | None, changes: list[dict[str, Any]],
-             fingerprints: dict[str, Any], epoch: int) -> tuple[int, int]:
+             fingerprints: dict[str, Any], epoch: int, durable: bool = True
+             ) -> tuple[int, int]:
         """Append ``WorkspaceStep``; return (seq, step number). ``ref`` is the lower the
-        changes were seen on. Raises JournalError if ``ref`` is not in the store,
-        FencedError as ``checkpointed``."""
+        changes were seen on. ``durable=False``: the record waits for the next barrier
+        (``Store.append_journal``; ``GroupCommit`` runs one soon). Raises JournalError if
+        ``ref`` is not in the store, FencedError as ``checkpointed``."""
         self._check_committed(ref)
         n = 1 + self._step_count()
         data = {"step": n, "label": label, "changes": changes, "fingerprints": fingerprints}
         seq = int(self.store.append_journal(self.session_id, STEP, ref, epoch=epoch,
-                                            fence=self._fence(epoch), data=data))
+                                            fence=self._fence(epoch), data=data,
+                                            durable=durable))
         self._known = (seq, n) if seq == self._known_seq + 1 else None
         return seq, n
 
@@ -134,8 +143,17 @@ class Journal:
     def steps(self) -> list[dict[str, Any]]:
         """Every ``WorkspaceStep`` as ``step_dict`` gives it, oldest first (one backend
         read per step)."""
-        return [step_dict(e, self.store.journal_record(self.session_id, e.seq))
-                for e in self.events() if e.event == STEP]
+        return [step_dict(e, self.record(e.seq)) for e in self.events() if e.event == STEP]
+
+    def record(self, seq: int) -> dict[str, Any]:
+        """The backend object of event ``seq``; ``{"lost": True}`` when a power loss took it
+        before its barrier (a step's record is made durable shortly after the step: see
+        ``GroupCommit``), or left it damaged."""
+        try:
+            rec = self.store.journal_record(self.session_id, seq)
+        except (KeyError, ValueError, OSError, StoreError):
+            return {"lost": True}
+        return rec if isinstance(rec, dict) else {"lost": True}
 
     def step_record(self, n: int) -> dict[str, Any]:
         """Step ``n`` (1-based) as ``step_dict`` gives it. Raises KeyError when the session
@@ -144,7 +162,7 @@ class Journal:
         if not 1 <= n <= len(steps):
             raise KeyError(f"session {self.session_id} has no step {n} (it has {len(steps)})")
         e = steps[n - 1]
-        return step_dict(e, self.store.journal_record(self.session_id, e.seq))
+        return step_dict(e, self.record(e.seq))
 
     def resume_point(self) -> tuple[dict[str, Any], dict[str, str]]:
         """(fingerprints, carried changes) the step log continues from after a restart: the
@@ -157,7 +175,7 @@ class Journal:
             if e.event != STEP:
                 fps = {}
                 continue
-            rec = self.store.journal_record(self.session_id, e.seq)
+            rec = self.record(e.seq)  # a lost step: the next one reports its paths too
             for p, fp in (rec.get("fingerprints") or {}).items():
                 if fp is None:
                     fps.pop(p, None)
@@ -185,9 +203,12 @@ def restore_pointer(events: list[JournalEvent]) -> Ref | None:
 def step_dict(e: JournalEvent, rec: dict[str, Any]) -> dict[str, Any]:
     """One step as plain data (the JSON shape of ``rewindfs log --changes --json``):
     ``{seq, time_ns, epoch, event, ref, step, label, changes: [{path, status, kind}]}``."""
-    return {"seq": e.seq, "time_ns": e.time_ns, "epoch": e.epoch, "event": e.event,
-            "ref": str(e.ref), "step": rec.get("step"), "label": rec.get("label"),
-            "changes": list(rec.get("changes") or [])}
+    d = {"seq": e.seq, "time_ns": e.time_ns, "epoch": e.epoch, "event": e.event,
+         "ref": str(e.ref), "step": rec.get("step"), "label": rec.get("label"),
+         "changes": list(rec.get("changes") or [])}
+    if rec.get("lost"):
+        d["lost"] = True
+    return d
 
 
 def event_dict(e: JournalEvent) -> dict[str, object]:
@@ -210,3 +231,62 @@ def restore_detail(store: Any, e: JournalEvent) -> dict[str, Any]:
     except (KeyError, ValueError, OSError):  # a lost record: the index row still stands
         return {}
     return {k: got[k] for k in ("paths", "source") if k in got}
+
+
+class GroupCommit:
+    """The barrier of records appended with ``durable=False`` (a session's steps): one
+    ``backend.sync()`` at most ``delay_s`` after the first record since the last one, for
+    all of them (group commit), on a thread of its own; ``close`` runs the last one.
+
+    What a crash loses: nothing when a process dies (the records are in the kernel's
+    page cache, the index rows committed). A power loss or kernel crash before the barrier
+    can lose the records of the steps of the last ``delay_s``: those steps then read as
+    ``lost`` (no paths), and their changes are not lost, since the step log continues from
+    the last step whose record survived (``Journal.resume_point``), so the first step
+    after the restart reports them. Any durable write of the store (a checkpoint, a
+    restore) is a barrier for the steps before it too."""
+
+    def __init__(self, backend: Any, delay_s: float = GROUP_COMMIT_S) -> None:
+        self.backend = backend
+        self.delay_s = delay_s
+        self._due = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def due(self) -> None:
+        """A record waits for the barrier."""
+        with self._lock:
+            if self._stop.is_set():
+                self._sync()
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="journal-barrier",
+                                                daemon=True)
+                self._thread.start()
+        self._due.set()
+
+    def _sync(self) -> None:
+        try:
+            self.backend.sync()
+        except Exception as e:  # the records stay pending: the next barrier tries again
+            log.warning("journal barrier failed (retried at the next one): %s", e)
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            self._stop.wait(self.delay_s)
+            self._due.clear()
+            self._sync()
+            if self._stop.is_set():
+                return
+
+    def close(self) -> None:
+        """Run the last barrier and stop the thread. Idempotent."""
+        with self._lock:
+            self._stop.set()
+            t = self._thread
+        self._due.set()
+        if t is not None and t is not threading.current_thread():
+            t.join()
+        self._sync()

@@ -45,7 +45,7 @@ from .errors import (
     SessionFaultedError,
     WorkspaceRootBusyError,
 )
-from .journal import Journal, JournalError
+from .journal import GroupCommit, Journal, JournalError
 from .live import LiveTree
 from .placement import Mode
 from .policy import PolicyRunner
@@ -124,6 +124,7 @@ class SessionCore:
         self.tree = tree
         self.store: Any = cfg.store if cfg.store is not None else cfg.placement.store
         self.journal = Journal(self.store, record.id)
+        self.barrier = GroupCommit(self.store.backend)  # of the steps' records
         self.gate = PermitGate()
         self._background = 0                  # background writers running (no permit)
         self._background_lock = threading.Lock()
@@ -384,10 +385,11 @@ class SessionCore:
                 if not self.leases_healthy():
                     raise JournalError(self.id, "the session lease is not held")
                 seq, n = self.journal.step(Ref.parse(out["base"]), label, out["changes"],
-                                           out["fingerprints"], self.epoch)
+                                           out["fingerprints"], self.epoch, durable=False)
             except BaseException:
                 self.tree.unstep(out["changes"])  # type: ignore[attr-defined]
                 raise
+            self.barrier.due()  # durable against a power loss soon (GroupCommit)
         return {"seq": seq, "step": n, "label": label, "changes": out["changes"],
                 "elapsed_ms": (time.perf_counter() - t0) * 1000,
                 "daemon_ms": out["elapsed_ms"]}
@@ -551,6 +553,7 @@ class SessionCore:
         self.policy.stop()
         with self._op_lock:
             try:
+                self.barrier.close()
                 self.tree.close()
                 if moves.shared(self.store):
                     self._publish_stopped()

@@ -12,7 +12,8 @@ steps, each after changing 10 more of the dirty files, so every step looks at a 
 ``--dirty`` paths:
 
 - ``step``: one ``step_done`` request to the session process, round trip (the daemon's
-  walk of the dirty set, the journal append, the socket), and the daemon's own part
+  walk of the dirty set, the journal append whose barrier is shared (group commit,
+  fusefs/session/journal.py), the socket), and the daemon's own part
   (``daemon_ms``); medians;
 - baseline, same tree and dirty set: ``rewindfs diff MNT``'s request (the daemon's diff op:
   a checkpoint preview of the dirty set, then a tree diff), round trip, median;
@@ -156,7 +157,7 @@ def main() -> int:
         ["step (step_done request, round trip)", f"{res['step_ms']:.2f} ms",
          f"{res['diff_ms'] / res['step_ms']:.1f}x faster than diff MNT"],
         ["  of which in the daemon (what changed since the last step)", f"{res['step_daemon_ms']:.2f} ms", ""],
-        ["  of which the daemon + the durable journal append (2 fsyncs)", f"{res['step_session_ms']:.2f} ms", ""],
+        ["  of which the daemon + the journal append (barrier shared: group commit)", f"{res['step_session_ms']:.2f} ms", ""],
         ["baseline: diff MNT request, round trip", f"{res['diff_ms']:.2f} ms", ""],
         [f"first step ({res['first_step_paths']} paths journaled)",
          f"{res['first_step_ms']:.2f} ms", ""],
