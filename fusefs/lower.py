@@ -6,9 +6,10 @@ of hard-link groups (for a linked file's ``st_nlink``). It never writes to the s
 
 File content is split in fixed chunks of ``chunk_size`` bytes: chunk ``i`` of a file holds
 bytes ``[i * chunk_size, (i + 1) * chunk_size)``, the last one is shorter (CONTRACT 0). A
-chunk stored framed (store/pack.py) can be read a frame at a time: ``read`` of a few KiB
-then decompresses and verifies one 64 KiB frame, not the whole chunk; a whole chunk
-(sequential readers, copy-up) is still read and verified whole by ``chunk``.
+chunk stored in frames or raw blocks (store/pack.py) can be read a unit at a time: ``read``
+of a few KiB then decompresses and verifies one 64 KiB frame or reads one 4 KiB block, not
+the whole chunk; a whole chunk (big reads, sequential readers, copy-up) is still read and
+verified whole by ``chunk``.
 
 Thread use: ``load_chunks`` may run in a worker thread (the store is thread safe and the
 chunk cache has a lock); everything else runs on the caller's thread.
@@ -193,7 +194,7 @@ class Lower:
 
     def is_small(self, cid: bytes, whole: bool = True) -> bool:
         """True if reading ``cid`` is cheap enough for the request thread: whole, or (with
-        ``whole`` false) a few frames of it."""
+        ``whole`` false) a few of its frames or blocks."""
         loc = self._loc(cid)
         if loc is None:
             return True  # let the read raise its own error on the request thread
