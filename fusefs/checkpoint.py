@@ -167,6 +167,7 @@ class Plan:
     # name), the number of its frozen names, the directory holding that name)
     cross: dict[int, tuple[Node, tuple[DirPlan, int, bytes], int, int]] = field(
         default_factory=dict)
+    cross_names: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
 
     @property
     def root(self) -> DirPlan:
@@ -483,11 +484,19 @@ class _Planner:
                 if isinstance(ident, bytes) and old.link_group != gid:
                     self.plan.placements.append(
                         Placement(node, ino, ctime, parent, name, dp, idx))
+            o = node.origin if node is not None else None
+            frozen_names = {(n[3], n[4]) for n in names}
             if (isinstance(ident, int) and node is not None and node.upper
-                    and node.nlink > len(names)):
+                    and node.nlink > len(names)
+                    and (node.lower_links == 0 or (  # its lower names are frozen too
+                        o is not None and o[:1] == b"p" and node.lower_links == 1
+                        and (int.from_bytes(o[1:9], "little"), o[42:]) in frozen_names)
+                        or (o is not None and o[:1] == b"g"
+                            and node.lower_links <= len(names)))):
                 # Its other names are below excluded paths: it stays in the upper too.
                 _p, dp, idx, parent, name = names[0]
                 self.plan.cross[node.ino] = (node, (dp, idx, name), len(names), parent)
+                self.plan.cross_names[node.ino] = [(n[3], n[4]) for n in names]
 
 
 def plan(ov: Overlay) -> Plan:
@@ -783,6 +792,8 @@ class Graft:
                           dict[bytes, tuple[int, int]]]] = field(default_factory=dict)
     kept: dict[int, int] = field(default_factory=dict)
     cross: dict[int, bytes] = field(default_factory=dict)
+    # their frozen names: (directory inode, name) each
+    cross_names: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
     cleared: set[int] = field(default_factory=set)
     nlink: dict[int, int] = field(default_factory=dict)  # kept lower files' new nlink
     attrs: dict[int, Entry] = field(default_factory=dict)  # directories' new metadata
@@ -1038,6 +1049,8 @@ def prepare(ov: Overlay, p: Plan, ref: Ref) -> Rebase:
                      if pl.entry.kind is Kind.DIR}
         frozen = {pl.ino for pl in p.placements}
         graft_rows(ov, rb, p.kept, tree_of, origin_of, p.uppers, frozen, p.cross)
+        if rb.graft is not None:
+            rb.graft.cross_names = p.cross_names
         rb.next_cookie = ov.next_cookie
         if any(r[0] == ROOT_INO for r in rb.full_rows):
             rb.rows = [r for r in rb.rows if r[0] != ROOT_INO]

@@ -361,6 +361,7 @@ class Live:
                             target = await trio.to_thread.run_sync(
                                 rs.path_target, self.store, ov.lower.ref, source, wanted)
                             self._lap("path_target")
+                        split = rs.split_cross(ov, freeze)
                         if kept:  # excluded entries stay as they are (restore.py)
                             target = await trio.to_thread.run_sync(
                                 rs.keep_target, self.store, ov.lower.ref, target, kept)
@@ -370,6 +371,7 @@ class Live:
                         ck.crash_point("restore.verified")
                         sp = rs.plan_swap(ov, changes, target, rb0, uppers, rs.writers(ov))
                         rs.graft_swap(ov, sp, kept, freeze)
+                        sp.invalidation.entries.extend(split)
                         self._lap("plan_swap")
                         upper = ov.upper
                         assert upper is not None

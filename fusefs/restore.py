@@ -476,15 +476,16 @@ def keep_target(store: Store, current: Ref, target: Ref, kept: list[Kept]) -> Re
     """The tree a restore to ``target`` swaps to when it keeps the ``kept`` (excluded)
     entries: ``target`` itself, unless a directory holding one of them is missing there;
     then ``target`` with those directories added, each with its metadata from ``current``
-    (the tree the entry is kept in now) and only what ``target`` holds below it. A kept
-    entry below a non-directory of ``target`` is not kept (``target`` wins). Writes only
-    the rewritten trees (worker thread)."""
+    (the tree the entry is kept in now) and only what ``target`` holds below it; where
+    ``target`` holds a non-directory there, the directory replaces it (a restore leaves
+    excluded paths as they are). Writes only the rewritten trees (worker thread)."""
     new = _Trees(store, target.tree_id)
     cur = _Trees(store, current.tree_id)
     missing: list[bytes] = []
     for k in kept:
         for a in _ancestors(k.path)[1:]:
-            if new.entry(a) is None:
+            e = new.entry(a)
+            if e is None or e.kind is not Kind.DIR:
                 missing.append(a)
     if not missing:
         return target
@@ -497,7 +498,7 @@ def keep_target(store: Store, current: Ref, target: Ref, kept: list[Kept]) -> Re
                 cp = path + b"/" + name if path else name
                 e = ents.get(name)
                 if e is not None and e.kind is not Kind.DIR:
-                    continue
+                    e = None  # the kept path's directory wins over the target's file
                 holder = e if e is not None else cur.entry(cp)
                 if holder is None or holder.kind is not Kind.DIR:
                     continue
@@ -509,6 +510,31 @@ def keep_target(store: Store, current: Ref, target: Ref, kept: list[Kept]) -> Re
         root = rebuild(target.tree_id, b"")
         w.commit()
     return Ref(root)
+
+
+def split_cross(ov: Overlay, freeze: Rebase | None) -> list[tuple[int, bytes]]:
+    """Before a restore swaps a clean overlay: a file hard-linked across the boundary
+    (frozen under some names, kept under others, ``checkpoint.Graft.cross``) stays the kept
+    names' file, as it is; its frozen names leave it and become what the target holds
+    there (the link is split, since the target's file at those paths may differ). Returns
+    the (directory inode, name) pairs that no longer name it (for the kernel's caches);
+    the node's row is rewritten by ``graft_swap``. Event-loop thread."""
+    g = freeze.graft if freeze is not None else None
+    if g is None or not g.cross:
+        return []
+    out: list[tuple[int, bytes]] = []
+    for ino, names in g.cross_names.items():
+        n = ov.nodes.get(ino)
+        if n is None or n.nlink == 0:
+            continue
+        if n.origin is not None and ov.by_origin.get(n.origin) == ino:
+            del ov.by_origin[n.origin]
+        n.origin = None
+        n.nlink = max(1, n.nlink - n.lower_links)
+        n.lower_links = 0
+        ov._dirty_ino.add(ino)  # written even if the swap then fails: a valid split
+        out.extend(names)
+    return out
 
 
 def outside_kept(changes: list[Change], kept: list[Kept]) -> list[Change]:
@@ -552,7 +578,9 @@ def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None)
         prefixes = _ancestors(k.path)[1:]
         if d is None or len(prefixes) != len(chain) or any(
                 new.tree_id(a) is None for a in prefixes):
-            continue  # the target holds something else there: the target wins
+            # keep_target made every directory holding a kept entry exist
+            raise RestoreError(RestoreError.SWAP_FAILED, str(sp.target),
+                               f"no directory to keep {os.fsdecode(k.path)!r} in")
         for a, dn in zip(prefixes, reversed(chain), strict=True):
             where[dn.ino] = a
         held.append(k)
@@ -599,7 +627,8 @@ def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None)
     uppers = [n for n in nodes.values() if n.upper]
     rb.keep = _below_kept(ov, held, uppers, set(where)) - set(sp.detach)
     if prev is not None and prev.graft is not None:
-        for ino in prev.graft.cleared & rb.keep:  # (a discard's freeze: not yet written)
+        stale = (prev.graft.cleared | set(prev.graft.cross)) & rb.keep
+        for ino in stale:  # (a discard's freeze, or a link split: not yet written)
             rb.full_rows.append(row_of(nodes[ino]))
     rb.keep_dentries = (rb.keep | set(roots)) - set(where)
     rb.drop = rows_now(ov, (prev.was_upper if prev is not None else ()) or ()) \
@@ -791,9 +820,11 @@ def restore_overlay(ov: Overlay, target: Ref, *, discard: bool = False) -> Resul
     except (ObjectNotFoundError, IntegrityError) as e:
         raise RestoreError(RestoreError.SWAP_FAILED, str(target), str(e)) from None
     cl = clean(ov, discard=discard)
+    split = split_cross(ov, cl.freeze)
     target, changes = swap_kept(ov, target, cl)
     sp = plan_swap(ov, changes, target, cl.rebase, cl.uppers, writers(ov))
     graft_swap(ov, sp, cl.kept, cl.freeze)
+    sp.invalidation.entries.extend(split)
     reset_upper(ov.upper, sp.rebase)
     apply_swap(ov, sp)
     drop_data(cl.rebase.drop_data)
