@@ -246,3 +246,39 @@ def test_a_read_only_mount_on_a_pins_its_ref_against_gc_on_b(hosts: tuple[Host, 
     assert b.json("gc", "--grace", "0")["packs_deleted"] == 0  # type: ignore[index]
     assert a.json("gc", "--grace", "0")["packs_deleted"] == 1  # type: ignore[index]
     assert b.run("cat", ref, "data.bin", check=False).returncode == 4
+
+
+def test_a_gc_makes_every_host_drop_its_dirs_cache(hosts: tuple[Host, Host], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import sqlite3
+
+    a, b = hosts
+    src = _tree(tmp_path)
+    a.run("snapshot", str(src))
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (gone / "f").write_bytes(os.urandom(1 << 16))
+    a.run("forget", a.json("snapshot", str(gone))["ref"])  # type: ignore[arg-type, index]
+
+    def rows() -> int:
+        c = sqlite3.connect(a.local / "index.sqlite")
+        try:
+            return int(c.execute("SELECT COUNT(*) FROM dirs_cache").fetchone()[0])
+        finally:
+            c.close()
+
+    assert rows() > 0
+    assert b.json("gc", "--grace", "0")["packs_deleted"] == 1  # type: ignore[index]
+    assert rows() > 0  # B cannot reach A's cache: A's next writer drops it
+    from store.objects import Store
+
+    monkeypatch.setenv("XDG_CACHE_HOME", a.env["XDG_CACHE_HOME"])
+    monkeypatch.setenv("REWINDFS_HOST_ID", a.name)
+    st = Store(a.local)
+    try:
+        with st.writer():
+            assert rows() == 0
+    finally:
+        st.close()
+    again = a.json("snapshot", str(src))  # recorded again, the same Ref
+    assert rows() > 0 and again["packs_written"] == 0  # type: ignore[index]
