@@ -524,8 +524,9 @@ def test_a_store_filling_up_at_any_point_of_a_checkpoint_fails_typed_and_loses_n
     hundred KiB before each checkpoint: the pack write, the index commit and the snapshot
     listing each get to meet the full disk. Every checkpoint either succeeds or fails
     with one line naming ENOSPC (not a second ROLLBACK's "no transaction is active"); the
-    live mount keeps serving and keeps every change; ``rewindfs verify`` stays clean, full
-    or not; once space is freed the next checkpoint holds everything."""
+    live mount keeps serving and keeps every change; ``rewindfs verify`` is clean (while
+    the disk is full it may instead refuse, naming ENOSPC, to bring the index up to date);
+    once space is freed the next checkpoint holds everything and verify is clean."""
     store = small_disk / "store"
     src = tmp_path / "src"
     src.mkdir()
@@ -548,8 +549,12 @@ def test_a_store_filling_up_at_any_point_of_a_checkpoint_fails_typed_and_loses_n
                 failed.append(line)
                 assert "\n" not in line and "ENOSPC" in line, line
                 assert "no transaction" not in line, line
+            # verify first brings the index up to date with the backend (a listing durable
+            # in the backend whose index row did not fit): on the full disk that may
+            # itself fail, then typed, naming ENOSPC; once there is room it is clean.
             v = cli(store, "verify")
-            assert v.returncode == 0, v.stdout + v.stderr
+            assert v.returncode == 0 or ("ENOSPC" in v.stderr and "damaged" not in v.stderr), \
+                v.stdout + v.stderr
             (m.mnt / f"w{i}").write_bytes(b"written while the store is full\n")
             written[f"w{i}"] = b"written while the store is full\n"
             for name, data in written.items():
@@ -559,6 +564,8 @@ def test_a_store_filling_up_at_any_point_of_a_checkpoint_fails_typed_and_loses_n
             assert r.returncode == 0, r.stderr + m.log()
             listed = cli(store, "ls", r.stdout.strip()).stdout
             assert all(f" {name}" in listed for name in written), listed
+            v = cli(store, "verify")
+            assert v.returncode == 0, v.stdout + v.stderr
         assert any("packs/" in f for f in failed), failed  # the pack did not fit
         assert any("index" in f for f in failed), failed  # it did, its index rows did not
         assert cli(store, "verify").returncode == 0
