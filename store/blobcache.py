@@ -15,7 +15,8 @@ never hands out wrong bytes (and the store verifies every object against its id 
 
 Read-ahead: a reader that walks a pack sequentially (each range starting where one of its
 last few ranges ended: a big file's records lie back to back) is detected per pack after
-``READAHEAD_AFTER`` such ranges; from then on the pack is fetched in ``SEGMENT``-byte
+``READAHEAD_AFTER`` such ranges (ranges near the run that do not continue it, such as a
+few frames read inside a record, neither count nor break it; a range far away does); from then on the pack is fetched in ``SEGMENT``-byte
 aligned segments, up to ``READAHEAD_DEPTH`` segments past the one being read, by
 ``READAHEAD_WORKERS`` threads in parallel (one large ranged GET costs about what a small
 one does on S3, so this is what lets a cold read stream). A range is then cut out of the
@@ -204,7 +205,9 @@ class CachedBackend:
         first, last = offset // SEGMENT, (end - 1) // SEGMENT
         if offset in st.ends:
             st.run += 1
-        elif first not in st.segments:  # parallel readers may come a little out of order
+        elif first not in st.segments and all(abs(offset - e) > SEGMENT for e in st.ends):
+            # Only a range far from the run ends it: parallel readers come a little out of
+            # order, and a reader of part of a record (a chunk's frames) reads inside it.
             st.run = 0
         st.ends.append(end)
         del st.ends[:-_RECENT]

@@ -252,3 +252,21 @@ def test_server_gone_during_read_ahead_is_typed_error_never_wrong_bytes(
     own_seaweed.start()  # type: ignore[attr-defined]
     for off in range(4 * _MIB, len(data), _MIB):
         assert c.get_range("packs/gone.pack", off, _MIB) == data[off:off + _MIB]
+
+
+def test_frames_read_inside_records_keep_the_read_ahead(s3_env: object, s3_bucket: str,
+                                                        tmp_path: Path) -> None:
+    from store.blobcache import READAHEAD_DEPTH, SEGMENT
+
+    remote = _s3(s3_env, s3_bucket)
+    data = os.urandom(40 * _MIB)
+    remote.put("packs/fr.pack", data)
+    c = CachedBackend(remote, tmp_path / "c", 1 << 30)
+    # A mount reading a big file: a few 64 KiB frames of a record on the request thread,
+    # the whole record (and the next ones) in worker threads.
+    for off in range(0, len(data), _MIB):
+        inner = off + 3 * 65536
+        assert c.get_range("packs/fr.pack", inner, 65536) == data[inner:inner + 65536]
+        assert c.get_range("packs/fr.pack", off, _MIB) == data[off:off + _MIB]
+    assert 0 < c.prefetched <= len(data) // SEGMENT + READAHEAD_DEPTH + 1
+    assert c.fetched_bytes <= len(data) + 6 * _MIB
