@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from common import log, markdown_table, rmtree, sh  # noqa: E402
+from common import log, markdown_table, rmtree, sh, timed_runs  # noqa: E402
 
 PY = sys.executable
 BIG = 256 << 20
@@ -100,18 +100,6 @@ def _keep(r: dict[str, Any], key: str, values: list[float]) -> None:
     r[key + "_all"] = list(values)
 
 
-def _times(runs: int, fn: Any, setup: Any = None) -> tuple[list[float], list[Any]]:
-    """Seconds of each of ``runs`` calls ``fn(i)`` (``setup(i)`` untimed before each)."""
-    times, results = [], []
-    for i in range(runs):
-        if setup is not None:
-            setup(i)
-        t0 = time.perf_counter()
-        results.append(fn(i))
-        times.append(time.perf_counter() - t0)
-    return times, results
-
-
 def bench_one(kind: str, runs: int, first_runs: int, tree: Path, big_tree: Path, tmp: Path,
               shared: Shared | None) -> dict[str, Any]:
     """All measurements for the local store (``shared`` None) or the shared one."""
@@ -130,14 +118,14 @@ def bench_one(kind: str, runs: int, first_runs: int, tree: Path, big_tree: Path,
             roots.append(shared.host(*shared.new_store()))
 
     log(f"bench_remote: {kind}: first snapshot")
-    times, refs = _times(first_runs, lambda i: snapshot(Store(roots[-1]), tree, label="bench"),
+    times, refs = timed_runs(first_runs, lambda i: snapshot(Store(roots[-1]), tree, label="bench"),
                          setup=fresh)
     _keep(r, "first_snapshot_s", times)
     store_dir = roots[-1]
     ref = str(refs[-1])
     st = Store(store_dir)
     log(f"bench_remote: {kind}: unchanged re-snapshot")
-    _keep(r, "resnapshot_s", _times(runs, lambda i: snapshot(st, tree))[0])
+    _keep(r, "resnapshot_s", timed_runs(runs, lambda i: snapshot(st, tree))[0])
 
     log(f"bench_remote: {kind}: materialize")
     readers: list[Any] = []
@@ -150,7 +138,7 @@ def bench_one(kind: str, runs: int, first_runs: int, tree: Path, big_tree: Path,
             cfg = json.loads((store_dir / "store.json").read_text())
             readers.append(Store(shared.host(cfg["blobs"], cfg["catalog"])))
 
-    _keep(r, "materialize_s", _times(first_runs, lambda i: materialize(readers[-1], ref,
+    _keep(r, "materialize_s", timed_runs(first_runs, lambda i: materialize(readers[-1], ref,
                                                                       tmp / "dest"),
                                      setup=reader)[0])
     rmtree(tmp / "dest")

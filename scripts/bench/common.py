@@ -145,6 +145,14 @@ def median_time(runs: int, fn: Callable[[int], Any],
     """Median seconds of ``runs`` calls ``fn(i)``; ``setup(i)`` runs untimed before each.
 
     Returns (median seconds, results of every call)."""
+    times, results = timed_runs(runs, fn, setup)
+    return statistics.median(times), results
+
+
+def timed_runs(runs: int, fn: Callable[[int], Any], setup: Callable[[int], Any] | None = None
+               ) -> tuple[list[float], list[Any]]:
+    """Seconds of each of ``runs`` calls ``fn(i)`` (``setup(i)`` untimed before each), and
+    the results of every call."""
     times: list[float] = []
     results: list[Any] = []
     for i in range(runs):
@@ -153,7 +161,7 @@ def median_time(runs: int, fn: Callable[[int], Any],
         t0 = time.perf_counter()
         results.append(fn(i))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), results
+    return times, results
 
 
 def sh(cmd: str | Sequence[str], cwd: Path | None = None, env: dict[str, str] | None = None,
