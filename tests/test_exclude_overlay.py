@@ -492,3 +492,21 @@ def _kids(ov: Overlay, ino: int) -> list[tuple[bytes, object, int]]:
         return [(n, nd, c) for n, nd, c in ov.readdir(fh, 0) if n not in (b".", b"..")]
     finally:
         ov.releasedir(fh)
+
+
+def test_excluded_paths_are_no_changes_that_keep_a_session_from_moving(env: Env) -> None:
+    """A stopped session whose upper holds only excluded paths has nothing a checkpoint
+    would take: it may move to another host (which starts without them)."""
+    from fusefs.session.fusetree import upper_holds_changes
+
+    ov = env.ov
+    assert ov is not None
+    npm_install(ov, "pkg")
+    ref = checkpoint_overlay(ov).ref
+    write(ov, "pkg/node_modules/left-pad/index.js", b"rebuilt\n")
+    ov.close()
+    assert not upper_holds_changes(env.store, env.state, ref)
+    ov = env.mount(None)
+    write(ov, "pkg/main.py", b"print(3)\n")
+    ov.close()
+    assert upper_holds_changes(env.store, env.state, ref)

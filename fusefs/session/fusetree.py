@@ -269,7 +269,10 @@ def freeze_offline(store: Any, d: str) -> Ref:
 
 def upper_holds_changes(store: Any, d: str, pointer: Ref | None) -> bool:
     """True if the (unmounted) upper in ``d`` shows a tree other than ``pointer``: it sits
-    on another base, or a checkpoint of it would write something. No upper: False."""
+    on another base, or a checkpoint of it would write something. No upper: False. The
+    session's excluded paths are no such change (they are in no tree: a session that
+    moves starts without them, like a fresh clone), so with exclude patterns the tree a
+    checkpoint would make is built in memory and compared."""
     from fusefs import checkpoint as ck
 
     if not has_upper(d):
@@ -278,7 +281,12 @@ def upper_holds_changes(store: Any, d: str, pointer: Ref | None) -> bool:
         return True
     ov = open_overlay(store, d, None)
     try:
-        return not ck.plan(ov).unchanged
+        p = ck.plan(ov)
+        if p.unchanged:
+            return False
+        if ov.exclude is None:
+            return True
+        return ck.build(p, store, ck.MemoryWriter(store)) != pointer
     finally:
         assert ov.upper is not None
         ov.upper.close()
