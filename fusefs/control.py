@@ -13,11 +13,17 @@ Protocol, shared with the no-FUSE session host (``fusefs.session.control``): one
 per line each way; requests ``{"op": ...}``:
 
 - ``status``: ``{ref, dirty_inodes, dirty_bytes, detached_inodes, held_lowers,
-  open_handles, writable_handles, parked, paused, mountpoint, state, pid, requests,
-  binding, no_open, kernel_inodes, quota}`` (``requests``: FUSE requests served so far by
+  open_handles, writable_handles, open_writers, writers_found_by, writer_pids,
+  writers_unseen_processes, parked, paused, mountpoint, state, pid, requests, binding,
+  no_open, kernel_inodes, quota}`` (``requests``: FUSE requests served so far by
   operation, those that reached a handler; ``binding``: ``fusefs.binding.info()``;
   ``kernel_inodes``: inodes the kernel holds a lookup on. In no-open mode
-  ``open_handles`` and ``writable_handles`` are 0: no file has a handle)
+  ``open_handles`` and ``writable_handles`` are 0 (no file has a handle);
+  ``open_writers`` is the number of files open for writing, found by their writable
+  handles (``writers_found_by`` ``handles``) or, in no-open mode, by a scan of /proc
+  (``proc_scan``, ``fusefs.writers``: ``writer_pids`` holds them,
+  ``writers_unseen_processes`` counts the processes the daemon may not inspect, whose
+  writers are not seen))
 - ``checkpoint {label?, trigger?, timeout_s?}``: ``{ref, elapsed_ms, unchanged, packs,
   bytes}``
 - ``restore {ref, discard?, timeout_s?, wait_writers_s?, paths?}``: ``{ref, pre_restore,
@@ -41,9 +47,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from store.errors import RefNotFoundError
 from store.ref import Ref
@@ -60,6 +66,7 @@ if TYPE_CHECKING:
 
     from .gate import Gate
     from .operations import Operations
+    from .writers import Scan
 
 log = logging.getLogger("rewindfs.control")
 
@@ -102,6 +109,7 @@ class Live:
         # there, before the swap); if it raises, the restore fails and nothing is swapped.
         self.on_pre_restore: Callable[[Ref], None] | None = None
         self.closing = False
+        self._device: str | None = None  # the mount's major:minor (the writer scan's key)
         from .steps import StepTracker
 
         self.steps = StepTracker(ops.ov)  # the step change log's state (fusefs/steps.py)
@@ -191,6 +199,76 @@ class Live:
     def _writable_handles(self) -> int:
         return sum(1 for h in self.ov.handles.values() if h.writable)
 
+    # -- open writers ----------------------------------------------------------------------
+
+    @property
+    def no_open(self) -> bool:
+        """The mount serves in no-open mode (open(2) does not reach the daemon)."""
+        return bool(getattr(self.ops, "no_open", False))
+
+    def scan_writers_now(self) -> Scan | None:
+        """No-open mode: the files of this mount open for writing, found by a scan of /proc
+        (``fusefs.writers``; reads only /proc, never the mount, so any thread may call it;
+        it takes milliseconds per hundred processes). None in handle mode, where the
+        handles tell."""
+        from . import writers
+
+        if not self.no_open:
+            return None
+        if self._device is None:
+            from .mounts import mount_device
+
+            self._device = mount_device(self.mountpoint)
+            if self._device is None:  # not (or no longer) mounted: no writer
+                return writers.Scan()
+        return writers.scan(self._device)
+
+    async def scan_writers(self) -> Scan | None:
+        """``scan_writers_now`` in a worker thread."""
+        import trio
+
+        if not self.no_open:
+            return None
+        return await trio.to_thread.run_sync(self.scan_writers_now)
+
+    def _writer_inodes(self, seen: Scan | None) -> set[int]:
+        """Inode numbers of the files open for writing: by writable handles (in no-open
+        mode: files created through the mount), and those the scan ``seen`` found."""
+        out = {h.node.ino for h in self.ov.handles.values() if h.writable}
+        if seen is not None:
+            out.update(seen.inodes)
+        return out
+
+    def _scan_soon(self) -> Callable[[], Awaitable[Scan | None]]:
+        """Start ``scan_writers_now`` in a thread of its own now; returns the awaitable that
+        gives its result (a restore overlaps the scan with its verify and freeze)."""
+        import trio
+
+        if not self.no_open:
+            async def nothing() -> Scan | None:
+                return None
+            return nothing
+        done = trio.Event()
+        got: list[Any] = []
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(outcome: Any) -> None:
+            got.append(outcome)
+            try:
+                trio.from_thread.run_sync(done.set, trio_token=token)
+            except trio.RunFinishedError:
+                pass
+
+        trio.lowlevel.start_thread_soon(self.scan_writers_now, deliver)
+
+        async def result() -> Scan | None:
+            await done.wait()
+            return cast("Scan | None", got[0].unwrap())
+        return result
+
+    async def _count_writers(self) -> int:
+        return len(self._writer_inodes(await self.scan_writers()))
+
     # -- requests --------------------------------------------------------------------------
 
     async def checkpoint(self, label: str | None = None, trigger: str = "manual",
@@ -249,7 +327,9 @@ class Live:
         wait up to ``permits_s`` for write permits (tool calls in flight) to end, then, with
         ``writers_s``, up to that long for files open for writing to close. Returns paused
         (the caller resumes with ``opens=True``). Raises RestoreError(permit_failed), not
-        paused, when a wait runs out."""
+        paused, when a wait runs out. In no-open mode the writers are those a scan of /proc
+        finds (``scan_writers``), polled every 50 ms: an approximation, since processes
+        the daemon may not inspect are not seen."""
         import trio
 
         with trio.move_on_after(permits_s) as cs:
@@ -261,21 +341,24 @@ class Live:
         await self._syncfs()  # dirty pages reach the daemon before anything pauses
         self._lap("syncfs")
         deadline = trio.current_time() + (writers_s or 0.0)
+        poll = 0.05 if self.no_open else 0.005
         while True:
             if writers_s is not None:
                 # Unpaused, so a writer can finish and close; then pause and look again
-                # (a new writable open parks once paused).
+                # (a new writable open parks once paused; with no-open, its writes do).
                 with trio.move_on_at(deadline):
-                    while self._writable_handles():
-                        await trio.sleep(0.005)
+                    while await self._count_writers():
+                        await trio.sleep(poll)
             self.gate.pause(opens=True)
             try:
                 await self.gate.drain()
             except BaseException:
                 self.gate.resume(opens=True)
                 raise
-            n = self._writable_handles()
-            if writers_s is None or n == 0:
+            if writers_s is None:
+                return
+            n = await self._count_writers()
+            if n == 0:
                 return
             self.gate.resume(opens=True)
             if trio.current_time() >= deadline:
@@ -289,7 +372,8 @@ class Live:
         """CONTRACT 3.2 with its amendment: never waits for open files; what they hold is
         detached (``restore.py``). Waits up to ``timeout_s`` (default 60 s) for write
         permits (tool calls in flight) to end; with ``wait_writers_s``, also up to that long
-        for files open for writing to close, else refuses (the old behaviour). Raises
+        for files open for writing to close, else refuses (the old behaviour). In no-open
+        mode the files open for writing are those ``scan_writers`` finds. Raises
         RestoreError: permit_failed (a permit, or with ``wait_writers_s`` a writer, still
         there), swap_failed (the target is not complete in the store, or a step before the
         swap failed), closing, append_failed (``on_restored`` failed after the swap: the
@@ -312,11 +396,6 @@ class Live:
         if wait_writers_s is not None and wait_writers_s < 0:
             raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
                                f"wait_writers_s must not be negative, not {wait_writers_s}")
-        if wait_writers_s is not None and getattr(self.ops, "no_open", False):
-            raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
-                               "--wait-writers is refused on a no-open mount: files opened "
-                               "for writing never reach the daemon, so it cannot wait for "
-                               "them to close")
         wait = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         ov = self.ov
         append_error: BaseException | None = None
@@ -325,6 +404,9 @@ class Live:
             self._start_laps()
             await self._admit_restore(target, wait, wait_writers_s)
             ck.crash_point("restore.paused")
+            # Paused: writes wait from here. The scan for open writers (no-open mode) runs
+            # beside the verify and the freeze.
+            scanned = self._scan_soon()
             try:
                 # Verified against the current lower before anything changes (the clean
                 # tree below differs, so the swap diffs again).
@@ -369,7 +451,10 @@ class Live:
                             rs.verify, self.store, ov.lower.ref, target), kept)
                         self._lap("diff")
                         ck.crash_point("restore.verified")
-                        sp = rs.plan_swap(ov, changes, target, rb0, uppers, rs.writers(ov))
+                        seen = await scanned()
+                        self._lap("scan_writers")
+                        sp = rs.plan_swap(ov, changes, target, rb0, uppers,
+                                          rs.writers(ov, seen.inodes if seen else ()))
                         rs.graft_swap(ov, sp, kept, freeze)
                         sp.invalidation.entries.extend(split)
                         self._lap("plan_swap")
@@ -471,16 +556,24 @@ class Live:
             ck.kept_rows(self.ov, rb, rb.ref.tree_id)
             await trio.to_thread.run_sync(ck.reset_upper, self.ov.upper, rb)
 
-    def status(self) -> dict[str, Any]:
-        """Counts of the live mount. ``dirty_*``: changes the next checkpoint takes (linked
+    async def current_status(self) -> dict[str, Any]:
+        """``status``, with the writer scan (no-open mode) run in a worker thread."""
+        return self.status(await self.scan_writers())
+
+    def status(self, seen: Scan | None = None) -> dict[str, Any]:
+        """Counts of the live mount (``seen``: a writer scan just made, else one is made
+        here in no-open mode). ``dirty_*``: changes the next checkpoint takes (linked
         inodes with an upper row); ``detached_inodes``: inodes no name reaches (unlinked, or
         removed by a restore) that the kernel still holds, whose changes no checkpoint
         takes; ``held_lowers``: older lowers those still read (GC keeps them); ``quota``:
         what the upper holds against the session's caps (``bytes_used``, ``bytes_cap``,
-        ``inodes_used``, ``inodes_cap``; a cap None: none; detached inodes count)."""
+        ``inodes_used``, ``inodes_cap``; a cap None: none; detached inodes count);
+        ``open_writers`` and the fields after it: see the module docstring."""
         from . import checkpoint as ck
 
         ov = self.ov
+        if seen is None:
+            seen = self.scan_writers_now()
         cs = ov.cs
         dirty = 0
         nbytes = 0
@@ -492,11 +585,15 @@ class Live:
         return {"ref": str(ov.lower.ref), "dirty_inodes": dirty, "dirty_bytes": nbytes,
                 "detached_inodes": len(ov.unlinked), "held_lowers": ov.held_lowers(),
                 "open_handles": len(ov.handles), "writable_handles": self._writable_handles(),
+                "open_writers": len(self._writer_inodes(seen)),
+                "writers_found_by": "handles" if seen is None else "proc_scan",
+                "writer_pids": sorted(set().union(*seen.inodes.values())) if seen else [],
+                "writers_unseen_processes": seen.unseen if seen else 0,
                 "open_dirs": len(ov.dirs), "parked": self.gate.parked,
                 "paused": self.gate.paused, "permits": self.gate.permits,
                 "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid(),
                 "requests": dict(self.ops.counts), "binding": binding.info(),
-                "no_open": bool(getattr(self.ops, "no_open", False)), "kernel_inodes": held,
+                "no_open": self.no_open, "kernel_inodes": held,
                 "quota": ov.quota(),
                 **self._disk()}
 
@@ -550,7 +647,7 @@ class Live:
     async def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
         if op == "status":
-            return dict(self.status(), ok=True)
+            return dict(await self.current_status(), ok=True)
         if op == "checkpoint":
             out = await self.checkpoint(req.get("label"), req.get("trigger") or "manual",
                                         req.get("timeout_s"))

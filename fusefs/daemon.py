@@ -68,7 +68,9 @@ class MountConfig:
     quota_inodes: int | None = None
     max_tasks: int = 8  # pyfuse3 worker tasks: requests that wait (fsync, big chunks)
     # do not hold up the others
-    no_open: bool = False  # OPEN/OPENDIR answered ENOSYS (README: no-open mode)
+    # OPEN/OPENDIR answered ENOSYS (README: no-open mode); None: where the patched binding
+    # serves (its default), else file handles
+    no_open: bool | None = None
 
 
 LOG_KEEP = 10000
@@ -247,7 +249,7 @@ def refuse_no_open(cfg: MountConfig) -> None:
     (a stock pyfuse3 does not hand the inode to requests without a handle)."""
     from . import binding
 
-    if cfg.no_open and not binding.EXTENDED:
+    if cfg.no_open is True and not binding.EXTENDED:
         raise MountError(cfg.mountpoint, "--no-open needs the patched pyfuse3 "
                          f"({binding.describe()})")
 

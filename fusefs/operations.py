@@ -141,12 +141,15 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S,
                  gate: Gate | None = None, upper_lock: trio.Lock | None = None,
-                 no_open: bool = False) -> None:
+                 no_open: bool | None = None) -> None:
         """``no_open``: answer OPEN and OPENDIR with ENOSYS, so the kernel sends no more
         OPEN/RELEASE or OPENDIR/RELEASEDIR on this connection and later requests come
-        with handle 0 (addressed by inode); needs the patched binding. ValueError
-        without it."""
+        with handle 0 (addressed by inode); needs the patched binding (ValueError
+        without it). None (the default): no-open mode where the patched binding serves,
+        handles with a stock one (``binding.EXTENDED``)."""
         super().__init__()
+        if no_open is None:
+            no_open = binding.EXTENDED
         if no_open and not binding.EXTENDED:
             raise ValueError("no-open mode needs the patched pyfuse3 "
                              "(scripts/pyfuse3/; bash scripts/setup.sh builds it)")

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from store.diff import Change, diff_trees
@@ -163,14 +164,20 @@ class _Trees:
         return tid
 
 
-def writers(ov: Overlay) -> set[int]:
-    """Numbers of the linked files open for writing (they are detached by a restore).
-
-    The one part of detaching that needs file handles (OPEN/RELEASE): without them the
-    daemon cannot tell a writer of an unchanged path, which then keeps its inode. Paths
+def writers(ov: Overlay, seen: Iterable[int] = ()) -> set[int]:
+    """Numbers of the linked files open for writing (they are detached by a restore): those
+    with a writable handle, and the inode numbers in ``seen`` (no-open mode: the files
+    ``fusefs.writers.scan`` found open for writing, since open(2) then never reaches the
+    daemon). This is the one part of detaching that needs to know writers, to tell a
+    writer of an unchanged path (detached) from a reader (which keeps its inode); paths
     that change, removed directories and held lowers follow inodes and lookup counts."""
-    return {h.node.ino for h in ov.handles.values()
-            if h.writable and h.node.nlink > 0 and h.node.kind is Kind.FILE}
+    out = {h.node.ino for h in ov.handles.values()
+           if h.writable and h.node.nlink > 0 and h.node.kind is Kind.FILE}
+    for ino in seen:
+        n = ov.nodes.get(ino)
+        if n is not None and n.nlink > 0 and n.kind is Kind.FILE:
+            out.add(ino)
+    return out
 
 
 def _paths(ov: Overlay, n: Node, old: _Trees) -> list[bytes]:

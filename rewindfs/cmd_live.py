@@ -151,13 +151,31 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"still open; in no checkpoint), holding {len(r.get('held_lowers') or [])} "
         f"older lower(s) against gc",
         f"open:      {r['open_handles']} handles ({r['writable_handles']} writable), "
-        f"{r['open_dirs']} directories",
+        f"{r['open_dirs']} directories"
+        + (" (no-open mode: only files created through the mount have handles; the "
+           f"kernel holds {r.get('kernel_inodes', 0)} inodes)" if r.get("no_open") else ""),
+        f"writers:   {_writers_text(r)}",
         f"state:     {r['state']}",
         f"disk:      {_disk_text(r)}",
         f"quota:     {_quota_text(r.get('quota') or {})}",
         f"daemon:    pid {r['pid']}"])
     emit(args, r, text)
     return 0
+
+
+def _writers_text(r: dict[str, Any]) -> str:
+    """``2 files open for writing (by pids 10, 11; found by a scan of /proc, ...)``."""
+    n = int(r.get("open_writers") or 0)
+    text = f"{n} file(s) open for writing"
+    if r.get("writers_found_by") != "proc_scan":
+        return text + " (open handles)"
+    pids = r.get("writer_pids") or []
+    if pids:
+        text += " by pid " + ", ".join(str(p) for p in pids)
+    unseen = int(r.get("writers_unseen_processes") or 0)
+    return text + (" (found by a scan of /proc; "
+                   + (f"{unseen} process(es) the daemon may not inspect, whose writers are "
+                      "not seen)" if unseen else "every process inspected)"))
 
 
 def _disk_text(r: dict[str, Any]) -> str:

@@ -59,10 +59,16 @@ def register(sub: Any) -> None:
     p.add_argument("--debug", action="store_true", help="log at debug level")
     p.add_argument("--cache-mib", type=int, default=128,
                    help="decompressed lower chunks kept in memory (MiB, default 128)")
-    p.add_argument("--no-open", action="store_true",
-                   help="no-open mode: the kernel stops sending OPEN/RELEASE and "
-                        "OPENDIR/RELEASEDIR (fewer requests; open handles are no longer "
-                        "counted, see README); needs the patched pyfuse3")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--no-open", dest="no_open", action="store_const", const=True,
+                     default=None,
+                     help="no-open mode (the default with the patched pyfuse3; refused "
+                          "with a stock one): the kernel stops sending OPEN/RELEASE and "
+                          "OPENDIR/RELEASEDIR, open writers are found by a /proc scan "
+                          "(see README)")
+    how.add_argument("--open-handles", dest="no_open", action="store_const", const=False,
+                     help="every open and close reaches the daemon, which counts open "
+                          "and writable handles (the mode of a stock pyfuse3)")
     add_quota_args(p)
     p.add_argument("--stats-file", metavar="FILE", help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -153,8 +159,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         argv.append("--allow-other")
     if args.debug:
         argv.append("--debug")
-    if args.no_open:
-        argv.append("--no-open")
+    if args.no_open is not None:
+        argv.append("--no-open" if args.no_open else "--open-handles")
     if args.cache_mib != 128:
         argv += ["--cache-mib", str(args.cache_mib)]
     if args.quota_bytes is not None:

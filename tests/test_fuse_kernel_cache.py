@@ -13,10 +13,9 @@ from pathlib import Path
 
 import fusehelpers as fh
 import pytest
-from ckpt_support import client
+from ckpt_support import cli, client
 
 from fusefs import binding
-from fusefs.session.errors import RestoreError
 
 pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
 
@@ -24,9 +23,9 @@ patched_only = pytest.mark.skipif(not binding.EXTENDED,
                                   reason="the stock pyfuse3 cannot cache listings")
 
 
-# Handle mode (the default here) and no-open mode (patched binding only).
-MODES = [pytest.param([], id="default"),
-         pytest.param(["--no-open"], id="no-open", marks=patched_only)]
+# The mount's default (no-open with the patched binding, handles with a stock one) and
+# the explicit handle mode.
+MODES = [pytest.param([], id="default"), pytest.param(["--open-handles"], id="open-handles")]
 
 
 def listing(d: Path) -> set[str]:
@@ -43,6 +42,26 @@ def test_status_names_the_binding_in_use(mounter: fh.Mounter, lower_ref: str) ->
     want = os.environ.get("REWINDFS_EXPECT_BINDING") or binding.kind()
     assert st["binding"]["kind"] == want
     assert st["binding"]["listings_cached"] is (want == "patched")
+    # no-open mode is the default where the patched binding serves; --open-handles opts out
+    assert st["no_open"] is (want == "patched")
+    assert st["writers_found_by"] == ("proc_scan" if want == "patched" else "handles")
+    st = client(mounter.rw(lower_ref, extra=["--open-handles"]).mnt).status()
+    assert st["no_open"] is False and st["writers_found_by"] == "handles"
+
+
+def test_no_open_is_refused_by_a_stock_binding(mounter: fh.Mounter, fuse_store: Path,
+                                               lower_ref: str, tmp_path: Path) -> None:
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    r = cli(fuse_store, "mount", lower_ref, str(mnt), "--state", str(tmp_path / "s"),
+            "--no-open", "--open-handles", check=False)
+    assert r.returncode == 2 and "not allowed with" in r.stderr
+    if binding.EXTENDED:
+        return
+    r = cli(fuse_store, "mount", lower_ref, str(mnt), "--state", str(tmp_path / "s"),
+            "--no-open", check=False)
+    assert r.returncode == 9 and "--no-open needs the patched pyfuse3" in r.stderr
+    assert not (tmp_path / "s").exists()
 
 
 def test_restore_never_leaves_a_stale_listing_or_page(mounter: fh.Mounter,
@@ -241,11 +260,10 @@ def test_no_open_mode_restore_shows_the_target_at_once(mounter: fh.Mounter,
     assert listing(m / "d") == listing(m / "d") == {"a", "b"}
     keep = open(m / "d" / "a", "rb")  # noqa: SIM115 - held across the restore
     try:
-        with pytest.raises(RestoreError) as ei:  # it cannot see writers: refused
-            client(m).restore(first, wait_writers=5)
-        assert ei.value.kind == "permit_failed" and "no-open" in str(ei.value)
-        assert listing(m / "d") == {"a", "b"}
-        client(m).restore(first)
+        st = client(m).status()
+        assert st["open_writers"] == 0 and st["writers_found_by"] == "proc_scan"
+        # a reader is no writer (the /proc scan tells them apart): no wait
+        client(m).restore(first, wait_writers=60)
         assert listing(m / "d") == {"a"}
         assert (m / "d" / "a").read_bytes() == b"a1"
         assert keep.read() == b"a2"  # the old inode, detached, still reads

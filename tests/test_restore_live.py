@@ -266,6 +266,50 @@ def test_wait_writers_waits_then_refuses(mounter: fh.Mounter, fuse_store: Path,
     assert out["detached"] == 1 and str(compute_ref(m)) == r2["pre_restore"]
 
 
+@pytest.mark.parametrize("mode", [pytest.param([], id="default"),
+                                  pytest.param(["--open-handles"], id="open-handles")])
+def test_a_writer_in_the_bash_sandbox_is_seen_and_detached(
+        mounter: fh.Mounter, lower_ref: str, mode: list[str]) -> None:
+    # The writer runs in the Bash sandbox (its own pid, mount and user namespaces), at a
+    # path the restore leaves unchanged: --wait-writers sees it, and a restore detaches
+    # it (in no-open mode, the default, the daemon finds it by a scan of /proc).
+    from tools import sandbox
+
+    why = sandbox.unavailable_reason()
+    if why is not None:
+        pytest.skip(why)
+    bwrap = sandbox.bwrap()
+    assert bwrap is not None
+    m = mounter.rw(lower_ref, extra=mode).mnt
+    (m / "log.txt").write_bytes(b"one\n")
+    good = client(m).checkpoint()["ref"]
+    root = os.path.realpath(m)
+    argv = sandbox.confined_shell(bwrap, root, root, [], "exec 3>>log.txt && echo ready && "
+                                  "read -r _ && echo two >&3 && echo done")
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        st = client(m).status()
+        assert st["open_writers"] == 1
+        if st["no_open"]:
+            assert st["writers_found_by"] == "proc_scan" and len(st["writer_pids"]) == 1
+        (m / "other.txt").write_bytes(b"restored away\n")
+        with pytest.raises(RestoreError) as ei:
+            client(m).restore(good, wait_writers=0.3)
+        assert ei.value.kind == "permit_failed" and (m / "other.txt").exists()
+        r = client(m).restore(good)
+        assert r["detached"] >= 1 and not (m / "other.txt").exists()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "done"
+        assert (m / "log.txt").read_bytes() == b"one\n"  # the write went to the detached file
+        assert client(m).checkpoint()["ref"] == good
+    finally:
+        p.kill()
+        p.wait(30)
+
+
 def test_gc_keeps_the_lower_a_detached_handle_reads(mounter: fh.Mounter, fuse_store: Path,
                                                     lower_ref: str, tmp_path: Path) -> None:
     from fusefs.session.fusetree import pinned_refs

@@ -81,7 +81,7 @@ class FuseHost(Host):
             out = Host.dispatch(self, req)
             live = mount.live
             if live is not None:  # the mount's own figures (``rewindfs status MNT``)
-                daemon = mount.call_sync(live.status)
+                daemon = mount.call(live.current_status)
                 out.update({k: v for k, v in daemon.items() if k not in out})
             out.update(mountpoint=mount.mountpoint, state=s.record.state_dir,
                        backend="fuse", users=mount.users)

@@ -172,15 +172,16 @@ class Rewindfs(Contender):
     name = "rewindfs"
 
     def __init__(self, work: Path, lower: Path, store: Path, ref: str,
-                 no_open: bool = False) -> None:
+                 open_handles: bool = False) -> None:
         super().__init__(work, lower)
         self.store, self.ref = store, ref
         self.stats = work / "stats.json"
-        self.no_open = no_open
+        self.open_handles = open_handles
 
     def setup(self) -> None:
         self.root.mkdir(parents=True)
-        extra = ["--stats-file", str(self.stats)] + (["--no-open"] if self.no_open else [])
+        extra = ["--stats-file", str(self.stats)] + (
+            ["--open-handles"] if self.open_handles else [])
         self.daemon = fh.Daemon(store=self.store, mnt=self.root, ref=self.ref,
                                 state=self.work / "state", log=self.work / "daemon.log",
                                 extra=extra)
@@ -453,8 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(k for k, _ in WORKLOADS),
                     help="comma-separated workloads to run (keys of the table, e.g. "
                          "rand_cold,seq_cold)")
-    ap.add_argument("--no-open", action="store_true",
-                    help="mount rewindfs in no-open mode (rewindfs mount --no-open)")
+    ap.add_argument("--open-handles", action="store_true",
+                    help="mount rewindfs in handle mode (rewindfs mount --open-handles; "
+                         "the default is no-open mode where the patched pyfuse3 serves)")
     args = ap.parse_args(argv)
     only = args.only.split(",")
     keys = set(args.workloads.split(","))
@@ -479,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             store = tmp / "store"
             log("bench_fuse: snapshot of the lower tree")
             ref = fh.snapshot(store, lower)
-            contenders.append(Rewindfs(tmp / "rewindfs", lower, store, ref, args.no_open))
+            contenders.append(Rewindfs(tmp / "rewindfs", lower, store, ref,
+                                       args.open_handles))
         try:
             for c in contenders:
                 c.work.mkdir(parents=True, exist_ok=True)
@@ -499,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"bench_fuse: load average {load1}")
     from fusefs import binding
 
-    served_by = binding.describe() + (", no-open mode" if args.no_open else "")
+    mode = "handle mode (--open-handles)" if args.open_handles or not binding.EXTENDED \
+        else "no-open mode (the default)"
+    served_by = f"{binding.describe()}, {mode}"
     print(report(res, files, (load0, load1), served_by))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True))
