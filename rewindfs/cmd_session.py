@@ -342,6 +342,8 @@ def cmd_list(args: argparse.Namespace) -> int:
                      "state": "running" if live_host(rec.state_dir) else "stopped",
                      "parent": rec.parent})
     for e in away.values():  # a shared store's sessions of other hosts (host: where)
+        if e.state == "removed":  # `session rm` there (a stale local record is hidden)
+            continue
         rows.append({"id": e.id, "root": None, "placement": e.mode, "state": e.state,
                      "parent": e.parent, "host": e.host})
     if getattr(args, "json", False):

@@ -160,6 +160,12 @@ def test_changes_left_in_an_upper_keep_the_session_on_its_host(
     assert b.started("resume", sid)["id"] == sid
     assert (b.base / sid / "README").read_text() == "not checkpointed\n"
     b.session("shutdown", sid, "--checkpoint")
+    # Removed on B: A's stale local state of it is neither listed nor opened again.
+    b.session("rm", sid)
+    assert json.loads(a.session("list", "--json").stdout) == []
+    r = a.session("resume", sid, "--base", str(a.base), check=False)
+    assert r.returncode == 4 and f"no session '{sid}'" in r.stderr, r.stderr
+    assert json.loads(b.session("list", "--json").stdout) == []
 
 
 def test_a_crashed_session_is_refused_elsewhere_until_its_changes_are_given_up(

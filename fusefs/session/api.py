@@ -529,10 +529,10 @@ class Workspace:
 
         cfg = self.config
         assert cfg.placement is not None and self.registry is not None
+        moves.check_move_in(cfg.leaser, away, discard_upper=discard_upper)
         if cfg.placement.mode is not Mode.PER_SESSION:
             raise SessionError(f"session {away.id} moves to a per-session placement only, "
                                f"not {cfg.placement.mode.value}")
-        moves.check_move_in(cfg.leaser, away, discard_upper=discard_upper)
         backend = self.backend
         sid = away.id
         rec = SessionRecord(sid, cfg.placement.fingerprint, cfg.placement.mode.value,

@@ -4,7 +4,7 @@ On a shared catalog (``store.catalog.shared``: PostgreSQL, store/pgcatalog.py) e
 session is registered in the catalog's session registry (``sessions``: id -> host,
 record), written by the session process itself::
 
-    {"state": "running" | "stopped", "head": Ref text | null, "dirty": bool | null,
+    {"state": "running" | "stopped" | "removed", "head": Ref text | null, "dirty": bool | null,
      "mode": placement mode, "parent": id or Ref | null, "created_ns", "time_ns",
      "epoch": session lease epoch, "spec": the workspace spec (host.spec_of)}
 
@@ -24,6 +24,8 @@ A host opening a session whose row names another host (``check_move_in``):
   host, unless the caller explicitly gives those changes up (``discard_upper``: resume
   from ``head``; the other host's upper stays on its disk, and is dropped there when the
   session comes back);
+- ``removed`` (``session rm`` there: the row is a tombstone): ``SessionNotFoundError``, also
+  on a host that still holds stale local state of it;
 - a fixed root (exclusive, shared) never moves (its tree is the directory on that host):
   ``SessionError``; fork it instead.
 
@@ -47,12 +49,18 @@ from typing import Any
 
 from store.ref import Ref
 
-from .errors import SessionBusyError, SessionChangesElsewhereError, SessionError
+from .errors import (
+    SessionBusyError,
+    SessionChangesElsewhereError,
+    SessionError,
+    SessionNotFoundError,
+)
 
 log = logging.getLogger("rewindfs.session")
 
 RUNNING = "running"
 STOPPED = "stopped"
+REMOVED = "removed"
 
 
 @dataclass(frozen=True)
@@ -119,17 +127,29 @@ def publish(store: Any, session_id: str, state: str, *, head: Ref | None,
 
 
 def forget(store: Any, session_id: str) -> None:
-    """Drop ``session_id``'s row if it is this host's (``session rm``)."""
-    if elsewhere(store, session_id) is None and shared(store):
-        store.catalog.delete_session(session_id)
+    """``session rm`` of a session whose row is this host's: the row becomes a tombstone
+    (state ``removed``), so that a host holding stale local state of it (from before it
+    moved here) does not open that state again: it gets SessionNotFoundError."""
+    from store.hostid import host_id
+
+    e = entry(store, session_id)
+    if e is None or e.host != host_id():
+        return
+    store.catalog.put_session(session_id, host_id(), json.dumps({
+        "state": REMOVED, "head": e.head, "dirty": False, "mode": e.mode,
+        "parent": e.parent, "created_ns": e.created_ns, "time_ns": time.time_ns(),
+        "epoch": 0, "spec": {}}, sort_keys=True))
 
 
 def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,
                   op: str = "resume") -> Ref:
     """May session ``e`` (a row naming another host) be opened here? Returns the Ref it
-    would serve (its head). Raises SessionBusyError (its lease is held elsewhere),
+    would serve (its head). Raises SessionNotFoundError (removed there: a tombstone),
+    SessionBusyError (its lease is held elsewhere),
     SessionChangesElsewhereError (changes may be in the other host's upper; with
     ``discard_upper`` only if it has no head), SessionError (a fixed root, or no head)."""
+    if e.state == REMOVED:
+        raise SessionNotFoundError(e.id)
     cur = leaser.current(f"session/{e.id}")
     if cur is not None:
         raise SessionBusyError(e.id, cur.epoch, cur.holder,
