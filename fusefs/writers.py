@@ -9,14 +9,14 @@ call it without waiting on itself; PYFUSE3.md trap 10):
    from the ``mountinfo`` of each distinct mount namespace met (``/proc/<pid>/ns/mnt``):
    their ids (unique across namespaces) and, in this process's namespace, their mount
    points. A process whose namespace holds none of them is skipped whole;
-2. every ``/proc/<pid>/fd/<n>`` link is lstat'ed: the link's mode carries the descriptor's
-   access mode (``S_IWUSR`` when it was opened for writing; ``tid_fd_update_inode`` in
-   fs/proc/fd.c), so a read-only descriptor costs one call;
-3. a writable descriptor that names a path (not a pipe, socket or anonymous inode), and in
-   this namespace a path below one of the device's mount points, has its
-   ``/proc/<pid>/fdinfo/<n>`` read for ``mnt_id`` and ``ino`` (the inode number; Linux
-   5.14 or later). So a descriptor opened through a bind mount, or inside a sandbox's own
-   mount namespace (the Bash sandbox), is found too.
+2. every ``/proc/<pid>/fd/<n>`` link is read: only one naming a path (not a pipe, socket
+   or anonymous inode), and in this namespace a path below one of the device's mount
+   points, is looked at further, so most descriptors cost one call;
+3. its lstat gives the descriptor's access mode (the link's mode has ``S_IWUSR`` when it
+   was opened for writing; ``tid_fd_update_inode`` in fs/proc/fd.c), and a writable one
+   has its ``/proc/<pid>/fdinfo/<n>`` read for ``mnt_id`` and ``ino`` (the inode number;
+   Linux 5.14 or later). So a descriptor opened through a bind mount, or inside a
+   sandbox's own mount namespace (the Bash sandbox), is found too.
 
 Processes the scan may not inspect (other users' when the daemon is not root: EACCES) are
 counted in ``Scan.unseen``, never an error; a process or descriptor that goes away during
@@ -115,12 +115,14 @@ def scan(device: str, *, skip: tuple[int, ...] | None = None) -> Scan:
         with fds:
             for fd in fds:
                 try:
-                    if not fd.stat(follow_symlinks=False).st_mode & stat.S_IWUSR:
-                        continue
+                    # The path first (one call): in this namespace it rules out almost
+                    # every descriptor; elsewhere only pipes, sockets and the like.
                     target = os.readlink(fd.path)
                     if not (target.startswith(prefixes) or target in points) if here \
                             else not target.startswith("/"):
-                        continue  # elsewhere, or pipe:, socket:, anon_inode:
+                        continue
+                    if not fd.stat(follow_symlinks=False).st_mode & stat.S_IWUSR:
+                        continue
                     got = _fdinfo(f"{base}/fdinfo/{fd.name}")
                 except (OSError, ValueError):
                     continue  # closed meanwhile, or a line the kernel did not give
