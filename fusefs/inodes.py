@@ -41,7 +41,7 @@ def content_digest(e: Entry) -> bytes:
     if e.kind is Kind.FILE:
         cl = e.chunks
         if cl.repeats <= V1_REPEATS_MAX:  # every slot's id, as before chunk runs existed
-            ids = b"".join(c * k if k > 1 else c for c, k in cl.runs())
+            ids = cl.slot_bytes()
         else:  # cost follows the runs, not the slots
             ids = b"runs" + encode_runs(cl)
         return blake3.blake3(e.size.to_bytes(8, "little") + ids).digest()

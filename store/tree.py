@@ -198,6 +198,16 @@ class ChunkList(Sequence[ObjectId]):
         """Slots beyond the first of each run: what version 1 spends and version 2 saves."""
         return len(self) - len(self._ids)
 
+    def slot_bytes(self) -> bytes:
+        """Every slot's id in file order, concatenated (32 bytes a slot); a list without
+        repeated ids (most of them) is joined without walking its runs."""
+        ends = self._ends
+        if not ends:
+            return b""
+        if ends[-1] == len(ends):
+            return b"".join(self._ids)
+        return b"".join(c * k if k > 1 else c for c, k in self.runs())
+
     def runs(self) -> Iterator[tuple[ObjectId, int]]:
         """Yield ``(id, k)`` per run, in file order."""
         prev = 0

@@ -293,6 +293,9 @@ def test_chunk_list_is_a_sequence_of_slots() -> None:
     assert cl[-1] == a and cl[:3] == ChunkList([a, a, b]) and cl[2:] == (b, b, b, a)
     assert list(cl.between(1, 4)) == [(a, 1), (b, 2)]
     assert cl.distinct() == {a, b}
+    # the bytes a file's content digest (so its derived inode number) is made of
+    assert cl.slot_bytes() == a + a + b + b + b + a
+    assert ChunkList([a, b]).slot_bytes() == a + b and ChunkList().slot_bytes() == b""
     assert decode_runs(encode_runs(cl)) == cl and encode_runs(ChunkList()) == b""
     huge = ChunkList.from_runs([(a, 1), (b, 1 << 40), (a, 1)])
     assert len(huge) == (1 << 40) + 2 and huge[1 << 39] == b and huge[-1] == a
