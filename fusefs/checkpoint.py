@@ -778,6 +778,10 @@ class Rebase:
     dentries: list[tuple[int, bytes, int, int]] = field(default_factory=list)
     graft: Graft | None = None
     kept_tree: str | None = None  # the ``kept_tree`` meta to record (None: leave it)
+    # ``exclude_clean`` meta to record: this Ref holds no path the patterns match, so a
+    # remount need not walk it again (``Overlay.excluded_trees``)
+    exclude_clean: str | None = None
+    clean_ref: Ref | None = None  # the Ref it is about (a restore's rebase is another)
 
 
 @dataclass
@@ -1040,6 +1044,9 @@ def prepare(ov: Overlay, p: Plan, ref: Ref) -> Rebase:
     kept_rows(ov, rb, p.root.tree_id, p.uppers)
     if ov.exclude is not None or ov.kept_tree is not None:
         rb.kept_tree = str(Ref(p.kept_tree)) if p.kept_tree is not None else ""
+    if ov.exclude is not None:
+        rb.exclude_clean = ov.exclude_mark(ref)
+        rb.clean_ref = ref
     if p.kept or p.cross:
         tree_of: dict[int, ObjectId] = {}
         for dp in p.dirs:
@@ -1112,6 +1119,9 @@ def reset_upper(upper: Upper, rb: Rebase) -> None:
         if rb.kept_tree is not None:
             c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('kept_tree', ?)",
                       (rb.kept_tree,))
+        if rb.exclude_clean is not None and rb.ref == rb.clean_ref:
+            c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('exclude_clean', ?)",
+                      (rb.exclude_clean,))
 
     upper.transact(body, durable=True)
     upper.failing = False

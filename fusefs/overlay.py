@@ -257,6 +257,10 @@ class Overlay:
             self.exclude_patterns = tuple(json.loads(s.meta["exclude"]))
             self.exclude = PathPolicy(exclude=self.exclude_patterns,
                                       source="the upper's exclude patterns").matcher("exclude")
+            base = s.meta.get("base")
+            if base and s.meta.get("exclude_clean") == self.exclude_mark(Ref.parse(base)):
+                # the base was made by a checkpoint under these patterns: nothing to find
+                self.excluded_trees[(bytes(Ref.parse(base).tree_id), b"")] = False
         if s.meta.get("kept_tree"):
             self.kept_tree = Ref.parse(s.meta["kept_tree"])
         for r in s.inodes:
@@ -298,6 +302,13 @@ class Overlay:
             dn = self.nodes.get(ino)
             if dn is not None:
                 dn.has_data = True
+
+    def exclude_mark(self, ref: Ref) -> str:
+        """The upper's ``exclude_clean`` value saying that ``ref`` holds no path the
+        current patterns match (a checkpoint made it)."""
+        import json
+
+        return f"{ref} {json.dumps(list(self.exclude_patterns))}"
 
     def excluded(self, path: bytes, is_dir: bool) -> bool:
         """True if workspace path ``path`` (``/``-separated bytes, no leading slash; a

@@ -164,7 +164,9 @@ TABLES: dict[str, dict[str, str]] = {
                "syntax: paths kept in the upper across checkpoints, in no Ref), "
                "kept_tree (the Ref of a tree listing the lower content that rows of "
                "excluded files kept across checkpoints still read, one entry per inode: "
-               "GC keeps it; empty when there is none).",
+               "GC keeps it; empty when there is none), exclude_clean (a Ref a "
+               "checkpoint made under the exclude patterns that follow it, JSON: it holds "
+               "no path they match, so a remount on it need not look).",
         "value": "text value.",
     },
     "inodes": {

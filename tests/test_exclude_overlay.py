@@ -149,6 +149,8 @@ def test_excluded_paths_stay_in_the_upper_and_out_of_the_ref(env: Env) -> None:
     # an unchanged overlay gives the same Ref again, and so does a remount
     assert checkpoint_overlay(ov).ref == ref
     ov = env.remount()
+    # the base a checkpoint made is known to hold no excluded path: not walked again
+    assert ov.excluded_trees.get((bytes(ov.lower.root_tree), b"")) is False
     assert overlay_listing(ov, with_ino=True) == before
     assert checkpoint_overlay(ov).ref == ref
     env.sound()
@@ -184,6 +186,7 @@ def test_changes_below_excluded_paths_after_a_checkpoint(env: Env) -> None:
 def test_a_seed_holding_excluded_paths_loses_them_from_the_next_ref(tmp_path: Path) -> None:
     env = Env(tmp_path, seed_extra=True)
     ov = env.mount()
+    assert (bytes(ov.lower.root_tree), b"") not in ov.excluded_trees  # must be looked at
     before = overlay_listing(ov, with_ino=True)
     res = checkpoint_overlay(ov)
     assert not res.unchanged
