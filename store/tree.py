@@ -535,8 +535,14 @@ def _decode_entries(buf: bytes) -> list[Entry]:
     entries: list[Entry] = []
     prev = b""
     kinds = _KINDS
+    # A one-byte varint (name lengths, most owners, sizes and counts) is read in line: a
+    # call per field is most of the cost of decoding a huge directory.
     for _ in range(count):
-        n, pos = _varint(buf, pos)
+        n = buf[pos] if pos < size_limit else 0x80
+        if n < 0x80:
+            pos += 1
+        else:
+            n, pos = _varint(buf, pos)
         name, pos = _take(buf, pos, n)
         check_name(name)
         if name <= prev:
@@ -551,11 +557,23 @@ def _decode_entries(buf: bytes) -> list[Entry]:
         mode, pos = _varint(buf, pos)
         if mode & ~0o7777:
             raise _Malformed(pos, "mode has bits outside 07777")
-        uid, pos = _varint(buf, pos)
-        gid, pos = _varint(buf, pos)
+        uid = buf[pos] if pos < size_limit else 0x80
+        if uid < 0x80:
+            pos += 1
+        else:
+            uid, pos = _varint(buf, pos)
+        gid = buf[pos] if pos < size_limit else 0x80
+        if gid < 0x80:
+            pos += 1
+        else:
+            gid, pos = _varint(buf, pos)
         zz, pos = _varint(buf, pos)
         mtime_ns = _unzigzag(zz)
-        size, pos = _varint(buf, pos)
+        size = buf[pos] if pos < size_limit else 0x80
+        if size < 0x80:
+            pos += 1
+        else:
+            size, pos = _varint(buf, pos)
         chunks = EMPTY_CHUNKS
         tree_id_: ObjectId | None = None
         target = b""
@@ -602,7 +620,11 @@ def _decode_entries(buf: bytes) -> list[Entry]:
             raise _Malformed(pos, "special file with a size")
         elif kind is Kind.BLOCK or kind is Kind.CHAR:
             rdev, pos = _varint(buf, pos)
-        nx, pos = _varint(buf, pos)
+        nx = buf[pos] if pos < size_limit else 0x80
+        if nx < 0x80:
+            pos += 1
+        else:
+            nx, pos = _varint(buf, pos)
         xattrs: tuple[tuple[bytes, bytes], ...] = ()
         if nx:
             found = []
