@@ -87,7 +87,8 @@ class Node:
     __slots__ = ("ino", "kind", "mode", "uid", "gid", "size", "atime_ns", "mtime_ns",
                  "ctime_ns", "nlink", "rdev", "target", "lower_chunks", "lower_len",
                  "present", "lower_tree", "entries", "parent", "lower_links", "xattrs",
-                 "origin", "upper", "nlookup", "nopen", "fd", "has_data", "inline")
+                 "origin", "upper", "nlookup", "nopen", "fd", "has_data", "inline",
+                 "data_blocks", "data_blocks_key")
 
     def __init__(self, ino: int, kind: Kind, mode: int, uid: int, gid: int,
                  time_ns: int) -> None:
@@ -115,6 +116,10 @@ class Node:
         self.nopen = 0
         self.fd: int | None = None
         self.has_data = False
+        # st_blocks of the data file as last stat'ed, and the state it was stat'ed in
+        # (``Overlay.blocks``); None: stat it again.
+        self.data_blocks = 0
+        self.data_blocks_key: tuple[int, ...] | None = None
         self.inline: bytearray | None = None
 
     @classmethod

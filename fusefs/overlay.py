@@ -741,13 +741,25 @@ class Overlay:
             blocks = page_blocks * lower_pages(n.lower_chunks, n.lower_len, n.present,
                                                self.cs, known)
         if n.has_data and self.upper is not None:
-            try:
-                st = (os.fstat(n.fd) if n.fd is not None
-                      else os.stat(self.upper.data_path(n.ino)))
-            except FileNotFoundError:
-                return blocks
-            blocks += st.st_blocks
+            # Every reply carries st_blocks: the data file is stat'ed again only after a
+            # change to it here (``_data_changed``) or to the node's size, times or lower
+            # part, or once its descriptor closed (a file system may trim preallocation).
+            key = (n.size, n.mtime_ns, n.ctime_ns, n.lower_len, len(n.present),
+                   n.fd is None)
+            if n.data_blocks_key != key:
+                try:
+                    st = (os.fstat(n.fd) if n.fd is not None
+                          else os.stat(self.upper.data_path(n.ino)))
+                except FileNotFoundError:
+                    return blocks
+                n.data_blocks, n.data_blocks_key = st.st_blocks, key
+            blocks += n.data_blocks
         return blocks
+
+    @staticmethod
+    def _data_changed(n: Node) -> None:
+        """The data file of ``n`` was written or truncated: ``blocks`` stats it again."""
+        n.data_blocks_key = None
 
     def readlink(self, ino: int) -> bytes:
         n = self._node(ino)
@@ -1015,6 +1027,7 @@ class Overlay:
             if n.has_data:
                 fd = self._fd(n)
                 assert fd is not None
+                self._data_changed(n)
                 if os.fstat(fd).st_size > size:
                     os.ftruncate(fd, size)
                 self._close_idle_fd(n)
@@ -1268,6 +1281,7 @@ class Overlay:
             self._spill(n)
         fd = self._fd(n, create=True)
         assert fd is not None
+        self._data_changed(n)
         cs = self.cs
         whole: list[int] = []  # lower chunks the write covers entirely: no copy needed
         if data and off < n.lower_len:
@@ -1338,6 +1352,7 @@ class Overlay:
         had_data = n.has_data
         fd = self._fd(n, create=True)
         assert fd is not None
+        self._data_changed(n)
         try:
             os.ftruncate(fd, 0)
             if buf:

@@ -691,3 +691,18 @@ def test_check_names_each_broken_invariant(env: Env, ov: Overlay, name: str) -> 
     found = {p.name for p in check(env.state, env.store)}
     assert name in found, found
     os.rename(env.state, env.state + ".broken")  # keep the fixture's final check quiet
+
+
+def test_st_blocks_follow_a_write_that_changes_no_size_or_time(env: Env, ov: Overlay) -> None:
+    """st_blocks shows a write into a hole of a data file even when the file's size and
+    times stay the same (same clock tick): the overlay keeps the data file's count between
+    replies and must stat it again after every write."""
+    ov.clock = lambda: 1_700_000_000_000_000_000
+    off = max(4 * INLINE_MAX, 1 << 20)
+    i = write(ov, "holey", b"end", off=off)  # far beyond the inline limit: a data file
+    n = ov.getattr(i)
+    before = ov.blocks(n)
+    assert ov.blocks(n) == before
+    write(ov, "holey", b"x" * (1 << 16), flags=os.O_WRONLY, off=0)
+    assert n.size == off + 3
+    assert ov.blocks(n) >= before + (1 << 16) // 512
