@@ -23,8 +23,10 @@ counted in ``Scan.unseen``, never an error; a process or descriptor that goes aw
 the scan (ESRCH, ENOENT) is skipped. Pids are those of this process's pid namespace (a
 sandboxed command shows under its host pid). Not seen: this process itself (``skip``), a
 file written only through a shared writable mapping after its descriptor was closed, a
-descriptor passed from another mount namespace into this one, and a descriptor opened after
-the scan read its process.
+descriptor passed from another mount namespace into this one, one held only by a thread
+with a descriptor table of its own (``unshare(CLONE_FILES)``; ``task/<tid>/fd`` is not
+read) or only queued in a unix socket, and a descriptor opened after the scan read its
+process.
 """
 
 from __future__ import annotations
