@@ -321,6 +321,109 @@ class Overlay:
         text = os.fsdecode(path)
         return m(text + "/" if is_dir else text)
 
+    # -- the exclude boundary --------------------------------------------------------------
+    # A hard-linked file keeps all its names on one side of the exclude patterns: link(2) or
+    # rename(2) that would give it names on both sides fails with EXDEV, as across file
+    # systems (programs fall back to copying). One inode cannot be both frozen into a Ref
+    # and kept out of it once a tree holds one of its names.
+
+    def _dir_path(self, d: Node) -> bytes | None:
+        """Workspace path of directory ``d`` (b"" for the root), through the parents in
+        memory; None where a name is not found (then the caller refuses)."""
+        parts: list[bytes] = []
+        seen = 0
+        while d.ino != ROOT_INO:
+            p = self.nodes.get(d.parent)
+            if p is None or seen > 4096:
+                return None
+            name = next((k for k, v in (p.entries or {}).items() if v[0] == d.ino), None)
+            o = d.origin
+            if name is None and o is not None and o[:1] == b"p" and \
+                    int.from_bytes(o[1:9], "little") == p.ino and \
+                    (p.entries or {}).get(o[42:], (d.ino,))[0] == d.ino:
+                name = o[42:]
+            if name is None:
+                return None
+            parts.append(name)
+            d = p
+            seen += 1
+        return b"/".join(reversed(parts))
+
+    def _side(self, d: Node, name: bytes, is_dir: bool) -> bool | None:
+        """Whether ``name`` in ``d`` is excluded (None: its path is not known)."""
+        dp = self._dir_path(d)
+        if dp is None:
+            return None
+        return self.excluded(dp + b"/" + name if dp else name, is_dir)
+
+    def _file_side(self, n: Node) -> bool | None:
+        """Whether the names of non-directory ``n`` are excluded (they all share a side,
+        see above): one upper dentry of it, else its lower name; None if none is found."""
+        for d in self.nodes.values():
+            if d.kind is Kind.DIR and d.entries and d.nlink > 0:
+                for k, v in d.entries.items():
+                    if v[0] == n.ino:
+                        return self._side(d, k, False)
+        o = n.origin
+        if n.lower_links > 0 and o is not None and o[:1] == b"p":
+            holder = self.nodes.get(int.from_bytes(o[1:9], "little"))
+            if holder is not None:
+                return self._side(holder, o[42:], False)
+        return None
+
+    def _check_boundary(self, s: Node, d1: Node, n1: bytes, d2: Node, n2: bytes) -> None:
+        """EXDEV if moving ``s`` from ``n1`` in ``d1`` to ``n2`` in ``d2`` moves a
+        hard-linked file (``s`` or one below it) across the exclude boundary."""
+        if self.exclude is None:
+            return
+        if s.kind is not Kind.DIR:
+            if s.nlink > 1:
+                a, b = self._side(d1, n1, False), self._side(d2, n2, False)
+                if a is None or a != b:
+                    raise _err(errno.EXDEV, "hard-linked file across the exclude boundary")
+            return
+        p1, p2 = self._dir_path(d1), self._dir_path(d2)
+        if p1 is None or p2 is None:
+            raise _err(errno.EXDEV, "directory path not known")
+        old = p1 + b"/" + n1 if p1 else n1
+        new = p2 + b"/" + n2 if p2 else n2
+        created: list[Node] = []
+        try:
+            todo: list[tuple[Node, bytes]] = [(s, b"")]
+            while todo:
+                dn, rel = todo.pop()
+                ents = dn.entries or {}
+                linked: list[bytes] = []
+                for k, v in ents.items():
+                    c = self.nodes.get(v[0]) if v[0] else None
+                    if c is None:
+                        continue
+                    if c.kind is Kind.DIR:
+                        todo.append((c, rel + b"/" + k))
+                    elif c.nlink > 1:
+                        linked.append(k)
+                tree = dn.lower_tree
+                for e in self.lower.tree(tree).entries if tree is not None else ():
+                    if e.name in ents:
+                        continue
+                    if e.kind is Kind.DIR:
+                        known = e.name in ents or self.by_origin.get(
+                            origin_key(dn.ino, e.name, e)) is not None
+                        cn = self._lower_node(dn, e.name, e)
+                        if not known:
+                            created.append(cn)
+                        todo.append((cn, rel + b"/" + e.name))
+                    elif e.link_group is not None:
+                        linked.append(e.name)
+                for k in linked:
+                    r = rel + b"/" + k
+                    if self.excluded(old + r, False) != self.excluded(new + r, False):
+                        raise _err(errno.EXDEV,
+                                   "hard-linked file across the exclude boundary")
+        finally:
+            for c in reversed(created):
+                self.release_unused(c)
+
     # -- resolution ------------------------------------------------------------------------
 
     def _node(self, ino: int) -> Node:
@@ -864,6 +967,9 @@ class Overlay:
         if flags & RENAME_EXCHANGE:
             if t is None:
                 raise _err(errno.ENOENT, name_new)
+            if s is not t:
+                self._check_boundary(s, d1, name_old, d2, name_new)
+                self._check_boundary(t, d2, name_new, d1, name_old)
             self._exchange(d1, name_old, s, d2, name_new, t)
             return
         if t is not None and flags & RENAME_NOREPLACE:
@@ -882,6 +988,7 @@ class Overlay:
                     raise _err(errno.ENOTEMPTY, name_new)
         elif t is not None and t.kind is Kind.DIR:
             raise _err(errno.EISDIR, name_new)
+        self._check_boundary(s, d1, name_old, d2, name_new)
         now = self.clock()
         self._copy_up(s)
         from_lower = self._clear_name(d1, name_old, now)
@@ -943,6 +1050,10 @@ class Overlay:
             raise _err(errno.ENOENT, "inode was removed")
         if self._exists(d, name):
             raise _err(errno.EEXIST, name)
+        if self.exclude is not None:
+            side = self._side(d, name, False)
+            if side is None or side != self._file_side(n):
+                raise _err(errno.EXDEV, "hard link across the exclude boundary")
         now = self.clock()
         self._copy_up(n)
         self._set_name(d, name, n, now)
