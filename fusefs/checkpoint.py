@@ -790,7 +790,9 @@ class Graft:
     rows; ``graft_apply`` applies it after the commit). ``dirs``: directory inode -> (its
     new lower tree, its new lower identity or None for the root, its nlink, its upper
     dentries: only the kept entries); ``kept``: kept node -> its new ``lower_links``;
-    ``cleared``: kept nodes whose lower identity no longer names anything."""
+    ``cleared``: kept nodes whose lower identity no longer names anything; ``named``:
+    kept entries that keep their lower identity (a hard link whose other name shows
+    through a directory below another kept entry)."""
 
     dirs: dict[int, tuple[ObjectId | None, bytes | None, int,
                           dict[bytes, tuple[int, int]]]] = field(default_factory=dict)
@@ -801,6 +803,7 @@ class Graft:
     cleared: set[int] = field(default_factory=set)
     nlink: dict[int, int] = field(default_factory=dict)  # kept lower files' new nlink
     attrs: dict[int, Entry] = field(default_factory=dict)  # directories' new metadata
+    named: set[int] = field(default_factory=set)
 
 
 def _set_col(row: tuple[object, ...], **cols: object) -> tuple[object, ...]:
@@ -876,8 +879,18 @@ def graft_rows(ov: Overlay, rb: Rebase, kept: list[Kept], tree_of: dict[int, Obj
         if n.xattrs:
             rb.xattrs[ino] = sorted(n.xattrs.items())
     names = Counter(k.node.ino for k in kept)
+    rb.keep = _below_kept(ov, kept, uppers, frozen | set(chain) | set(cross))
+    holders = set(rb.keep) | set(roots)
     for ino, n in roots.items():
         if ino in cross:
+            continue
+        if n.upper and n.origin is not None and n.origin[:1] == b"p" and \
+                n.kind is not Kind.DIR and still_named(ov, n, holders):
+            g.kept[ino] = n.lower_links
+            g.named.add(ino)
+            rb.full_rows.append(row_of(n))
+            if n.xattrs:
+                rb.xattrs[ino] = sorted(n.xattrs.items())
             continue
         g.kept[ino] = 0
         if not n.upper and n.kind is not Kind.DIR:
@@ -886,24 +899,12 @@ def graft_rows(ov: Overlay, rb: Rebase, kept: list[Kept], tree_of: dict[int, Obj
                                      nlink=g.nlink.get(ino, n.nlink)))
         if n.xattrs:
             rb.xattrs[ino] = sorted(n.xattrs.items())
-    rb.keep = _below_kept(ov, kept, uppers, frozen | set(chain) | set(cross))
-    # A node below a kept entry keeps its lower identity only while that still names it:
-    # its holder is kept and shows the name from its lower tree (not moved away).
-    holders = set(rb.keep) | set(roots)
+    # A node below a kept entry keeps its lower identity only while that still names it.
     for ino in rb.keep:
-        kn = nodes[ino]
-        o = kn.origin
-        if o is None or ino in cross:
+        n = nodes[ino]
+        if n.origin is None or ino in cross:
             continue
-        n = kn
-        ok = n.kind is Kind.DIR or n.lower_links > 0
-        if ok and o[:1] == b"p":
-            h = nodes.get(int.from_bytes(o[1:9], "little"))
-            name = o[42:]
-            ok = (h is not None and h.ino in holders and h.lower_tree is not None
-                  and (h.entries or {}).get(name) is None
-                  and ov.lower.tree(h.lower_tree).get(name) is not None)
-        if not ok:
+        if not still_named(ov, n, holders):
             g.cleared.add(ino)
             rb.full_rows.append(_set_col(row_of(n), origin=None,
                                          lower_links=0 if n.kind is not Kind.DIR
@@ -912,6 +913,23 @@ def graft_rows(ov: Overlay, rb: Rebase, kept: list[Kept], tree_of: dict[int, Obj
     rb.keep_dentries = (rb.keep | g.cleared | set(roots)) - set(chain)
     rb.drop = (rows_now(ov) | frozen | set(chain)) - rb.keep - g.cleared - set(roots)
     rb.graft = g
+
+
+def still_named(ov: Overlay, n: Node, holders: set[int]) -> bool:
+    """True if upper node ``n`` keeps its lower identity across a graft: a directory, or
+    a file with a lower name (``lower_links``), whose origin's holder is in ``holders``
+    (kept, below a kept entry) and shows that name from its lower tree (not moved away
+    nor shadowed). A link group's identity (``g``) is not checked: it holds."""
+    o = n.origin
+    if o is None or not (n.kind is Kind.DIR or n.lower_links > 0):
+        return False
+    if o[:1] != b"p":
+        return True
+    h = ov.nodes.get(int.from_bytes(o[1:9], "little"))
+    name = o[42:]
+    return (h is not None and h.ino in holders and h.lower_tree is not None
+            and (h.entries or {}).get(name) is None
+            and ov.lower.tree(h.lower_tree).get(name) is not None)
 
 
 def rows_now(ov: Overlay, also: Iterable[int] = ()) -> set[int]:
@@ -945,7 +963,7 @@ def graft_apply(ov: Overlay, g: Graft) -> None:
         if ino in g.cross:
             n.origin = g.cross[ino]
             ov.by_origin[n.origin] = ino
-        else:
+        elif ino not in g.named:
             if n.origin is not None and ov.by_origin.get(n.origin) == ino:
                 del ov.by_origin[n.origin]
             n.origin = None

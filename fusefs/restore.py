@@ -561,7 +561,7 @@ def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None)
     the freeze that cleaned the overlay (its kept rows). A kept entry whose directory the
     target does not hold as a directory is given up (``keep_target`` made every other one
     exist). Event-loop thread; before the reset commits."""
-    from .checkpoint import Graft, _below_kept, _set_col, rows_now
+    from .checkpoint import Graft, _below_kept, _set_col, rows_now, still_named
     from .overlay import row_of
 
     rb = sp.rebase
@@ -626,13 +626,18 @@ def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None)
         rb.dentries.extend((ino, name, c, ck) for name, (c, ck) in mine.items())
     rb.rows = [r for r in rb.rows if r[0] not in where]
     roots = {k.node.ino: k.node for k in held}
+    uppers = [n for n in nodes.values() if n.upper]
+    rb.keep = _below_kept(ov, held, uppers, set(where)) - set(sp.detach)
+    holders = rb.keep | set(roots)
     for ino, n in roots.items():
         g.kept[ino] = n.lower_links if n.kind is Kind.DIR else 0
+        if n.kind is not Kind.DIR and n.origin is not None and n.origin[:1] == b"p" and \
+                still_named(ov, n, holders):  # a hard link with a name below a kept entry
+            g.kept[ino] = n.lower_links
+            g.named.add(ino)
         rb.full_rows.append(row_of(n))
         if n.xattrs:
             rb.xattrs[ino] = sorted(n.xattrs.items())
-    uppers = [n for n in nodes.values() if n.upper]
-    rb.keep = _below_kept(ov, held, uppers, set(where)) - set(sp.detach)
     if prev is not None and prev.graft is not None:
         stale = (prev.graft.cleared | set(prev.graft.cross)) & rb.keep
         for ino in stale:  # (a discard's freeze, or a link split: not yet written)

@@ -178,6 +178,39 @@ def test_excluded_node_modules_is_in_no_checkpoint_and_survives_restore(
                 sessions.cli("session", "shutdown", x, "--force", check=False)
 
 
+def test_hard_links_across_the_exclude_boundary_fail_with_exdev(sessions: Sessions) -> None:
+    """On a real mount: ln of a file across the exclude boundary fails with EXDEV, also for
+    a file frozen by a checkpoint or kept in node_modules; mv of a file with two names
+    across falls back to copying, and the checkpoint after holds the names outside only."""
+    import errno
+    import subprocess
+
+    seed = _seed(sessions)
+    sid, root = _new(sessions, "fuse", "--seed", str(seed), "--exclude", "node_modules/")
+    try:
+        (root / "node_modules").mkdir()
+        (root / "node_modules/kept.js").write_text("k\n")
+        sessions.cli("session", "checkpoint", sid)
+        for src, dst in (("src/app.py", "node_modules/app.py"),
+                         ("node_modules/kept.js", "src/kept.js")):
+            with pytest.raises(OSError) as e:
+                os.link(root / src, root / dst)
+            assert e.value.errno == errno.EXDEV, (src, dst)
+        os.link(root / "src/app.py", root / "src/alias.py")  # one side: one inode
+        sessions.cli("session", "checkpoint", sid)
+        assert (root / "src/alias.py").stat().st_ino == (root / "src/app.py").stat().st_ino
+        assert (root / "src/app.py").stat().st_nlink == 2
+        subprocess.run(["mv", str(root / "src/alias.py"), str(root / "node_modules/")],
+                       check=True)
+        assert (root / "node_modules/alias.py").read_text() == "print('app')\n"
+        assert (root / "src/app.py").stat().st_nlink == 1
+        ref = json.loads(sessions.cli("session", "checkpoint", sid, "--json").stdout)["ref"]
+        assert _ls(sessions, ref, "src") == {"app.py"}
+        assert "node_modules" not in _ls(sessions, ref)
+    finally:
+        sessions.cli("session", "shutdown", sid, "--force", check=False)
+
+
 def test_diff_tool_does_not_name_hidden_paths(sessions: Sessions) -> None:
     """The session's diff for the agent lists what changed, but never a hidden path."""
     sid, root = _new(sessions, "fallback", "--seed", str(_seed(sessions)), "--hide", ".env")
