@@ -241,6 +241,46 @@ def remove_record(mountpoint: str, pid: int) -> None:
             pass
 
 
+def clear_dead(mountpoint: str, rec: dict[str, Any]) -> None:
+    """Remove what the dead daemon of record ``rec`` left in the runtime directory for
+    ``mountpoint`` (killed, it could not): its record (only if still ``rec``'s pid), its
+    lock file (through a claim of our own, so a daemon starting there meanwhile keeps its
+    own) and its control socket (only while the state directory's upper lock shows that
+    no daemon serves it). Call it once the daemon is gone and nothing is mounted there;
+    never raises for what is already gone or held by someone else."""
+    from .errors import MountError
+
+    pid = rec.get("pid")
+    if isinstance(pid, int):
+        try:
+            remove_record(mountpoint, pid)
+        except (OSError, RuntimeDirError):
+            pass
+    try:
+        fd = claim_mountpoint(mountpoint)
+    except (MountError, OSError, RuntimeDirError):
+        return  # someone else claims it now: theirs to keep
+    try:
+        state = rec.get("state")
+        if isinstance(state, str) and state:
+            from .control import socket_path_for
+            from .upper import LOCK_NAME
+
+            try:
+                lock = os.open(os.path.join(state, LOCK_NAME), os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                return
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(socket_path_for(state))
+            except OSError:
+                pass  # served by a daemon again, or no socket left
+            finally:
+                os.close(lock)
+    finally:
+        release_claim(mountpoint, fd)
+
+
 def start_time(pid: int) -> int | None:
     """The start time (clock ticks since boot) of process ``pid``, None if it is gone."""
     try:

@@ -219,7 +219,7 @@ def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     from fusefs.errors import MountError
-    from fusefs.mounts import alive, is_mounted, read_record, take_exit_record
+    from fusefs.mounts import alive, clear_dead, is_mounted, read_record, take_exit_record
 
     mnt = os.path.abspath(args.mountpoint)
     if not is_mounted(mnt):
@@ -240,6 +240,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
                                       "after unmount")
             time.sleep(0.02)
         waited = time.monotonic() - t0
+        clear_dead(mnt, rec)  # a daemon killed (-9) left its record, lock and socket
         ex = take_exit_record(mnt)
         if ex is not None and ex.get("pid") == pid and ex.get("started") == started:
             raise MountError(mnt, f"unmounted, but the daemon failed (exit {ex.get('code')}): "

@@ -274,6 +274,29 @@ def test_resume_and_fork_that_fail_leave_the_session_as_it_was(box: Box) -> None
     box.assert_nothing_left()
 
 
+def test_umount_of_a_killed_daemons_mount_leaves_nothing_in_the_runtime_dir(box: Box) -> None:
+    """kill -9 of a daemon left its mount record, its lock file and its control socket in
+    the runtime directory after `rewindfs umount` of the dead mount (they went only at
+    the next mount there): the umount removes them, and the next mount works."""
+    rt = box.runtime("xdg")
+    mnt = box.base / "mnt"
+    mnt.mkdir()
+    box.rw("mount", box.ref, str(mnt), "--state", str(box.base / "state"))
+    rec = json.loads(next((rt / "mounts").glob("*.json")).read_text())
+    os.kill(rec["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _procs_naming(box.base) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(p.suffix for p in (rt / "mounts").iterdir()) == [".json", ".lock"]
+    box.rw("umount", str(mnt))
+    assert sorted(p.name for p in rt.iterdir()) == ["mounts"]
+    assert list((rt / "mounts").iterdir()) == []
+    box.rw("mount", str(mnt), "--state", str(box.base / "state"))
+    box.rw("umount", str(mnt))
+    box.assert_nothing_left()
+    assert list((rt / "mounts").iterdir()) == []
+
+
 def test_two_mounts_started_together_at_one_mount_point_give_one_mount(box: Box) -> None:
     """Both passed the CLI's "already mounted" check and stacked two mounts at one path:
     the second hid the first, replaced its record and control socket, and `umount` then
