@@ -54,11 +54,11 @@ from store import chunker
 from store.objects import Store, Writer
 from store.ref import ObjectId, Ref
 from store.snapshot import link_group_id
-from store.tree import ChunkList, Entry, Kind, Tree, encode_runs, tree_version
+from store.tree import ChunkList, Entry, Kind, Tree, tree_version
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
 from .overlay import Overlay, held_bytes, row_of
-from .upper import INODE_COLUMNS, ROW_COLUMNS, Upper, _apply, bitmap
+from .upper import ROW_COLUMNS, Upper, _apply
 
 CRASH_ENV = "REWINDFS_CRASH_AT"
 POINTS = (
@@ -984,18 +984,6 @@ def graft_apply(ov: Overlay, g: Graft) -> None:
             n.lower_links = 0
 
 
-def inode_row(n: Node, *, lower_tree: bytes | None = None,
-              origin: bytes | None = None) -> tuple[object, ...]:
-    """The upper ``inodes`` row of ``n`` (columns as ``upper.INODE_COLUMNS``)."""
-    is_dir = n.kind is Kind.DIR
-    return (n.ino, int(n.kind), n.mode, n.uid, n.gid, n.nlink, n.lower_links, n.size,
-            n.atime_ns, n.mtime_ns, n.ctime_ns, n.parent if is_dir else 0,
-            lower_tree if is_dir else None,
-            None if is_dir else (encode_runs(n.lower_chunks) or None),
-            0 if is_dir else n.lower_len, None if is_dir else bitmap(n.present),
-            n.target or None, origin)
-
-
 def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes,
               uppers: Iterable[Node] | None = None) -> None:
     """Fill ``rb`` with the rows the upper keeps: orphans (origin cleared) and the root.
@@ -1005,14 +993,13 @@ def kept_rows(ov: Overlay, rb: Rebase, root_tree: bytes,
     rb.xattrs = {i: v for i, v in rb.xattrs.items() if i in grafted}
     for n in (ov.nodes.values() if uppers is None else uppers):
         if n.upper and n.nlink == 0 and ov.nodes.get(n.ino) is n:
-            rb.rows.append(inode_row(n))
+            rb.rows.append(_set_col(row_of(n), origin=None, lower_tree=None))
             if n.xattrs:
                 rb.xattrs[n.ino] = sorted(n.xattrs.items())
     root = ov.nodes[ROOT_INO]
     if root.upper:
-        row = list(inode_row(root, lower_tree=root_tree))
-        row[INODE_COLUMNS.index("nlink")] = 2 + ov.lower.subdirs(ObjectId(root_tree))
-        rb.rows.append(tuple(row))
+        rb.rows.append(_set_col(row_of(root), lower_tree=root_tree,
+                                nlink=2 + ov.lower.subdirs(ObjectId(root_tree))))
         if root.xattrs:
             rb.xattrs[ROOT_INO] = sorted(root.xattrs.items())
     rb.next_ino = ov.next_ino
@@ -1110,8 +1097,8 @@ def reset_upper(upper: Upper, rb: Rebase) -> None:
             c.execute("DELETE FROM inodes")
             c.execute("DELETE FROM xattrs")
         if rb.rows:
-            cols = ", ".join(INODE_COLUMNS)
-            marks = ", ".join("?" * len(INODE_COLUMNS))
+            cols = ", ".join(ROW_COLUMNS)
+            marks = ", ".join("?" * len(ROW_COLUMNS))
             c.executemany(f"INSERT INTO inodes({cols}) VALUES ({marks})", rb.rows)
         if rb.full_rows:
             cols = ", ".join(ROW_COLUMNS)

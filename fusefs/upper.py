@@ -194,10 +194,9 @@ TABLES: dict[str, dict[str, str]] = {
         "origin": "lower identity (see inodes.origin_key) of an inode copied up from lower; "
                   "NULL for inodes created in the mount and for the root.",
         "inline": "files: the whole content of a small file kept here instead of a data "
-                  "file (bytes beyond it up to size read as zeros); NULL otherwise. Not in "
-                  "INODE_COLUMNS: a row written without it has no inline content.",
+                  "file (bytes beyond it up to size read as zeros); NULL otherwise.",
         "rdev": "block and character devices: the device number (st_rdev); NULL or 0 "
-                "otherwise. Not in INODE_COLUMNS, like inline.",
+                "otherwise.",
     },
     "dentries": {
         "parent": "directory inode holding the name.",
@@ -236,10 +235,9 @@ CREATE TABLE IF NOT EXISTS pins (
   origin BLOB PRIMARY KEY, ino INTEGER NOT NULL, ctime_ns INTEGER NOT NULL) WITHOUT ROWID;
 """
 
-INODE_COLUMNS = ("ino", "kind", "mode", "uid", "gid", "nlink", "lower_links", "size",
-                 "atime_ns", "mtime_ns", "ctime_ns", "parent", "lower_tree", "lower_chunks",
-                 "lower_len", "present", "target", "origin")
-ROW_COLUMNS = INODE_COLUMNS + ("inline", "rdev")
+ROW_COLUMNS = ("ino", "kind", "mode", "uid", "gid", "nlink", "lower_links", "size",
+               "atime_ns", "mtime_ns", "ctime_ns", "parent", "lower_tree", "lower_chunks",
+               "lower_len", "present", "target", "origin", "inline", "rdev")
 _INSERT_INODE = (f"INSERT OR REPLACE INTO inodes({', '.join(ROW_COLUMNS)}) "
                  f"VALUES ({', '.join('?' * len(ROW_COLUMNS))})")
 

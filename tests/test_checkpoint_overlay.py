@@ -249,6 +249,52 @@ def test_unlinked_open_file_survives_a_checkpoint(env: Env) -> None:
     ov.forget(n.ino, n.nlookup)
 
 
+@pytest.mark.parametrize("exclude", [None, ("node_modules/",)])
+def test_unlinked_open_inline_file_and_device_keep_their_rows(env: Env,
+                                                              exclude: tuple[str] | None) -> None:
+    """A small (inline) file unlinked while open, and an unlinked device node still looked
+    up, keep their content and device number across a checkpoint and a restore: in what
+    the mount serves and in the upper's committed rows (with and without exclude)."""
+    import sqlite3
+    import stat
+
+    from fusefs.restore import restore_overlay
+
+    ov = env.mount()
+    if exclude is not None:
+        assert ov.upper is not None
+        ov.upper.set_exclude(exclude)
+        ov = env.remount()
+    base = ov.lower.ref
+    dev = ov.mknod(ROOT_INO, b"null", stat.S_IFCHR | 0o600, os.makedev(1, 3), UID, GID)
+    fh, f = ov.create(ROOT_INO, b"tmp", 0o600, os.O_RDWR | os.O_CREAT, UID, GID)
+    ov.write(fh, 0, b"scratch")
+    ov.commit(durable=True)
+    ov.unlink(ROOT_INO, b"null")
+    ov.unlink(ROOT_INO, b"tmp")
+    ov.commit(durable=True)
+
+    def rows() -> list[tuple[object, ...]]:
+        c = sqlite3.connect(os.path.join(env.state, "upper.sqlite"))
+        try:
+            return c.execute("SELECT ino, inline, rdev FROM inodes WHERE ino IN (?, ?) "
+                             "ORDER BY ino", (dev.ino, f.ino)).fetchall()
+        finally:
+            c.close()
+
+    want = sorted([(dev.ino, None, os.makedev(1, 3)), (f.ino, b"scratch", None)])
+    checkpoint_overlay(ov)
+    assert rows() == want
+    restore_overlay(ov, base)
+    ov.commit(durable=True)
+    assert rows() == want
+    assert ov.read(fh, 0, 100) == b"scratch"
+    assert ov.getattr(dev.ino).rdev == os.makedev(1, 3)
+    ov.release(fh)
+    ov.forget(f.ino, f.nlookup)
+    ov.forget(dev.ino, dev.nlookup)
+
+
 @pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("CKPT_SEEDS", "1,2,3").split(",")])
 def test_random_changes_and_checkpoints(env: Env, seed: int) -> None:
     print(f"seed={seed}")
