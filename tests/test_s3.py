@@ -58,7 +58,7 @@ def test_wrong_secret_is_typed_error_without_the_secret(s3_env: object, s3_bucke
 
 def test_server_gone_is_typed_error(own_seaweed: object) -> None:
     bucket = own_seaweed.new_bucket()  # type: ignore[attr-defined]
-    b = _s3(own_seaweed, bucket, max_attempts=2, connect_timeout=1, read_timeout=2)
+    b = _s3(own_seaweed, bucket, max_attempts=2, connect_timeout=2, read_timeout=60)
     b.put("k", b"v")
     own_seaweed.stop(keep_data=True)  # type: ignore[attr-defined]
     with pytest.raises(BackendError):
@@ -233,9 +233,11 @@ def test_parallel_readers_out_of_order_get_their_bytes(s3_env: object, s3_bucket
 def test_server_gone_during_read_ahead_is_typed_error_never_wrong_bytes(
         own_seaweed: object, tmp_path: Path) -> None:
     bucket = own_seaweed.new_bucket()  # type: ignore[attr-defined]
-    remote = _s3(own_seaweed, bucket, max_attempts=1, connect_timeout=1, read_timeout=2)
+    # One attempt, so a server that is gone fails at once (connection refused); the
+    # read timeout stays long, so a loaded machine's slow answer is not taken for it.
+    remote = _s3(own_seaweed, bucket, max_attempts=1, connect_timeout=2, read_timeout=60)
     data = os.urandom(64 * _MIB)
-    remote.put("packs/gone.pack", data)
+    _s3(own_seaweed, bucket).put("packs/gone.pack", data)
     c = CachedBackend(remote, tmp_path / "c", 1 << 30)
     for off in range(0, 4 * _MIB, _MIB):
         assert c.get_range("packs/gone.pack", off, _MIB) == data[off:off + _MIB]
