@@ -452,9 +452,10 @@ class Operations(pyfuse3.Operations):
         async with self.gate.mutation():
             fh, n = self.ov.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
             if self.no_open:
-                # The kernel sends no RELEASE on a no-open connection, not even for a
-                # file it created (fs/fuse/file.c, fuse_file_put): no handle is kept, and
-                # the file is addressed by inode like every other one.
+                # No handle is kept: the file is addressed by inode like every other one.
+                # The kernel still sends RELEASE for a file made by CREATE (its release
+                # arguments are dropped only when OPEN answered ENOSYS, fs/fuse/file.c),
+                # with handle 0, which releases nothing.
                 self.ov.release(fh)
                 fh = 0
             return FileInfo(fh=FileHandleT(fh), keep_cache=True), self.attrs(n)
