@@ -57,6 +57,7 @@ class FuseHost(Host):
         self._cv = threading.Condition()
         self._inflight = 0  # requests dispatched whose reply is not sent yet
         self._tls = threading.local()
+        self.looping = False  # its host loop runs (``SessionProcess.start_host``)
 
     def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._cv:
@@ -237,13 +238,34 @@ class SessionProcess:
         spec = req.get("spec")
         host = self.open(str(req["id"]), not req.get("resume"), None,
                          spec if isinstance(spec, dict) else None)
-        self.start_host(host)
+        try:
+            self.start_host(host)
+        except BaseException:
+            if not host.looping:
+                self.discard(host)
+            raise
         return self.ready_reply(host)
 
     def start_host(self, host: FuseHost) -> None:
         host.serve()
-        threading.Thread(target=self._host_loop, args=(host,), name=f"host-{host.session.id}",
-                         daemon=True).start()
+        loop = threading.Thread(target=self._host_loop, args=(host,),
+                                name=f"host-{host.session.id}", daemon=True)
+        loop.start()
+        host.looping = True
+
+    def discard(self, host: FuseHost) -> None:
+        """Shut down (idempotent) and forget a session whose host loop never started: its
+        start failed, so nothing will ever set ``done`` or ``closed`` for it."""
+        try:
+            host.session.shutdown()
+        except Exception as e:
+            log.error("session %s: shutdown failed: %s", host.session.id, describe(e))
+        finally:
+            if getattr(host, "_server", None) is not None:
+                host.close_socket()
+            with self.lock:
+                if host in self.hosts:
+                    self.hosts.remove(host)
 
     def _host_loop(self, host: FuseHost) -> None:
         host.done.wait()
@@ -314,9 +336,13 @@ class SessionProcess:
         with self.lock:
             hosts = list(self.hosts)
         for h in hosts:
-            h.done.set()
+            if h.looping:
+                h.done.set()
+            else:  # never served: no loop would ever close it
+                self.discard(h)
         for h in hosts:
-            h.closed.wait(300)
+            if h.looping:
+                h.closed.wait(300)
 
 
 class _NoBackend:
@@ -425,8 +451,11 @@ def main(argv: list[str] | None = None) -> int:
             return
         host = opened[0]
         if mount.error is not None:
+            # The kernel (or fusermount3) refused the mount: the session goes, before the
+            # report, so that the process exits right after it (nothing waits on it).
             try:
-                host.session.shutdown()
+                assert proc is not None
+                proc.discard(host)
             finally:
                 report(error_reply(MountError(mount.mountpoint, mount.error)))
             return
@@ -439,13 +468,10 @@ def main(argv: list[str] | None = None) -> int:
             # Nothing may stay: shut the session down (its host loop does, if it started),
             # wait for the unmount, and only then report.
             log.error("cannot serve the control socket: %s", describe(e))
-            if host in proc.hosts and getattr(host, "_server", None) is not None:
+            if host.looping:
                 host.done.set()
             else:
-                try:
-                    host.session.shutdown()
-                except Exception as e2:
-                    log.error("shutting the session down failed: %s", describe(e2))
+                proc.discard(host)
             mount.unmounted.wait(300)
             report(error_reply(e))
             return

@@ -22,6 +22,7 @@ process then serves it: this host reports it ready and exits).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -220,17 +221,23 @@ class Host:
             server = _Server(self.sock_path, _Handler)
         finally:
             os.umask(old)
-        os.chmod(self.sock_path, 0o600)
-        server.host = self
-        t = threading.Thread(target=server.serve_forever, args=(0.05,), name="control",
-                             daemon=True)
-        t.start()
+        try:
+            os.chmod(self.sock_path, 0o600)
+            server.host = self
+            t = threading.Thread(target=server.serve_forever, args=(0.05,), name="control",
+                                 daemon=True)
+            t.start()
+        except BaseException:
+            server.server_close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.sock_path)
+            raise
+        self._t = t
+        self._server = server  # from now on ``close_socket`` undoes all of this
         with open(os.path.join(self.session.record.state_dir, CONTROL_FILE) + ".tmp", "w") as f:
             f.write(self.sock_path)
         os.rename(os.path.join(self.session.record.state_dir, CONTROL_FILE) + ".tmp",
                   os.path.join(self.session.record.state_dir, CONTROL_FILE))
-        self._t = t
-        self._server = server
 
     def wait_and_stop(self) -> None:
         while not self.done.wait(1.0):
