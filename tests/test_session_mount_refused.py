@@ -172,21 +172,25 @@ def test_session_new_on_a_refused_mount_fails_and_leaves_nothing(tmp: Path,
         assert not base.is_dir() or list(base.iterdir()) == []
 
 
-def test_session_resume_on_a_refused_mount_fails_keeps_the_session_and_leaves_nothing(
-        tmp: Path) -> None:
+@pytest.mark.parametrize("op", ["resume", "fork"])
+def test_session_resume_or_fork_on_a_refused_mount_fails_and_leaves_nothing(tmp: Path,
+                                                                          op: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run(_cli(tmp, "session", "new"), capture_output=True, text=True,
-                       cwd=str(tmp), env=env, timeout=300)
-    assert p.returncode == 0, p.stderr
-    sid = json.loads(p.stdout)["id"]
-    p = subprocess.run(_cli(tmp, "session", "shutdown", sid), capture_output=True, text=True,
-                       cwd=str(tmp), env=env, timeout=300)
-    assert p.returncode == 0, p.stderr
-    out = _in_full_namespace(tmp, _cli(tmp, "session", "resume", sid))
+
+    def run(*args: str) -> str:
+        p = subprocess.run(_cli(tmp, *args), capture_output=True, text=True, cwd=str(tmp),
+                           env=env, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    sid = json.loads(run("session", "new"))["id"]
+    run("session", "shutdown", sid)
+    roots = tmp / "agent-data" / "workspaces"
+    before = sorted(os.listdir(roots))
+    out = _in_full_namespace(tmp, _cli(tmp, "session", op, sid))
     _assert_refused_and_nothing_left(tmp, out)
-    p = subprocess.run(_cli(tmp, "session", "resume", sid), capture_output=True, text=True,
-                       cwd=str(tmp), env=env, timeout=300)
-    assert p.returncode == 0, p.stderr  # the session is still there, and resumes
-    p = subprocess.run(_cli(tmp, "session", "shutdown", sid), capture_output=True, text=True,
-                       cwd=str(tmp), env=env, timeout=300)
-    assert p.returncode == 0, p.stderr
+    sessions = tmp / "store" / "sessions"
+    assert [p.name for p in sessions.iterdir() if p.is_dir() and p.name != "roots"] == [sid]
+    assert sorted(os.listdir(roots)) == before  # a fork's root is gone again
+    run("session", "resume", sid)  # the session is still whole, and resumes
+    run("session", "shutdown", sid)
