@@ -22,6 +22,7 @@ import pytest
 from session_support import REPO
 
 from fusefs.session.fallback import fuse_available
+from store.objects import Store
 
 MOUNT_MAX = Path("/proc/sys/fs/mount-max")
 
@@ -164,6 +165,8 @@ def test_session_new_on_a_refused_mount_fails_and_leaves_nothing(tmp: Path,
     sessions = tmp / "store" / "sessions"
     assert not sessions.is_dir() or [p.name for p in sessions.iterdir()
                                      if p.is_dir() and p.name != "roots"] == []
+    assert Store(tmp / "store").catalog.state_dirs() == []  # no upper pinned, none kept
+    assert not list((tmp / "store" / "sessions").rglob("upper.sqlite"))
     if placement != "per-session":
         assert (tmp / "root" / "kept.txt").read_text() == "the fixed root's own file\n"
         assert sorted(p.name for p in (tmp / "root").iterdir()) == ["kept.txt"]

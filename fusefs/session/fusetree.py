@@ -406,6 +406,7 @@ class FuseMount:
             if self._stop_requested:
                 return self._failed("the session closed before its root was mounted")
             self.phase = MOUNTING
+        fresh = not has_upper(self.upper_dir)  # made now: nothing of it to keep if unserved
         try:
             self.prepare_root()
             register_state_dir(self.store, self.upper_dir)
@@ -499,6 +500,13 @@ class FuseMount:
             self.error = init_error or "the mount ended before it served"
             log.error("%s", self.error)
             code = code or 9
+            if fresh:  # no request was served: the upper made for this mount goes again
+                try:
+                    force_rmtree(self.upper_dir)
+                    unregister_state_dir(self.store, self.upper_dir)
+                except Exception as e:
+                    log.error("removing the unused upper %s failed: %s: %s", self.upper_dir,
+                              type(e).__name__, e)
         self.unmounted.set()
         self.ready.set()
         return code
