@@ -60,6 +60,14 @@ def mount(src, dst, fstype, flags):
 fill, tmp = sys.argv[1], sys.argv[2]
 os.makedirs(fill)
 assert mount("none", "/", None, MS_REC | MS_PRIVATE) == 0
+# Copies of mounts other processes make and remove under /tmp or /work (a suite running
+# beside this one) would free slots here when their mount points are removed on the host
+# (the kernel then detaches them in every namespace), letting the session mount through.
+with open("/proc/self/mountinfo") as f:
+    points = [line.split()[4].replace("\\040", " ") for line in f]
+for point in sorted(points, key=len, reverse=True):
+    if point.startswith(("/tmp/", "/work/", "/var/tmp/")):
+        libc.umount2(point.encode(), 2)  # MNT_DETACH
 assert mount("tmpfs", fill, "tmpfs", 0) == 0
 src = fill + "/src"
 os.mkdir(src)
