@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import dircache
 from .catalog import write_transaction
@@ -199,25 +200,12 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
             found += 1
             u.live.append((off, inner, ObjectId(oid), ObjKind(kind)))
             u.live_records.add((off, length))
-    if found != len(live):
-        missing = next(o for o in live if not store.has(o))
-        raise GCError("mark", missing.hex(), "a live object is not indexed; the index is "
-                                             "incomplete (run rebuild-index, then verify)")
+    require_indexed(store, live, found)
 
     dead_packs = [k for k, u in use.items() if not u.live]
     sparse = [k for k, u in use.items() if u.live and u.live_share() < repack_below]
 
-    try:
-        backend_keys = store.backend.list("")
-    except StoreError as e:
-        raise GCError("list", "packs/", str(e)) from e
-    leftovers = []
-    for key in backend_keys:
-        if PACK_KEY.fullmatch(key):
-            if key not in use:
-                leftovers.append(key)
-        elif not is_known_key(key):
-            rep.unknown_keys.append(key)
+    leftovers = backend_leftovers(store, use, rep.unknown_keys)
 
     moved, new_packs = _repack(store, sparse, use, rep)
 
@@ -301,3 +289,28 @@ def _prune_files_cache(store: Store) -> int:
             stale.append((path,))
     c.executemany("DELETE FROM files_cache WHERE path=?", stale)
     return len(stale)
+
+
+def require_indexed(store: Any, live: Any, found: int) -> None:
+    """Raise GCError("mark") unless all ``found`` of the ``live`` objects are indexed."""
+    if found != len(live):
+        missing = next(o for o in live if not store.has(o))
+        raise GCError("mark", missing.hex(), "a live object is not indexed; the index is "
+                                             "incomplete (run rebuild-index, then verify)")
+
+
+def backend_leftovers(store: Any, packs: Any, unknown: list[str]) -> list[str]:
+    """The pack keys in the backend that ``packs`` (the indexed pack keys) does not hold;
+    keys of no known kind are appended to ``unknown``. GCError("list") if listing fails."""
+    try:
+        backend_keys = store.backend.list("")
+    except StoreError as e:
+        raise GCError("list", "packs/", str(e)) from e
+    leftovers = []
+    for key in backend_keys:
+        if PACK_KEY.fullmatch(key):
+            if key not in packs:
+                leftovers.append(key)
+        elif not is_known_key(key):
+            unknown.append(key)
+    return leftovers

@@ -172,10 +172,10 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
     stay past ``wait_s`` seconds, or a step fails (re-running is safe)."""
     import secrets
 
-    from .gc import mark
+    from .gc import backend_leftovers, mark, require_indexed
     from .hostid import host_id
     from .lease import Leaser, holder_name
-    from .rebuild import PACK_KEY, UNVERIFIED, catch_up, is_known_key
+    from .rebuild import PACK_KEY, UNVERIFIED, catch_up
 
     cat = store.catalog
     leaser = Leaser(store)
@@ -210,22 +210,9 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
             if oid in live:
                 found += 1
                 used[pack] = True
-        if found != len(live):
-            missing = next(o for o in live if not store.has(o))
-            raise GCError("mark", missing.hex(), "a live object is not indexed; the index "
-                                                 "is incomplete (run rebuild-index, verify)")
+        require_indexed(store, live, found)
         dead = sorted(k for k, u in used.items() if not u and k not in young)
-        try:
-            backend_keys = store.backend.list("")
-        except StoreError as e:
-            raise GCError("list", "packs/", str(e)) from e
-        leftovers = []
-        for key in backend_keys:
-            if PACK_KEY.fullmatch(key):
-                if key not in packs:
-                    leftovers.append(key)
-            elif not is_known_key(key):
-                rep.unknown_keys.append(key)
+        leftovers = backend_leftovers(store, packs, rep.unknown_keys)
         try:
             rep.objects_deleted = cat.gc_drop(dead, lease)
         except LeaseLostError:
