@@ -3,6 +3,7 @@
 Usage (from the repository root)::
 
     .venv/bin/python scripts/bench/bench_store.py [--runs 3] [--json FILE] [--profile FILE]
+        [--baseline REV]
 
 On the pinned Django sdist, unpacked (see ``common.py``), it measures in one run, warm cache,
 median of ``--runs``:
@@ -20,6 +21,14 @@ snapshot at least as fast as git add+commit; unchanged re-snapshot at least 10x 
 the first; stored size within 1.2x of tar | zstd -3). Exit status 0 even when a goal is
 missed: this measures, it does not judge. ``--profile FILE`` writes a cProfile of one extra
 first snapshot to FILE and of an unchanged re-snapshot to FILE.re.
+
+``--baseline REV`` also compares the embedded store with the code of git revision REV
+(unpacked with ``git archive`` and run from there): a first snapshot into a fresh store, an
+unchanged re-snapshot and a materialize, each contender in its own interpreter, taking
+turns run after run (the first to go alternates) so that load hits both alike; it prints
+each median, this tree's time over the baseline's, and the pack bytes of each. The many-hosts
+issue asks the embedded default to stay within 1.1x of its revision before the shared store
+(``run_all.py`` passes that revision).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +57,59 @@ def pack_bytes(store_root: Path) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
-def run(runs: int = 3, profile: str | None = None) -> dict[str, Any]:
+# One contender's first snapshot, re-snapshot and materialize, run with the code of the
+# directory it is started in (its first sys.path entry): argv tree, store root, destination.
+_DRIVER = """
+import json, sys, time
+from store.materialize import materialize
+from store.objects import Store
+from store.snapshot import snapshot
+tree, root, dest = sys.argv[1:4]
+t0 = time.perf_counter()
+ref = snapshot(Store(root), tree)
+t1 = time.perf_counter()
+snapshot(Store(root), tree)
+t2 = time.perf_counter()
+materialize(Store(root), ref, dest)
+t3 = time.perf_counter()
+print(json.dumps({"snapshot_s": t1 - t0, "resnapshot_s": t2 - t1, "materialize_s": t3 - t2}))
+"""
+_OPS = ("snapshot_s", "resnapshot_s", "materialize_s")
+
+
+def against_baseline(rev: str, tree: Path, runs: int, tmp: Path) -> dict[str, Any]:
+    """The embedded store of this tree against revision ``rev``'s on ``tree`` (see the module
+    docstring): medians in seconds per contender and operation, ratios current / baseline,
+    pack bytes. Raises CalledProcessError if a contender fails."""
+    code = {"baseline": tmp / "baseline-code", "current": common.REPO}
+    out: dict[str, Any] = {"rev": rev, "commit": common.unpack(rev, code["baseline"]),
+                           "runs": runs}
+    times: dict[str, dict[str, list[float]]] = {k: {op: [] for op in _OPS} for k in code}
+    packs: dict[str, int] = {}
+    for i in range(runs):
+        for name in (("baseline", "current") if i % 2 == 0 else ("current", "baseline")):
+            root, dest = tmp / f"{name}-store", tmp / f"{name}-dest"
+            rmtree(root)
+            rmtree(dest)
+            got = json.loads(subprocess.run(
+                [sys.executable, "-c", _DRIVER, str(tree), str(root), str(dest)],
+                cwd=code[name], check=True, capture_output=True, text=True).stdout)
+            for op in _OPS:
+                times[name][op].append(got[op])
+            packs[name] = pack_bytes(root)[1]
+    for name in code:
+        for op in _OPS:
+            out[f"{name}_{op}"] = statistics.median(times[name][op])
+    for op in _OPS:
+        out[f"ratio_{op}"] = out[f"current_{op}"] / out[f"baseline_{op}"]
+    out["baseline_pack_bytes"], out["current_pack_bytes"] = packs["baseline"], packs["current"]
+    out["ratio_pack_bytes"] = packs["current"] / packs["baseline"]
+    out["within_1_1x"] = all(out[f"ratio_{op}"] <= 1.1 for op in (*_OPS, "pack_bytes"))
+    return out
+
+
+def run(runs: int = 3, profile: str | None = None,
+        baseline: str | None = None) -> dict[str, Any]:
     """Run the benchmark; return every figure (seconds, bytes, ratios) as a dict."""
     from store.materialize import materialize
     from store.objects import Store
@@ -133,6 +195,10 @@ def run(runs: int = 3, profile: str | None = None) -> dict[str, Any]:
             cProfile.runctx("snapshot(Store(store_root), tree)", globals(), names,
                             profile + ".re")
 
+        if baseline:
+            log(f"bench_store: the embedded store against {baseline}")
+            r["baseline"] = against_baseline(baseline, tree, runs, tmp)
+
     r["load_after"] = os.getloadavg()[0]
     r["snapshot_vs_git"] = r["snapshot_s"] / r["git_commit_s"]
     r["snapshot_vs_tar_zstd"] = r["snapshot_s"] / r["tar_zstd_s"]
@@ -184,7 +250,25 @@ def report(r: dict[str, Any]) -> str:
            f"{r['materialize_equal']}.", ""]
     for goal, ok in r["goals"].items():
         out.append(f"- goal {'met' if ok else 'MISSED'}: {goal}")
+    if "baseline" in r:
+        out += ["", baseline_report(r["baseline"])]
     return "\n".join(out)
+
+
+def baseline_report(b: dict[str, Any]) -> str:
+    """The comparison with a baseline revision as Markdown: a table, then the goal."""
+    names = {"snapshot_s": "first snapshot", "resnapshot_s": "re-snapshot, unchanged tree",
+             "materialize_s": "materialize"}
+    rows = [[names[op], f"{b[f'baseline_{op}'] * 1e3:.0f} ms", f"{b[f'current_{op}'] * 1e3:.0f} ms",
+             f"{b[f'ratio_{op}']:.2f}x"] for op in _OPS]
+    rows.append(["stored size (packs)", f"{b['baseline_pack_bytes'] / 1e6:.2f} MB",
+                 f"{b['current_pack_bytes'] / 1e6:.2f} MB", f"{b['ratio_pack_bytes']:.3f}x"])
+    return "\n".join([
+        f"The embedded store against revision {b['rev']} ({b['commit'][:12]}), each in its own "
+        f"interpreter, taking turns; median of {b['runs']} runs:", "",
+        markdown_table(["operation", "baseline", "this tree", "this tree / baseline"], rows), "",
+        f"- goal {'met' if b['within_1_1x'] else 'MISSED'}: every figure within 1.1x of the "
+        "baseline's"])
 
 
 def main() -> int:
@@ -193,9 +277,11 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     ap.add_argument("--profile", metavar="FILE",
                     help="cProfile a first snapshot into FILE, a re-snapshot into FILE.re")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also compare the embedded store with git revision REV's code")
     args = ap.parse_args()
     os.chdir(common.REPO)
-    r = run(args.runs, args.profile)
+    r = run(args.runs, args.profile, args.baseline)
     print(report(r))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2, sort_keys=True) + "\n")

@@ -31,16 +31,8 @@ sys.path.insert(0, str(HERE.parents[1] / "tests"))
 
 import fusehelpers as fh  # noqa: E402
 
-
-def unpack(rev: str, dest: Path) -> str:
-    """``rev``'s tree written to ``dest``; returns its commit id."""
-    commit = subprocess.run(["git", "rev-parse", rev], cwd=REPO, check=True,
-                            capture_output=True, text=True).stdout.strip()
-    dest.mkdir(parents=True)
-    archive = subprocess.Popen(["git", "archive", commit], cwd=REPO, stdout=subprocess.PIPE)
-    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
-    assert archive.wait() == 0
-    return commit
+sys.path.insert(0, str(HERE))
+from common import unpack  # noqa: E402
 
 
 def daemon(tmp: Path, name: str, store: Path, ref: str, tree: Path | None,

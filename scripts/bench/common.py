@@ -126,6 +126,21 @@ def scratch(prefix: str) -> Iterator[Path]:
         rmtree(d)
 
 
+def unpack(rev: str, dest: Path) -> str:
+    """The tree of git revision ``rev`` of this repository written to the new directory
+    ``dest`` (``git archive | tar -x``), so that a benchmark can run that revision's code
+    beside this working tree's; returns the commit id. Raises CalledProcessError for an
+    unknown revision."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO,
+                            check=True, capture_output=True, text=True).stdout.strip()
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(["git", "archive", commit], cwd=REPO, stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise subprocess.CalledProcessError(archive.returncode, ["git", "archive", commit])
+    return commit
+
+
 def rmtree(path: Path) -> None:
     """Remove ``path`` entirely, read-only directories included (the product's own helper)."""
     from fusefs.session.fallback import force_rmtree
