@@ -2,53 +2,84 @@
 
 In no-open mode (README: "No-open mode") open(2) never reaches the daemon, so it cannot
 count writable handles. ``scan`` finds the same facts from the kernel's side, as lsof(8)
-does, reading only /proc (nothing on the mount itself is touched, so the serving thread may
-call it without waiting on itself; PYFUSE3.md trap 10):
+does. It sends no request to the file system it looks for (nothing is opened, read or
+looked up on it), so a thread may call it while the serving loop waits for it (PYFUSE3.md
+trap 10):
 
-1. the mounts of the mount's device (``major:minor``, as ``mountinfo`` gives it) are read
-   from the ``mountinfo`` of each distinct mount namespace met (``/proc/<pid>/ns/mnt``):
-   their ids (unique across namespaces) and, in this process's namespace, their mount
-   points. A process whose namespace holds none of them is skipped whole;
-2. every ``/proc/<pid>/fd/<n>`` link is read: only one naming a path (not a pipe, socket
-   or anonymous inode), and in this namespace a path below one of the device's mount
-   points, is looked at further, so most descriptors cost one call;
-3. its lstat gives the descriptor's access mode (the link's mode has ``S_IWUSR`` when it
-   was opened for writing; ``tid_fd_update_inode`` in fs/proc/fd.c), and a writable one
-   has its ``/proc/<pid>/fdinfo/<n>`` read for ``mnt_id`` and ``ino`` (the inode number;
-   Linux 5.14 or later). So a descriptor opened through a bind mount, or inside a
-   sandbox's own mount namespace (the Bash sandbox), is found too.
+1. every process's descriptor table is read (``/proc/<pid>/fd``), whatever its mount
+   namespace, since a descriptor passed over a unix socket keeps the mount it was opened
+   through. A thread with a table of its own (``unshare(CLONE_FILES)``) has it read too
+   (``/proc/<pid>/task/<tid>/fd``): a process with more than one thread has each thread's
+   table compared with its leader's by kcmp(2) ``KCMP_FILES``, one system call per
+   thread, and only the tables that differ (and differ from each other) are read; where
+   kcmp is refused (ENOSYS, or EPERM under a seccomp filter) every thread's table is read;
+2. a link naming a path (not a pipe, socket or anonymous inode) has its lstat looked at:
+   its mode has ``S_IWUSR`` when the descriptor was opened for writing
+   (``tid_fd_update_inode`` in fs/proc/fd.c); a writable one has its
+   ``/proc/<pid>/fdinfo/<n>`` read for ``mnt_id`` and ``ino`` (the inode number; Linux
+   5.14 or later);
+3. the mount id is matched against the ``mountinfo`` of each distinct mount namespace met
+   (``/proc/<pid>/ns/mnt``; mount ids are unique across namespaces): a mount of the device
+   (``major:minor``) counts, any other mount listed there does not. A mount that no
+   ``mountinfo`` read lists (one of a namespace since gone, whose descriptor was passed on,
+   or of a namespace no process shows) is told by the device of the file itself: statx(2)
+   of the ``/proc/<pid>/fd/<n>`` link with ``AT_STATX_DONT_SYNC`` and an empty mask, which
+   FUSE answers from the kernel's inode without a request (``fuse_update_get_attr`` in
+   fs/fuse/dir.c), and its inode number must be the one ``fdinfo`` gave.
 
 Processes the scan may not inspect (other users' when the daemon is not root: EACCES) are
-counted in ``Scan.unseen``, never an error; a process or descriptor that goes away during
-the scan (ESRCH, ENOENT) is skipped. Pids are those of this process's pid namespace (a
-sandboxed command shows under its host pid). Not seen: this process itself (``skip``), a
-file written only through a shared writable mapping after its descriptor was closed, a
-descriptor passed from another mount namespace into this one, one held only by a thread
-with a descriptor table of its own (``unshare(CLONE_FILES)``; ``task/<tid>/fd`` is not
-read) or only queued in a unix socket, and a descriptor opened after the scan read its
-process.
+counted in ``Scan.unseen``, never an error; a process, thread or descriptor that goes away
+during the scan (ESRCH, ENOENT) is skipped. Pids are those of this process's pid namespace
+(a sandboxed command shows under its host pid). Not seen: this process itself (``skip``),
+a file written only through a shared writable mapping after its descriptor was closed, a
+descriptor held only in a unix socket's queue (sent with SCM_RIGHTS and not yet received:
+/proc shows no such reference), one held by the kernel alone (an io_uring's registered
+files, a loop device's backing file), and a descriptor opened after the scan read its table.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
-import re
+import platform
 import stat
+import struct
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 _REFUSED = (errno.EACCES, errno.EPERM)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+# kcmp(2) has no libc wrapper: its number on the 64-bit architectures (asm/unistd.h);
+# elsewhere it is not called, and every thread's table is read.
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "loongarch64": 272,
+             "ppc64le": 354, "ppc64": 354, "s390x": 343,
+             }.get(platform.machine()) if sys.maxsize > 2**32 else None
+_KCMP_FILES = 2
+_AT_FDCWD = -100
+_AT_STATX_DONT_SYNC = 0x4000
+_STATX_SIZE = 256  # struct statx: stx_ino at byte 32, stx_dev_major/minor at 136 and 140
+_statx = getattr(_libc, "statx", None)  # glibc 2.28 or later
+if _statx is not None:
+    _statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
+                       ctypes.c_void_p]
 
 
 @dataclass
 class Scan:
     """What one scan found: ``inodes`` maps the inode number of each file of the device
     open for writing to the pids holding it so; ``processes`` counts the processes whose
-    descriptors were read, ``unseen`` those /proc refused to show."""
+    descriptors were read, ``unseen`` those /proc refused to show; ``tables`` the
+    descriptor tables read (one per process, plus one per thread with a table of its own,
+    or per thread where kcmp is refused)."""
 
     inodes: dict[int, set[int]] = field(default_factory=dict)
     processes: int = 0
     unseen: int = 0
+    tables: int = 0
 
 
 def _fdinfo(path: str) -> tuple[int, int] | None:
@@ -66,23 +97,104 @@ def _fdinfo(path: str) -> tuple[int, int] | None:
             int(text[ino + 5:text.index(b"\n", ino + 1)]))
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo path field: octal escapes (space, tab, newline, backslash) undone."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+def _file_id(link: str) -> tuple[str, int] | None:
+    """(``major:minor``, inode number) of the file a ``/proc/<pid>/fd/<n>`` link names, by
+    statx(2) with ``AT_STATX_DONT_SYNC`` and no field asked for: the kernel answers from
+    its inode (FUSE sends no request); None if the link is gone or statx is missing."""
+    if _statx is None:
+        return None
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if _statx(_AT_FDCWD, os.fsencode(link), _AT_STATX_DONT_SYNC, 0, buf) != 0:
+        return None
+    ino, = struct.unpack_from("=Q", buf, 32)
+    major, minor = struct.unpack_from("=II", buf, 136)
+    return f"{major}:{minor}", ino
 
 
-def _mounts(pid: str, device: str) -> tuple[set[int], list[str]]:
-    """Ids and mount points of the mounts of ``device`` in the mount namespace of ``pid``
-    (mount points as that namespace shows them)."""
-    ids: set[int] = set()
-    points: list[str] = []
-    with open(f"/proc/{pid}/mountinfo") as f:
-        for line in f:
-            parts = line.split(" ", 5)
-            if len(parts) > 4 and parts[2] == device:
-                ids.add(int(parts[0]))
-                points.append(_unescape(parts[4]))
-    return ids, points
+class _Kcmp:
+    """kcmp(2) ``KCMP_FILES`` for one scan: off for the rest of it once refused."""
+
+    def __init__(self) -> None:
+        self.on = _SYS_KCMP is not None
+
+    def same_table(self, a: int, b: int) -> bool | None:
+        """Whether tasks ``a`` and ``b`` share one descriptor table; None where kcmp cannot
+        tell (refused: the caller reads both); raises ProcessLookupError if one is gone."""
+        if not self.on or _SYS_KCMP is None:
+            return None
+        r = _libc.syscall(ctypes.c_long(_SYS_KCMP), ctypes.c_long(a), ctypes.c_long(b),
+                          ctypes.c_long(_KCMP_FILES), ctypes.c_long(0), ctypes.c_long(0))
+        if r >= 0:
+            return r == 0
+        e = ctypes.get_errno()
+        if e == errno.ESRCH:
+            raise ProcessLookupError(e, os.strerror(e))
+        self.on = False  # ENOSYS, EPERM (seccomp), EACCES: the same for every task
+        return None
+
+
+def _tables(base: str, pid: int, kcmp: _Kcmp) -> Iterator[str]:
+    """The ``/proc`` directories whose ``fd`` and ``fdinfo`` hold the descriptor tables of
+    process ``pid`` (``base``): its own, then each of its threads' that differs from it
+    and from every one given before (every thread's where kcmp is refused)."""
+    yield base
+    try:
+        if os.stat(f"{base}/task").st_nlink <= 3:  # 2 + the number of threads
+            return
+        tids = [int(t) for t in os.listdir(f"{base}/task") if int(t) != pid]
+    except OSError:
+        return
+    given = [pid]
+    for tid in tids:
+        if not kcmp.on:
+            yield f"{base}/task/{tid}"
+            continue
+        for t in list(given):
+            try:
+                if kcmp.same_table(t, tid):
+                    break
+            except ProcessLookupError:  # tid or t is gone (a zombie leader is not)
+                if not os.path.exists(f"{base}/task/{tid}"):
+                    break
+                given.remove(t)
+        else:
+            given.append(tid)
+            yield f"{base}/task/{tid}"
+
+
+class _Mounts:
+    """The mount ids of ``device`` and of every other mount, from the ``mountinfo`` of
+    each mount namespace met."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.ours: set[int] = set()
+        self.known: set[int] = set()
+        self.namespaces: set[str] = set()
+
+    def meet(self, base: str) -> None:
+        """Read the ``mountinfo`` of the namespace of process ``base``, once per namespace."""
+        ns = os.readlink(f"{base}/ns/mnt")
+        if ns in self.namespaces:
+            return
+        with open(f"{base}/mountinfo") as f:
+            for line in f:
+                parts = line.split(" ", 3)
+                if len(parts) > 3:
+                    mid = int(parts[0])
+                    self.known.add(mid)
+                    if parts[2] == self.device:
+                        self.ours.add(mid)
+        self.namespaces.add(ns)
+
+    def holds(self, link: str, mnt: int, ino: int) -> bool:
+        """Whether the descriptor ``link`` (``/proc/<pid>/fd/<n>``), whose ``fdinfo`` gave
+        mount ``mnt`` and inode ``ino``, is of the device."""
+        if mnt in self.ours:
+            return True
+        if mnt in self.known:
+            return False
+        return _file_id(link) == (self.device, ino)
 
 
 def scan(device: str, *, skip: tuple[int, ...] | None = None) -> Scan:
@@ -92,42 +204,43 @@ def scan(device: str, *, skip: tuple[int, ...] | None = None) -> Scan:
     /proc itself cannot be read."""
     out = Scan()
     skipped = {str(p) for p in (skip if skip is not None else (os.getpid(),))}
-    own_ns = os.readlink("/proc/self/ns/mnt")
-    own_ids, points = _mounts("self", device)
-    prefixes = tuple(p.rstrip("/") + "/" for p in points)
-    namespaces: dict[str, set[int]] = {own_ns: own_ids}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or pid in skipped:
+    mounts = _Mounts(device)
+    mounts.meet("/proc/self")
+    kcmp = _Kcmp()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name in skipped:
             continue
-        base = f"/proc/{pid}"
+        base = f"/proc/{name}"
+        pid = int(name)
         try:
-            ns = os.readlink(f"{base}/ns/mnt")
-            ids = namespaces.get(ns)
-            if ids is None:
-                ids = namespaces[ns] = _mounts(pid, device)[0]
-            if not ids:
-                out.processes += 1
-                continue  # nothing of this device in its namespace
-            fds = os.scandir(f"{base}/fd")
+            mounts.meet(base)
         except OSError as e:
             out.unseen += e.errno in _REFUSED
             continue
-        out.processes += 1
-        here = ns == own_ns
-        with fds:
-            for fd in fds:
-                try:
-                    # The path first (one call): in this namespace it rules out almost
-                    # every descriptor; elsewhere only pipes, sockets and the like.
-                    target = os.readlink(fd.path)
-                    if not (target.startswith(prefixes) or target in points) if here \
-                            else not target.startswith("/"):
-                        continue
-                    if not fd.stat(follow_symlinks=False).st_mode & stat.S_IWUSR:
-                        continue
-                    got = _fdinfo(f"{base}/fdinfo/{fd.name}")
-                except (OSError, ValueError):
-                    continue  # closed meanwhile, or a line the kernel did not give
-                if got is not None and got[0] in ids:
-                    out.inodes.setdefault(got[1], set()).add(int(pid))
+        read = False
+        for table in _tables(base, pid, kcmp):
+            try:
+                fds = os.scandir(f"{table}/fd")
+            except OSError as e:
+                if table != base:
+                    continue  # a thread gone meanwhile
+                out.unseen += e.errno in _REFUSED
+                break
+            read = True
+            out.tables += 1
+            with fds:
+                for fd in fds:
+                    try:
+                        # The path first (one call) rules out pipes, sockets and the like,
+                        # the access mode (one more) readers; fdinfo takes three.
+                        if not os.readlink(fd.path).startswith("/"):
+                            continue
+                        if not fd.stat(follow_symlinks=False).st_mode & stat.S_IWUSR:
+                            continue
+                        got = _fdinfo(f"{table}/fdinfo/{fd.name}")
+                    except (OSError, ValueError):
+                        continue  # closed meanwhile, or a line the kernel did not give
+                    if got is not None and mounts.holds(fd.path, *got):
+                        out.inodes.setdefault(got[1], set()).add(pid)
+        out.processes += read
     return out
