@@ -208,9 +208,9 @@ class Live:
 
     def scan_writers_now(self) -> Scan | None:
         """No-open mode: the files of this mount open for writing, found by a scan of /proc
-        (``fusefs.writers``; reads only /proc, never the mount, so any thread may call it;
-        it takes milliseconds per hundred processes). None in handle mode, where the
-        handles tell."""
+        (``fusefs.writers``; it sends no request to the mount, so any thread may call it,
+        the serving one too; it takes milliseconds per hundred processes). None in handle
+        mode, where the handles tell."""
         from . import writers
 
         if not self.no_open:

@@ -2,9 +2,10 @@
 
 In no-open mode (README: "No-open mode") open(2) never reaches the daemon, so it cannot
 count writable handles. ``scan`` finds the same facts from the kernel's side, as lsof(8)
-does. It sends no request to the file system it looks for (nothing is opened, read or
-looked up on it), so a thread may call it while the serving loop waits for it (PYFUSE3.md
-trap 10):
+does. It sends no request to the file system it looks for (nothing on it is opened, read
+or looked up; the one call that reaches a file of it, statx in step 3, is answered from the
+kernel's inode), so any thread may call it, also while the serving loop waits for it
+(PYFUSE3.md trap 10):
 
 1. every process's descriptor table is read (``/proc/<pid>/fd``), whatever its mount
    namespace, since a descriptor passed over a unix socket keeps the mount it was opened
@@ -22,10 +23,14 @@ trap 10):
    (``/proc/<pid>/ns/mnt``; mount ids are unique across namespaces): a mount of the device
    (``major:minor``) counts, any other mount listed there does not. A mount that no
    ``mountinfo`` read lists (one of a namespace since gone, whose descriptor was passed on,
-   or of a namespace no process shows) is told by the device of the file itself: statx(2)
-   of the ``/proc/<pid>/fd/<n>`` link with ``AT_STATX_DONT_SYNC`` and an empty mask, which
-   FUSE answers from the kernel's inode without a request (``fuse_update_get_attr`` in
-   fs/fuse/dir.c), and its inode number must be the one ``fdinfo`` gave.
+   of a namespace no process shows, outside a chrooted process's root, or the kernel's
+   own, as memfd's) is told by the device of the file itself: statx(2) of the
+   ``/proc/<pid>/fd/<n>`` link with ``AT_STATX_DONT_SYNC`` and an empty mask. Following
+   that link jumps to the open file's path with no lookup (``nd_jump_link``; FUSE has no
+   ``d_weak_revalidate``), and FUSE answers such a statx from the kernel's inode without
+   a request (``fuse_update_get_attr`` in fs/fuse/dir.c); the inode number it gives must
+   be the one ``fdinfo`` gave. Without statx in the C library (glibc before 2.28) such a
+   descriptor is not seen.
 
 Processes the scan may not inspect (other users' when the daemon is not root: EACCES) are
 counted in ``Scan.unseen``, never an error; a process, thread or descriptor that goes away
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import os
 import platform
 import stat
@@ -82,9 +88,10 @@ class Scan:
     tables: int = 0
 
 
-def _fdinfo(path: str) -> tuple[int, int] | None:
-    """(mount id, inode number) from a ``fdinfo`` file, None without them."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def _fdinfo(name: str, dir_fd: int) -> tuple[int, int] | None:
+    """(mount id, inode number) from the ``fdinfo`` file ``name`` of the directory open as
+    ``dir_fd``, None without them."""
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         text = os.read(fd, 4096)
     finally:
@@ -197,6 +204,35 @@ class _Mounts:
         return _file_id(link) == (self.device, ino)
 
 
+def _read_table(table: str, pid: int, mounts: _Mounts, out: Scan) -> None:
+    """Add to ``out`` the descriptors of the table of ``table`` (``/proc/<pid>`` or
+    ``/proc/<pid>/task/<tid>``) open for writing on the device. Raises OSError if its
+    ``fd`` or ``fdinfo`` directory cannot be opened."""
+    fds = os.open(f"{table}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        infos = os.open(f"{table}/fdinfo", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in os.listdir(fds):
+                try:
+                    # The path first (one call) rules out pipes, sockets and the like, the
+                    # access mode (one more) readers; fdinfo takes three.
+                    if not os.readlink(name, dir_fd=fds).startswith("/"):
+                        continue
+                    if not os.stat(name, dir_fd=fds, follow_symlinks=False).st_mode \
+                            & stat.S_IWUSR:
+                        continue
+                    got = _fdinfo(name, infos)
+                except (OSError, ValueError):
+                    continue  # closed meanwhile, or a line the kernel did not give
+                if got is not None and mounts.holds(f"{table}/fd/{name}", *got):
+                    out.inodes.setdefault(got[1], set()).add(pid)
+        finally:
+            os.close(infos)
+    finally:
+        os.close(fds)
+    out.tables += 1
+
+
 def scan(device: str, *, skip: tuple[int, ...] | None = None) -> Scan:
     """Files of the file system ``device`` (``major:minor``, decimal) open for writing by
     the processes this one may inspect, except ``skip`` (default: this process); see the
@@ -214,33 +250,14 @@ def scan(device: str, *, skip: tuple[int, ...] | None = None) -> Scan:
         pid = int(name)
         try:
             mounts.meet(base)
+            _read_table(base, pid, mounts, out)
         except OSError as e:
             out.unseen += e.errno in _REFUSED
             continue
-        read = False
-        for table in _tables(base, pid, kcmp):
+        out.processes += 1
+        for table in itertools.islice(_tables(base, pid, kcmp), 1, None):
             try:
-                fds = os.scandir(f"{table}/fd")
-            except OSError as e:
-                if table != base:
-                    continue  # a thread gone meanwhile
-                out.unseen += e.errno in _REFUSED
-                break
-            read = True
-            out.tables += 1
-            with fds:
-                for fd in fds:
-                    try:
-                        # The path first (one call) rules out pipes, sockets and the like,
-                        # the access mode (one more) readers; fdinfo takes three.
-                        if not os.readlink(fd.path).startswith("/"):
-                            continue
-                        if not fd.stat(follow_symlinks=False).st_mode & stat.S_IWUSR:
-                            continue
-                        got = _fdinfo(f"{table}/fdinfo/{fd.name}")
-                    except (OSError, ValueError):
-                        continue  # closed meanwhile, or a line the kernel did not give
-                    if got is not None and mounts.holds(fd.path, *got):
-                        out.inodes.setdefault(got[1], set()).add(pid)
-        out.processes += read
+                _read_table(table, pid, mounts, out)
+            except OSError:
+                continue  # a thread gone meanwhile
     return out
