@@ -20,7 +20,8 @@ so):
 - ``bench_sessions.py``: 100 FUSE sessions forked from one 20,000-file snapshot, against the
   no-FUSE fallback (a staged copy per session, the reference system's method; 3 sessions);
 - ``bench_tools.py``: the Grep and Glob tools over a session mount of a 20,000-file tree
-  against ``rg`` and ``find`` on a native copy;
+  against ``rg`` and ``find`` on a native copy, and Bash ``true`` through ``rewindfs mcp``
+  without and with a path policy covering 200 files of that tree;
 - ``bench_remote.py``: the shared store (SeaweedFS + PostgreSQL on loopback) against the
   local store: snapshot, re-snapshot, materialize, checkpoint of 10 changes, cold and warm
   256 MiB reads through a mount;
@@ -29,7 +30,9 @@ so):
 - ``bench_sparse.py``: checkpoint of 4 KiB in a 1 TiB sparse file against a plain file;
 - ``bench_write.py``: sequential FUSE writes of the working tree against a baseline
   revision (``ROUND_BASELINE``, main when this round's issues were filed), with and without
-  a byte quota.
+  a byte quota;
+- ``bench_exclude.py``: checkpoint of a one-file change with 5,000 and 20,000 files kept
+  under an excluded ``node_modules/``, against the same change without a policy.
 
 ``--quick`` uses the smallest sizes and one run each (a smoke run, about 5 minutes);
 ``--only NAME,...`` runs some of them (the others are reported as not run).
@@ -39,10 +42,13 @@ before starting; the load averages before and after each benchmark are part of t
 It writes ``docs/performance.md`` (the tables of ratios, then each benchmark's own report)
 and replaces the part of ``README.md`` between ``<!-- perf:begin -->`` and
 ``<!-- perf:end -->`` with the tables of ratios, so every figure there comes from this
-script. Raw figures go to ``agent-data/bench/run_all/`` (``results.json`` holds the whole
-run; ``--from-results FILE`` writes the reports again from it, measuring nothing, e.g. after
-a change of layout). Exit status 0 when every
-benchmark ran, 1 when one failed or ran out of time (its section then says so).
+script (``--doc FILE`` and ``--readme FILE`` write them elsewhere, e.g. into a copy). The
+README's prose cites rows of these tables by their first cell (``CITED``): a report that
+lacks one of them, of a benchmark that ran, is an error (exit 1, the row named). Raw
+figures go to ``agent-data/bench/run_all/`` (``results.json`` holds the whole run;
+``--from-results FILE`` writes the reports again from it, measuring nothing, e.g. after a
+change of layout). Exit status 0 when every benchmark ran and every cited row is there, 1
+when one failed or ran out of time (its section then says so) or a cited row is missing.
 """
 
 from __future__ import annotations
@@ -79,6 +85,9 @@ FEWER = "fewer runs under run_all: "
 REMOTE_RUNS = 5
 """bench_remote.py's runs under run_all, as many as the many-hosts issue asks (medians of 5):
 one run takes about 35 s on a quiet machine, 3 minutes at load 10."""
+EXCLUDE_KEPT = (5000, 20000)
+"""bench_exclude.py's kept-file counts under run_all (``--quick`` too: the rows the README
+cites are named by them; it takes one run each there)."""
 
 FUSE_LABELS = {
     "grep_cold": "grep -r, cold", "grep_warm": "grep -r, warm",
@@ -90,6 +99,24 @@ FUSE_LABELS = {
     "ls_cold": "ls -l of 100,000 entries, first after mount",
     "ls_warm": "ls -l of 100,000 entries, warm",
 }
+
+
+CITED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Agent tools": ("tools", ("Bash true (MCP stdio)",
+                              "Bash true, 100 hidden + 100 protected")),
+    "Shared store": ("remote", ("first snapshot (s)", "unchanged re-snapshot (s)",
+                                "materialize (s)", "checkpoint, 10 changes (ms)",
+                                "cold read 256 MiB (MiB/s)", "warm re-read 256 MiB (MiB/s)")),
+    "Step change log": ("steps", ("a step, round trip", "a step, in the daemon",
+                                  "a step, in the daemon with its journal append",
+                                  "FUSE write with a step every 50 ms")),
+    "Excluded paths": ("exclude", ("5,000 files kept", "20,000 files kept")),
+    "Sessions": ("sessions", ("resident size of a session process (RSS median)",)),
+    "Sparse files": ("sparse", ("plain", "sparse, new")),
+}
+"""The rows the README's prose cites instead of stating figures of its own: table (its
+``####`` heading) -> (the benchmark that fills it, the rows' first cells, code spans'
+backticks left out). The prose names each as "label"."""
 
 
 @dataclass
@@ -190,6 +217,16 @@ def parse_sessions(text: str) -> dict[str, Any]:
     return out
 
 
+def parse_exclude(text: str) -> list[dict[str, float]]:
+    """The figures ``bench_exclude.py`` prints (it has no JSON output): per count of kept
+    files, the median checkpoint with them excluded and without a policy, in ms."""
+    return [{"kept": int(m.group(1)), "excluded_ms": float(m.group(2)),
+             "baseline_ms": float(m.group(3))}
+            for m in re.finditer(r"^\s*(\d+) files under node_modules: checkpoint of one change "
+                                 r"([\d.]+) ms excluded, ([\d.]+) ms without a policy", text,
+                                 re.M)]
+
+
 def wait_for_load(limit: float, max_wait_s: float = 600) -> None:
     deadline = time.monotonic() + max_wait_s
     while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
@@ -202,9 +239,10 @@ def wait_for_load(limit: float, max_wait_s: float = 600) -> None:
 
 
 def run_tools(res: Result, runs: int, timeout: float) -> None:
-    """Build the 20,000-file tree (kept under ``agent-data/bench/tools-tree``), snapshot it
-    into a scratch store, serve it with ``rewindfs mount REF MNT --state DIR``, run
-    ``bench_tools.py --tree TREE --root MNT``, unmount."""
+    """Build the 20,000-file tree (kept under ``agent-data/bench/tools-tree``) with the
+    files the Bash policy row matches, snapshot it into a scratch store, serve it with
+    ``rewindfs mount REF MNT --state DIR``, run ``bench_tools.py --tree TREE --root MNT``,
+    unmount."""
     rw = str(Path(PY).parent / "rewindfs")
     tree = REPO / "agent-data" / "bench" / "tools-tree"
     work = REPO / "agent-data" / "bench" / "tmp" / "run_all-tools"
@@ -212,14 +250,17 @@ def run_tools(res: Result, runs: int, timeout: float) -> None:
     work.mkdir(parents=True)
     mnt = work / "mnt"
     mnt.mkdir()
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(REPO))
     try:
         if not (tree / ".built").exists():
             subprocess.run(["rm", "-rf", str(tree)], check=True)
             print("run_all: building the tools benchmark's 20,000-file tree", flush=True)
-            sys.path.insert(0, str(HERE))
-            sys.path.insert(0, str(REPO))
             importlib.import_module("bench_tools").build_tree(str(tree))
             (tree / ".built").touch()
+        # The policy row's matches, which bench_tools.py writes into the native tree: they
+        # must be in the snapshot the tools see, or that row covers nothing.
+        importlib.import_module("bench_tools").policy_paths(str(tree))
         store = str(work / "store")
         ref = subprocess.run([rw, "--store", store, "snapshot", str(tree)], check=True,
                              capture_output=True, text=True).stdout.strip()
@@ -279,7 +320,7 @@ def not_run(res: Result) -> str:
 
 
 def own_table_section(res: Result) -> str:
-    """A benchmark that prints its own Markdown report on stdout (steps, sparse, write):
+    """A benchmark that prints its own Markdown report on stdout (sparse, write):
     that report, as it printed it."""
     if res.status != "ok" or not res.stdout.strip():
         return not_run(res)
@@ -421,8 +462,9 @@ def sessions_section(fuse: Result, fallback: Result) -> str:
              f"{f.get('growth_bytes', '?')} bytes" if peer else "-", ""]]
     extra = ""
     if "rss_median_mib" in d:
-        extra = (f" Each FUSE session is one process (RSS median {d['rss_median_mib']:.0f} "
-                 "MiB, shared pages included).")
+        rows.append(["resident size of a session process (RSS median)",
+                     f"{d['rss_median_mib']:.0f} MiB", "-", ""])
+        extra = " Each FUSE session is one process (its RSS includes shared pages)."
     return (f"{d.get('sessions', '?')} sessions forked one after the other from one "
             f"20,000-file snapshot (FUSE backend), against the no-FUSE fallback, which "
             f"copies the tree into each session's root (the reference system's method; "
@@ -442,6 +484,58 @@ def tools_section(res: Result) -> str:
             f"and `rewindfs mcp` over stdio (sandboxed), against `bash -c true`, median of "
             f"at least 20 calls:\n\n" +
             table(["workload", "tool", "direct", "tool / direct"], rows))
+
+
+def option(cmd: list[str], name: str) -> str:
+    """The value given to option ``name`` in ``cmd`` ("?" when absent)."""
+    return cmd[cmd.index(name) + 1] if name in cmd[:-1] else "?"
+
+
+def steps_section(res: Result) -> str:
+    d = res.data
+    if res.status != "ok" or not d:
+        return not_run(res)
+    diff = "`rewindfs diff MNT` request, round trip"
+    rows = [
+        ["a step, round trip", fmt_ms(d["step_ms"]), diff, fmt_ms(d["diff_ms"]),
+         ratio(d["step_ms"], d["diff_ms"])],
+        ["a step, in the daemon", fmt_ms(d["step_daemon_ms"]), diff, fmt_ms(d["diff_ms"]),
+         ratio(d["step_daemon_ms"], d["diff_ms"])],
+        ["a step, in the daemon with its journal append", fmt_ms(d["step_session_ms"]), diff,
+         fmt_ms(d["diff_ms"]), ratio(d["step_session_ms"], d["diff_ms"])],
+        [f"the first step ({d['first_step_paths']:,} paths)", fmt_ms(d["first_step_ms"]),
+         diff, fmt_ms(d["diff_ms"]), ratio(d["first_step_ms"], d["diff_ms"])],
+        ["FUSE write with a step every 50 ms", f"{d['write_mib_s_stepping']:.0f} MiB/s",
+         "FUSE write, nothing else running", f"{d['write_mib_s']:.0f} MiB/s",
+         ratio(d["write_mib_s"], d["write_mib_s_stepping"])],
+    ]
+    met = "met" if d["step_ms"] < 5 else "missed"
+    return (f"Recording a step (`step_done`, a request to the session process) on a FUSE "
+            f"session of {d['files']:,} files with {d['dirty']:,} dirty paths, 10 of them "
+            f"changed before each step, medians of {option(res.cmd, '--steps')} steps; "
+            f"against `rewindfs diff MNT` of the same dirty set; and 64 MiB written through "
+            f"the mount, medians of {option(res.cmd, '--runs')} runs (its ratio is of the "
+            f"times: above 1 the writes are slower while steps are recorded):\n\n"
+            + table(["", "figure", "baseline", "baseline's figure", "figure / baseline"],
+                    rows)
+            + f"\n\nGoal: a step under 5 ms, round trip: {fmt_ms(d['step_ms'])} ({met}).")
+
+
+def exclude_section(res: Result) -> str:
+    d = res.data
+    if res.status != "ok" or not d:
+        return not_run(res)
+    rows = [[f"{r['kept']:,} files kept", fmt_ms(r["excluded_ms"]), fmt_ms(r["baseline_ms"]),
+             ratio(r["excluded_ms"], r["baseline_ms"]),
+             f"{(r['excluded_ms'] - r['baseline_ms']) / r['kept'] * 1000:.1f} µs"
+             if r["kept"] else "-"] for r in d]
+    return ("Checkpoint of a one-file change (through the overlay API, no FUSE) with files "
+            "kept under an excluded `node_modules/` (they stay in the upper), against the "
+            "same change without a policy (the files frozen by a first checkpoint, the "
+            f"upper then empty); medians of {option(res.cmd, '--runs')} checkpoints:\n\n"
+            + table(["files under node_modules/", "checkpoint, excluded",
+                     "checkpoint, no policy", "excluded / no policy",
+                     "extra per kept file"], rows))
 
 
 def machine() -> str:
@@ -479,16 +573,43 @@ def summary(results: dict[str, Result], cmdline: str, total_s: float, day: str,
         "#### Shared store\n\n" + remote_section(results["remote"])
         if "remote" in results else "#### Shared store\n\n(not in this run)",
     ]
-    for name, title in (("steps", "Step change log"), ("sparse", "Sparse files"),
+    if "steps" in results:
+        parts.append("#### Step change log\n\n" + steps_section(results["steps"]))
+    for name, title in (("sparse", "Sparse files"),
                         ("write", "FUSE writes against a baseline revision")):
         if name in results:
             parts.append(f"#### {title}\n\n" + own_table_section(results[name]))
+    if "exclude" in results:
+        parts.append("#### Excluded paths\n\n" + exclude_section(results["exclude"]))
     fewer = [f"{r.name} {n.removeprefix(FEWER)}" for r in results.values() for n in r.notes
              if n.startswith(FEWER)]
     if fewer:
         parts.insert(1, "Fewer runs than each benchmark takes alone, to fit the run in "
                         f"{BUDGET_S // 60} minutes: " + "; ".join(fewer) + ".")
     return "\n\n".join(parts) + "\n"
+
+
+def table_rows(summ: str) -> dict[str, set[str]]:
+    """The first cells (backticks left out) of every table row of the report ``summ``, by
+    the ``####`` heading the table is under."""
+    out: dict[str, set[str]] = {}
+    heading = ""
+    for ln in summ.splitlines():
+        if ln.startswith("#### "):
+            heading = ln[5:].strip()
+            out[heading] = set()
+        elif ln.startswith("| ") and heading:
+            out[heading].add(ln[2:].split(" | ")[0].strip().replace("`", ""))
+    return out
+
+
+def missing_cited(summ: str, results: dict[str, Result]) -> list[str]:
+    """The rows of ``CITED`` that ``summ`` lacks although their benchmark ran ok (one that
+    did not run, or failed, is reported as such elsewhere)."""
+    rows = table_rows(summ)
+    return [f'"{label}" ({heading})' for heading, (bench, labels) in CITED.items()
+            if bench in results and results[bench].status == "ok"
+            for label in labels if label not in rows.get(heading, set())]
 
 
 def full_report(results: dict[str, Result], summ: str) -> str:
@@ -507,15 +628,15 @@ def full_report(results: dict[str, Result], summ: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def splice_readme(summ: str) -> bool:
-    text = README.read_text()
+def splice_readme(readme: Path, summ: str) -> bool:
+    text = readme.read_text()
     if BEGIN not in text or END not in text:
-        print(f"run_all: {README} has no {BEGIN} ... {END} section; not changed",
+        print(f"run_all: {readme} has no {BEGIN} ... {END} section; not changed",
               file=sys.stderr)
         return False
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{BEGIN}\n{summ}{END}{tail}")
+    readme.write_text(f"{head}{BEGIN}\n{summ}{END}{tail}")
     return True
 
 
@@ -532,15 +653,20 @@ def main(argv: list[str]) -> int:
                     help="include the 200,000-file checkpoint tree even when it is not built "
                     "yet (building it takes about 5 minutes more, once)")
     ap.add_argument("--no-readme", action="store_true", help="do not touch README.md")
+    ap.add_argument("--readme", type=Path, default=README, metavar="FILE",
+                    help="the README whose tables to replace (default: this repository's)")
+    ap.add_argument("--doc", type=Path, default=DOC, metavar="FILE",
+                    help="where the full report goes (default: docs/performance.md)")
     ap.add_argument("--only", help="comma-separated benchmarks to run (store, fuse, "
-                    "checkpoint, remote, sessions, steps, sparse, write, tools); the others "
-                    "are reported as not run")
+                    "checkpoint, remote, sessions, steps, sparse, write, exclude, tools); the "
+                    "others are reported as not run")
     ap.add_argument("--from-results", metavar="FILE", type=Path,
                     help="measure nothing: write the reports again from a run's saved "
                     "results (agent-data/bench/run_all/results.json)")
     args = ap.parse_args(argv)
+    readme = None if args.no_readme else args.readme
     if args.from_results:
-        return write_reports(json.loads(args.from_results.read_text()), args.no_readme)
+        return write_reports(json.loads(args.from_results.read_text()), args.doc, readme)
     if args.wait_load:
         wait_for_load(args.wait_load)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -582,6 +708,9 @@ def main(argv: list[str]) -> int:
         ("write", [*bench, str(HERE / "bench_write.py"), "--runs", "1" if q else "5",
                    *(["--baseline", ROUND_BASELINE] if has_commit(ROUND_BASELINE) else []),
                    "--mib", "64" if q else "256"], 300, lambda r: None),
+        ("exclude", [*bench, str(HERE / "bench_exclude.py"), "--kept",
+                     ",".join(str(n) for n in EXCLUDE_KEPT), "--runs", "1" if q else "5"],
+         240, lambda r: parse_exclude(r.stdout)),
     ]
     # (name, option, its value here, its default alone) for the report's note
     fewer = {"remote": ("--runs", 1 if q else REMOTE_RUNS, 5),
@@ -611,21 +740,22 @@ def main(argv: list[str]) -> int:
            "total_s": total, "day": datetime.date.today().isoformat(), "machine": machine(),
            "results": [dataclasses.asdict(r) for r in results.values()]}
     (OUT_DIR / "results.json").write_text(json.dumps(run, indent=1))
-    return write_reports(run, args.no_readme)
+    return write_reports(run, args.doc, readme)
 
 
-def write_reports(run: dict[str, Any], no_readme: bool) -> int:
-    """Render the tables of one run (as saved in ``results.json``) into docs/performance.md
-    and, unless ``no_readme``, README.md."""
+def write_reports(run: dict[str, Any], doc: Path, readme: Path | None) -> int:
+    """Render the tables of one run (as saved in ``results.json``) into ``doc`` (the full
+    report) and, unless ``readme`` is None, between its markers; 1 when a benchmark was not
+    ok or a row of ``CITED`` is missing, else 0."""
     results = {d["name"]: Result(**d) for d in run["results"]}
     total = run["total_s"]
     summ = summary(results, run["cmdline"], total, run["day"], run["machine"])
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(full_report(results, summ))
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(full_report(results, summ))
     print(summ)
-    print(f"run_all: wrote {DOC.relative_to(REPO)}", end="")
-    if not no_readme and splice_readme(summ):
-        print(f" and the tables in {README.relative_to(REPO)}", end="")
+    print(f"run_all: wrote {doc}", end="")
+    if readme is not None and splice_readme(readme, summ):
+        print(f" and the tables in {readme}", end="")
     print(f"; total {total / 60:.1f} minutes (budget {BUDGET_S // 60})")
     if total > BUDGET_S:
         print(f"run_all: the run took longer than its {BUDGET_S // 60}-minute budget",
@@ -633,7 +763,11 @@ def write_reports(run: dict[str, Any], no_readme: bool) -> int:
     bad = [r.name for r in results.values() if r.status not in ("ok", "not run")]
     if bad:
         print(f"run_all: not ok: {', '.join(bad)}", file=sys.stderr)
-    return 1 if bad else 0
+    missing = missing_cited(summ, results)
+    if missing:
+        print("run_all: the README cites rows this report lacks: " + "; ".join(missing),
+              file=sys.stderr)
+    return 1 if bad or missing else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""``scripts/bench/run_all.py`` writes every table row the README's prose cites, and a report
+that lacks one fails.
+
+The README states no benchmark figure of its own: where its prose speaks of a cost it names
+rows of the tables run_all writes between the perf markers (``run_all.CITED``: a table's
+heading, its rows' first cells), as ``"label"``. These tests render the tables of a saved
+run (``tests/data/run_all/results.json``, the results of a real ``run_all.py --quick``, its
+output trimmed to what the report reads) with ``run_all.py --from-results`` into a copy of
+the README, measuring nothing, and check that every cited row is in it, that the prose
+names every cited row, and that a run whose results lack a cited row exits 1 naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_ALL = REPO / "scripts" / "bench" / "run_all.py"
+RESULTS = Path(__file__).resolve().parent / "data" / "run_all" / "results.json"
+
+
+def run_all_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_all", RUN_ALL)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["run_all"] = mod   # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def run_all() -> ModuleType:
+    return run_all_module()
+
+
+def split_readme(text: str, mod: ModuleType) -> tuple[str, str]:
+    """(the README without its perf block, the block)."""
+    head, rest = text.split(mod.BEGIN, 1)
+    block, tail = rest.split(mod.END, 1)
+    return head + tail, block
+
+
+def render(tmp: Path, results: dict[str, Any]) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``run_all.py --from-results`` of ``results`` into a copy of the README; the process
+    and the copy's text afterwards."""
+    (tmp / "results.json").write_text(json.dumps(results))
+    readme = tmp / "README.md"
+    readme.write_text((REPO / "README.md").read_text())
+    p = subprocess.run([sys.executable, str(RUN_ALL), "--from-results",
+                        str(tmp / "results.json"), "--doc", str(tmp / "performance.md"),
+                        "--readme", str(readme)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    return p, readme.read_text()
+
+
+def test_the_prose_names_every_cited_row_and_its_table(run_all: ModuleType) -> None:
+    prose, _ = split_readme((REPO / "README.md").read_text(), run_all)
+    flat = " ".join(prose.split())       # a label may be wrapped over two lines
+    assert run_all.CITED
+    for heading, (_bench, labels) in run_all.CITED.items():
+        assert f'table "{heading}"' in flat, heading
+        for label in labels:
+            assert f'"{label}"' in flat, (heading, label)
+
+
+def test_a_run_writes_every_cited_row(run_all: ModuleType, tmp_path: Path) -> None:
+    results = json.loads(RESULTS.read_text())
+    ran = {r["name"] for r in results["results"] if r["status"] == "ok"}
+    assert {bench for bench, _ in run_all.CITED.values()} <= ran
+    p, text = render(tmp_path, results)
+    assert p.returncode == 0, p.stderr
+    prose, block = split_readme(text, run_all)
+    assert prose == split_readme((REPO / "README.md").read_text(), run_all)[0]
+    rows = run_all.table_rows(block)
+    for heading, (_bench, labels) in run_all.CITED.items():
+        assert heading in rows, heading
+        for label in labels:
+            assert label in rows[heading], (heading, label, sorted(rows[heading]))
+    assert block.strip() in (tmp_path / "performance.md").read_text()
+
+
+def test_a_report_without_a_cited_row_fails_naming_it(run_all: ModuleType,
+                                                      tmp_path: Path) -> None:
+    results = json.loads(RESULTS.read_text())
+    by_name = {r["name"]: r for r in results["results"]}
+    tools = by_name["tools"]["data"]
+    tools["rows"] = [r for r in tools["rows"] if "hidden" not in r["workload"]]
+    by_name["exclude"]["data"] = by_name["exclude"]["data"][:1]    # 20,000 kept: missing
+    p, text = render(tmp_path, results)
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert '"Bash true, 100 hidden + 100 protected" (Agent tools)' in p.stderr, p.stderr
+    assert '"20,000 files kept" (Excluded paths)' in p.stderr, p.stderr
+    assert '"5,000 files kept"' not in p.stderr
+    _, block = split_readme(text, run_all)
+    assert "20,000 files kept" not in block
+
+
+def test_a_cited_row_of_a_benchmark_that_did_not_run_is_not_reported(
+        run_all: ModuleType, tmp_path: Path) -> None:
+    results = json.loads(RESULTS.read_text())
+    for r in results["results"]:
+        if r["name"] == "exclude":
+            r.update(status="not run", data=None, stdout="")
+    p, text = render(tmp_path, results)
+    assert p.returncode == 0, p.stderr
+    assert "Excluded paths" not in p.stderr
+    _, block = split_readme(text, run_all)
+    assert "_Not available: the exclude benchmark: not run._" in block
