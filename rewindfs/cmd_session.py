@@ -68,7 +68,8 @@ def _placement_args(p: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("session", help="agent sessions: new, list, resume, fork, shutdown")
+    p = sub.add_parser("session", help="agent sessions: new, list, resume, fork, checkpoint, "
+                                       "restore, step, shutdown, rm, gc")
     ss = p.add_subparsers(dest="session_command", required=True, metavar="SUBCOMMAND")
 
     n = ss.add_parser("new", help="start a session; print its id and root")
