@@ -9,6 +9,9 @@ kernel caching is there: ``opendir`` answering a ``FileInfo`` with ``cache_readd
 
 from __future__ import annotations
 
+import os
+import tempfile
+import threading
 from typing import Any
 
 import pyfuse3
@@ -43,3 +46,48 @@ def info() -> dict[str, Any]:
     return {"kind": kind(), "version": getattr(pyfuse3, "__version__", "?"),
             "features": sorted(FEATURES), "listings_cached": EXTENDED,
             "capabilities": list(caps) if caps is not None else None}
+
+
+_init_lock = threading.Lock()
+
+
+def init(ops: Any, mountpoint: str, options: set[str]) -> None:
+    """``pyfuse3.init(ops, mountpoint, options)``, keeping what the mount writes on stderr.
+
+    For a user without CAP_SYS_ADMIN libfuse mounts through the setuid helper
+    ``fusermount3``, which says why it refused (``option allow_other only allowed if
+    'user_allow_other' is set in /etc/fuse.conf``, ``user has no write access to
+    mountpoint``, ``too many FUSE filesystems mounted``) only on the stderr it inherits;
+    libfuse's own messages (``fuse: failed to open /dev/fuse``) go there too, while the
+    exception says only ``fuse_session_mount failed``. While this runs, file descriptor 2
+    is a temporary file; what was written to it is copied to the real stderr afterwards
+    (the daemon's log), and on failure it ends the RuntimeError's message:
+    ``fuse_session_mount failed: fusermount3: ...`` (one line, the helper's lines joined
+    by ``; ``). Raises what ``pyfuse3.init`` raises otherwise."""
+    with _init_lock, tempfile.TemporaryFile() as said:
+        saved = os.dup(2)
+        try:
+            os.dup2(said.fileno(), 2)
+            try:
+                pyfuse3.init(ops, mountpoint, options)
+                failed: Exception | None = None
+            except Exception as e:
+                failed = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        said.seek(0)
+        text = said.read()
+    if text:
+        try:
+            view = memoryview(text)
+            while view:
+                view = view[os.write(2, view):]
+        except OSError:
+            pass  # the log is gone or full: the error below still carries the lines
+    if failed is None:
+        return
+    lines = [ln.strip() for ln in text.decode(errors="replace").splitlines() if ln.strip()]
+    if not lines:
+        raise failed
+    raise RuntimeError(f"{failed}: {'; '.join(lines)}") from failed

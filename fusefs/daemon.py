@@ -275,6 +275,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     import pyfuse3
     import trio
 
+    from . import binding
     from .operations import Operations
 
     cfg.mountpoint = os.path.abspath(cfg.mountpoint)
@@ -372,7 +373,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                 "state": cfg.state_dir, "log": cfg.log_path, "readonly": ov.readonly,
                 "store": store.root})
             try:
-                pyfuse3.init(ops, cfg.mountpoint, options)
+                binding.init(ops, cfg.mountpoint, options)  # the helper's words kept
             except Exception as e:
                 init_error = MountError(cfg.mountpoint, f"cannot mount: {e}")
                 nursery.cancel_scope.cancel()
@@ -404,7 +405,9 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     if our_mount is None:  # never mounted: clean up, then report the first cause
         err = init_error or _start_error(cfg.mountpoint, loop_error)
         for what, step in (("mount record", lambda: remove_record(cfg.mountpoint, os.getpid())),
-                           ("upper", ops.close),
+                           # an upper this start made was never served: nothing to keep
+                           ("upper", ov.upper.discard if ov.upper is not None
+                            and ov.upper.created else ops.close),
                            ("mount pin", lambda: unpin_mount(store, mount_pin)),
                            ("store", store.close)):
             try:

@@ -104,12 +104,14 @@ Crash windows (``kill -9`` of the daemon or power loss; ``fsync`` means fsync/fs
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import marshal
 import os
 import re
+import shutil
 import sqlite3
 import struct
 import threading
@@ -408,6 +410,7 @@ class Upper:
         self.spill_seq = 0  # sequence number of the newest spill record
         self._spill_new = False  # made by this open: its directory entry is not synced yet
         self.failing = False  # the last write could not be stored anywhere
+        self.created = False  # this open made the upper (the state directory had none)
 
     @classmethod
     def open(cls, state_dir: str, *, store_root: str, chunk_size: int,
@@ -470,6 +473,7 @@ class Upper:
             os.close(lock_fd)
             raise
         up = cls(state_dir, conn, lock_fd, base, chunk_size)
+        up.created = "base" not in meta
         try:
             up._open_space(int(meta.get("spill_applied", "0")))
             up.recover()
@@ -812,6 +816,16 @@ class Upper:
 
     def close(self) -> None:
         """Close the database and release the lock (idempotent)."""
+        self._close(discard=False)
+
+    def discard(self) -> None:
+        """Close and delete this upper: its database, data files, reserve and spill, while
+        the lock is still held (the empty lock file stays, so that no other opener can
+        lock a file that is then removed). For an upper that this process made (``created``)
+        for a mount that never served: nothing in it was ever seen by anyone."""
+        self._close(discard=True)
+
+    def _close(self, discard: bool) -> None:
         if self._lock_fd is None:
             return
         self.conn.close()
@@ -819,8 +833,16 @@ class Upper:
             if fd is not None:
                 os.close(fd)
         self._reserve_fd = self._spill_fd = None
-        os.close(self._lock_fd)
-        self._lock_fd = None
+        try:
+            if discard:
+                for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm",
+                             DB_NAME + "-journal", RESERVE_NAME, SPILL_NAME):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.state_dir, name))
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def _migrate_from_1(conn: sqlite3.Connection) -> None:

@@ -398,6 +398,7 @@ class FuseMount:
         import pyfuse3
         import trio
 
+        from fusefs import binding
         from fusefs.control import Live
         from fusefs.mounts import mount_id, remove_record, start_time, still_mounted, write_record
         from fusefs.operations import Operations
@@ -452,7 +453,7 @@ class FuseMount:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(signals, nursery)
                 try:
-                    pyfuse3.init(ops, self.mountpoint, set(MOUNT_OPTIONS))
+                    binding.init(ops, self.mountpoint, set(MOUNT_OPTIONS))
                 except Exception as e:
                     init_error = f"cannot mount {self.mountpoint}: {e}"
                     nursery.cancel_scope.cancel()
