@@ -7,13 +7,16 @@ heading, its rows' first cells), as ``"label"``. These tests render the tables o
 run (``tests/data/run_all/results.json``, the results of a real ``run_all.py --quick``, its
 output trimmed to what the report reads) with ``run_all.py --from-results`` into a copy of
 the README, measuring nothing, and check that every cited row is in it, that the prose
-names every cited row, and that a run whose results lack a cited row exits 1 naming it.
+names every cited row, and that a run whose results lack a cited row exits 1 naming it;
+and that no paragraph of the README that speaks of the benchmarks states a measured figure
+(only goals and intervals), which would come from a separate run.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +117,21 @@ def test_a_cited_row_of_a_benchmark_that_did_not_run_is_not_reported(
     assert "Excluded paths" not in p.stderr
     _, block = split_readme(text, run_all)
     assert "_Not available: the exclude benchmark: not run._" in block
+
+
+FIGURE = re.compile(r"(?<![\w.])\d[\d,.]*(?: ?(?:ms|µs|s|MiB/s|MB/s|GiB/s|minutes?)\b|x\b)")
+NOT_MEASURED = {"50 ms", "150 ms", "100 MiB/s", "1.15x", "2x", "20 minutes", "5 minutes"}
+"""Figures the benchmark paragraphs may state: intervals, goals, run_all's budget and the
+build time of its big tree."""
+
+
+def test_the_paragraphs_on_benchmarks_state_no_measured_figure(run_all: ModuleType) -> None:
+    prose, _ = split_readme((REPO / "README.md").read_text(), run_all)
+    prose = re.sub(r"^```.*?^```", "", prose, flags=re.M | re.S)
+    paragraphs = re.split(r"\n\s*\n|\n(?=- )", prose)
+    about = [p for p in paragraphs if re.search(r"bench_|run_all|\(#performance\)", p)]
+    assert len(about) >= 6, "the paragraphs that speak of the benchmarks"
+    for p in about:
+        stated = set(FIGURE.findall(p)) - NOT_MEASURED
+        assert not stated, (f"{sorted(stated)}: a figure of a separate run; cite the row of "
+                            f"run_all's table instead (run_all.CITED): {' '.join(p.split())}")
