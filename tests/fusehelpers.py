@@ -30,6 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 MOUNT_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
 FUSERMOUNT = "fusermount3"
+AS_ROOT = os.geteuid() == 0
+OTHER_OWNER = (1234, 5678) if AS_ROOT else (os.getuid(), os.getgid())
+"""An owner (uid, gid) a test may chown a file to: another one as root, the user's own
+otherwise (giving a file away needs CAP_CHOWN; the suite also runs as a plain user)."""
 
 # REWINDFS_FUSE_SELFTEST=1 runs the FUSE tests against plain copies on the local filesystem
 # instead of mounts: a check of the tests' own expectations, never of rewindfs. ``snapshot``

@@ -24,7 +24,7 @@ def do_changes(m: Path) -> None:
     os.mkdir(m / "newdir")
     (m / "newdir" / "f").write_bytes(b"new file\n")
     os.chmod(m / "plain.txt", 0o600)
-    os.chown(m / "ro.txt", 1234, 5678)
+    os.chown(m / "ro.txt", *fh.OTHER_OWNER)
     os.utime(m / "exec.sh", ns=(5, 1_700_000_000_000_000_123))
     os.rename(m / "dir", m / "moved")
     os.unlink(m / "link1")
@@ -43,7 +43,7 @@ def assert_changes(m: Path) -> None:
     assert (m / "newdir" / "f").read_bytes() == b"new file\n"
     assert stat.S_IMODE(os.stat(m / "plain.txt").st_mode) == 0o600
     st = os.stat(m / "ro.txt")
-    assert (st.st_uid, st.st_gid) == (1234, 5678)
+    assert (st.st_uid, st.st_gid) == fh.OTHER_OWNER
     assert os.stat(m / "exec.sh").st_mtime_ns == 1_700_000_000_000_000_123
     assert not os.path.lexists(m / "dir")
     assert (m / "moved" / "sub" / "deeper" / "c.txt").read_bytes() == b"c\n"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fusehelpers as fh
 import pytest
 from fusehelpers import BIG_SIZE, MTIME_NS, errno_of, pattern
 
@@ -387,14 +388,14 @@ def test_rename_over_open_file_keeps_old_content_in_handle(lower: Path) -> None:
 
 def test_first_write_to_lower_file_keeps_mode_xattrs_and_owner(lower: Path) -> None:
     p = lower / "exec.sh"
-    os.chown(p, 1000, 1000)
+    os.chown(p, *fh.OTHER_OWNER)
     before = os.stat(p)
     with open(p, "r+b") as f:
         f.seek(0, 2)
         f.write(b"echo more\n")
     after = os.stat(p)
     assert stat.S_IMODE(after.st_mode) == 0o755
-    assert (after.st_uid, after.st_gid) == (1000, 1000)
+    assert (after.st_uid, after.st_gid) == fh.OTHER_OWNER
     assert os.getxattr(p, "user.note") == b"exec"
     assert after.st_ino == before.st_ino
     assert after.st_mtime_ns >= before.st_mtime_ns and after.st_mtime_ns != MTIME_NS

@@ -45,7 +45,7 @@ def test_ro_mount_serves_the_snapshot_exactly(mounter: fh.Mounter, fuse_store: P
                                               tmp_path: Path) -> None:
     src = tmp_path / "src"
     fh.build_lower(src)
-    os.chown(src / "plain.txt", 1234, 5678)
+    os.chown(src / "plain.txt", *fh.OTHER_OWNER)
     (src / "dir" / "deep" / "er" / "est").mkdir(parents=True)
     (src / "dir" / "deep" / "er" / "est" / "z").write_bytes(b"")
     (src / "na\u00efve name with spaces").write_bytes(b"utf-8 name")

@@ -40,7 +40,7 @@ def test_metadata_changes_of_lower_files_copy_no_data(mounter: fh.Mounter,
     d = mounter.rw(lower_ref)
     big = d.mnt / "big.bin"
     os.chmod(big, 0o600)
-    os.chown(big, 4321, 4321)
+    os.chown(big, *fh.OTHER_OWNER)
     os.utime(big, ns=(1, 2))
     os.setxattr(big, "user.tag", b"meta only")
     os.link(big, d.mnt / "big-link")
@@ -51,7 +51,8 @@ def test_metadata_changes_of_lower_files_copy_no_data(mounter: fh.Mounter,
     fh.start(d, with_ref=False)
     moved = d.mnt / "dir" / "big-moved"
     st = os.stat(moved)
-    assert (st.st_uid, st.st_mode & 0o7777, st.st_mtime_ns, st.st_nlink) == (4321, 0o600, 2, 2)
+    assert (st.st_uid, st.st_mode & 0o7777, st.st_mtime_ns, st.st_nlink) == (
+        fh.OTHER_OWNER[0], 0o600, 2, 2)
     assert moved.read_bytes() == pattern(BIG_SIZE)
 
 
