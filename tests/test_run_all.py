@@ -106,6 +106,20 @@ def test_a_report_without_a_cited_row_fails_naming_it(run_all: ModuleType,
     assert "20,000 files kept" not in block
 
 
+
+def test_figures_that_do_not_fit_their_table_fail_the_run(run_all: ModuleType,
+                                                          tmp_path: Path) -> None:
+    results = json.loads(RESULTS.read_text())
+    steps = next(r for r in results["results"] if r["name"] == "steps")
+    del steps["data"]["step_daemon_ms"]      # a key the benchmark no longer writes
+    p, text = render(tmp_path, results)
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert "figures that do not fit their table: steps" in p.stderr, p.stderr
+    assert '"a step, round trip" (Step change log)' in p.stderr, p.stderr
+    _, block = split_readme(text, run_all)
+    assert "the steps benchmark's figures do not fit this table (KeyError" in block
+    assert "#### Excluded paths" in block           # the sections after it are written
+
 def test_a_cited_row_of_a_benchmark_that_did_not_run_is_not_reported(
         run_all: ModuleType, tmp_path: Path) -> None:
     results = json.loads(RESULTS.read_text())

@@ -48,7 +48,8 @@ lacks one of them, of a benchmark that ran, is an error (exit 1, the row named).
 figures go to ``agent-data/bench/run_all/`` (``results.json`` holds the whole run;
 ``--from-results FILE`` writes the reports again from it, measuring nothing, e.g. after a
 change of layout). Exit status 0 when every benchmark ran and every cited row is there, 1
-when one failed or ran out of time (its section then says so) or a cited row is missing.
+when one failed or ran out of time, or its figures lack what its table reads (its section
+then says so), or a cited row is missing.
 """
 
 from __future__ import annotations
@@ -556,8 +557,24 @@ def machine() -> str:
             f"{platform.python_version()}; commit {commit}")
 
 
+def section(title: str, render: Callable[..., str], *res: Result,
+            broken: list[str] | None = None) -> str:
+    """``#### title`` and ``render(*res)``; when the figures a benchmark saved lack what the
+    table reads (a renamed key), a line saying so instead, and its name in ``broken``."""
+    try:
+        body = render(*res)
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        body = (f"_Not available: the {res[0].name} benchmark's figures do not fit this "
+                f"table ({type(e).__name__}: {e})._")
+        if broken is not None:
+            broken.append(res[0].name)
+    return f"#### {title}\n\n{body}"
+
+
 def summary(results: dict[str, Result], cmdline: str, total_s: float, day: str,
-            where: str) -> str:
+            where: str, broken: list[str] | None = None) -> str:
+    """The tables of ratios of one run (Markdown); the benchmarks whose figures could not be
+    rendered are appended to ``broken``."""
     loads = ", ".join(f"{r.name} {r.load_before:.1f}->{r.load_after:.1f}"
                       for r in results.values() if r.status != "not run")
     parts = [
@@ -566,23 +583,23 @@ def summary(results: dict[str, Result], cmdline: str, total_s: float, day: str,
         "(or size) divided by the peer's: below 1 rewindfs is faster (smaller). 1-minute "
         f"load average before->after each benchmark: {loads} (other work on the machine "
         "inflates the figures; compare ratios from one run).",
-        "#### Store\n\n" + store_section(results["store"]),
-        "#### Session mount\n\n" + fuse_section(results["fuse"]),
-        "#### Checkpoint and restore\n\n" + checkpoint_section(results["checkpoint"]),
-        "#### Sessions\n\n" + sessions_section(results["sessions"],
-                                                results["sessions-fallback"]),
-        "#### Agent tools\n\n" + tools_section(results["tools"]),
-        "#### Shared store\n\n" + remote_section(results["remote"])
+        section("Store", store_section, results["store"], broken=broken),
+        section("Session mount", fuse_section, results["fuse"], broken=broken),
+        section("Checkpoint and restore", checkpoint_section, results["checkpoint"],
+                broken=broken),
+        section("Sessions", sessions_section, results["sessions"],
+                results["sessions-fallback"], broken=broken),
+        section("Agent tools", tools_section, results["tools"], broken=broken),
+        section("Shared store", remote_section, results["remote"], broken=broken)
         if "remote" in results else "#### Shared store\n\n(not in this run)",
     ]
-    if "steps" in results:
-        parts.append("#### Step change log\n\n" + steps_section(results["steps"]))
-    for name, title in (("sparse", "Sparse files"),
-                        ("write", "FUSE writes against a baseline revision")):
+    for name, title, render in (
+            ("steps", "Step change log", steps_section),
+            ("sparse", "Sparse files", own_table_section),
+            ("write", "FUSE writes against a baseline revision", own_table_section),
+            ("exclude", "Excluded paths", exclude_section)):
         if name in results:
-            parts.append(f"#### {title}\n\n" + own_table_section(results[name]))
-    if "exclude" in results:
-        parts.append("#### Excluded paths\n\n" + exclude_section(results["exclude"]))
+            parts.append(section(title, render, results[name], broken=broken))
     fewer = [f"{r.name} {n.removeprefix(FEWER)}" for r in results.values() for n in r.notes
              if n.startswith(FEWER)]
     if fewer:
@@ -748,10 +765,11 @@ def main(argv: list[str]) -> int:
 def write_reports(run: dict[str, Any], doc: Path, readme: Path | None) -> int:
     """Render the tables of one run (as saved in ``results.json``) into ``doc`` (the full
     report) and, unless ``readme`` is None, between its markers; 1 when a benchmark was not
-    ok or a row of ``CITED`` is missing, else 0."""
+    ok, its figures did not fit its table or a row of ``CITED`` is missing, else 0."""
     results = {d["name"]: Result(**d) for d in run["results"]}
     total = run["total_s"]
-    summ = summary(results, run["cmdline"], total, run["day"], run["machine"])
+    broken: list[str] = []
+    summ = summary(results, run["cmdline"], total, run["day"], run["machine"], broken)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(full_report(results, summ))
     print(summ)
@@ -765,11 +783,14 @@ def write_reports(run: dict[str, Any], doc: Path, readme: Path | None) -> int:
     bad = [r.name for r in results.values() if r.status not in ("ok", "not run")]
     if bad:
         print(f"run_all: not ok: {', '.join(bad)}", file=sys.stderr)
+    if broken:
+        print(f"run_all: figures that do not fit their table: {', '.join(broken)}",
+              file=sys.stderr)
     missing = missing_cited(summ, results)
     if missing:
         print("run_all: the README cites rows this report lacks: " + "; ".join(missing),
               file=sys.stderr)
-    return 1 if bad or missing else 0
+    return 1 if bad or broken or missing else 0
 
 
 if __name__ == "__main__":
