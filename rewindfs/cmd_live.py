@@ -152,8 +152,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"older lower(s) against gc",
         f"open:      {r['open_handles']} handles ({r['writable_handles']} writable), "
         f"{r['open_dirs']} directories"
-        + (" (no-open mode: only files created through the mount have handles; the "
-           f"kernel holds {r.get('kernel_inodes', 0)} inodes)" if r.get("no_open") else ""),
+        + (" (no-open mode: the daemon keeps no handles, not even for files created "
+           f"through the mount; the kernel holds {r.get('kernel_inodes', 0)} inodes)"
+           if r.get("no_open") else ""),
         f"writers:   {_writers_text(r)}",
         f"state:     {r['state']}",
         f"disk:      {_disk_text(r)}",
