@@ -32,7 +32,9 @@ so):
   revision (``ROUND_BASELINE``, main when this round's issues were filed), with and without
   a byte quota;
 - ``bench_exclude.py``: checkpoint of a one-file change with 5,000 and 20,000 files kept
-  under an excluded ``node_modules/``, against the same change without a policy.
+  under an excluded ``node_modules/``, against the same change without a policy;
+- ``bench_scan.py``: no-open mode's scan of /proc for open writers, with a holder of 200
+  threads and 1,000 descriptors and without, against the scan of ``SCAN_BASELINE``.
 
 ``--quick`` uses the smallest sizes and one run each (a smoke run, about 5 minutes);
 ``--only NAME,...`` runs some of them (the others are reported as not run).
@@ -321,7 +323,7 @@ def not_run(res: Result) -> str:
 
 
 def own_table_section(res: Result) -> str:
-    """A benchmark that prints its own Markdown report on stdout (sparse, write):
+    """A benchmark that prints its own Markdown report on stdout (sparse, write, scan):
     that report, as it printed it."""
     if res.status != "ok" or not res.stdout.strip():
         return not_run(res)
@@ -336,6 +338,10 @@ def remote_section(res: Result) -> str:
 
     return report(d)
 
+
+SCAN_BASELINE = "2022d94"
+"""main before this round's changes to the writer scan (every mount namespace, threads'
+own descriptor tables): ``bench_scan.py`` compares the scan with its ``fusefs/writers.py``."""
 
 ROUND_BASELINE = "9d1dbc7"
 """main when this round's issues were filed: the embedded store must stay within 1.1x of its
@@ -597,7 +603,9 @@ def summary(results: dict[str, Result], cmdline: str, total_s: float, day: str,
             ("steps", "Step change log", steps_section),
             ("sparse", "Sparse files", own_table_section),
             ("write", "FUSE writes against a baseline revision", own_table_section),
-            ("exclude", "Excluded paths", exclude_section)):
+            ("exclude", "Excluded paths", exclude_section),
+            ("scan", "Writer scan of no-open mode against a baseline revision",
+             own_table_section)):
         if name in results:
             parts.append(section(title, render, results[name], broken=broken))
     fewer = [f"{r.name} {n.removeprefix(FEWER)}" for r in results.values() for n in r.notes
@@ -677,8 +685,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--doc", type=Path, default=DOC, metavar="FILE",
                     help="where the full report goes (default: docs/performance.md)")
     ap.add_argument("--only", help="comma-separated benchmarks to run (store, fuse, "
-                    "checkpoint, remote, sessions, steps, sparse, write, exclude, tools); the "
-                    "others are reported as not run")
+                    "checkpoint, remote, sessions, steps, sparse, write, exclude, scan, tools); "
+                    "the others are reported as not run")
     ap.add_argument("--from-results", metavar="FILE", type=Path,
                     help="measure nothing: write the reports again from a run's saved "
                     "results (agent-data/bench/run_all/results.json)")
@@ -730,6 +738,9 @@ def main(argv: list[str]) -> int:
         ("exclude", [*bench, str(HERE / "bench_exclude.py"), "--kept",
                      ",".join(str(n) for n in EXCLUDE_KEPT), "--runs", "5"],
          240, lambda r: parse_exclude(r.stdout)),
+        ("scan", [*bench, str(HERE / "bench_scan.py"), "--runs", "3" if q else "20",
+                  *(["--baseline", SCAN_BASELINE] if has_commit(SCAN_BASELINE) else [])],
+         240, lambda r: None),
     ]
     # (name, option, its value here, its default alone) for the report's note
     fewer = {"remote": ("--runs", 1 if q else REMOTE_RUNS, 5),
