@@ -13,6 +13,7 @@ FUSE modules are imported inside handlers.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import select
 import subprocess
@@ -119,13 +120,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
             from store.ref import Ref
 
             Ref.parse(ref)  # InvalidRefError (exit 3) before anything starts
-    if not os.path.isdir(mnt):
-        if is_mounted(mnt):  # a mount that no longer answers: its daemon was killed
+    if is_mounted(mnt):
+        if _dead(mnt):  # its daemon was killed
             raise MountError(mnt, "a dead mount is left there (its daemon is gone); run "
                                   "`rewindfs umount` on it first")
-        raise MountError(mnt, "mount point is not a directory")
-    if is_mounted(mnt):
         raise MountError(mnt, "something is already mounted there")
+    if not os.path.isdir(mnt):
+        raise MountError(mnt, "mount point is not a directory")
     store = os.path.abspath(args.store)
     state = os.path.abspath(args.state) if args.state else None
     log_path = os.path.abspath(args.log) if args.log else None
@@ -186,6 +187,17 @@ def cmd_mount(args: argparse.Namespace) -> int:
     emit(args, {"mountpoint": mnt, "pid": proc.pid, "ref": ref, "state": state,
                 "log": log_path}, f"mounted at {mnt} (pid {proc.pid})")
     return 0
+
+
+def _dead(mnt: str) -> bool:
+    """True if the file system mounted at ``mnt`` no longer answers (ENOTCONN: its FUSE
+    daemon is gone). A stat cannot tell: the kernel may answer it from the attributes it
+    cached for the root while the daemon lived; statfs always asks the daemon."""
+    try:
+        os.statvfs(mnt)
+    except OSError as e:
+        return e.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    return False
 
 
 def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:

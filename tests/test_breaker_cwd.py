@@ -99,3 +99,30 @@ def test_kill9_mid_appends_keeps_fsynced_and_dead_mount_is_named(
     lines = log.read_text().splitlines()
     assert len(lines) >= synced == 1220
     assert lines == [f"{i:08d}" for i in range(len(lines))]
+
+
+def test_a_dead_mount_whose_root_the_kernel_still_stats_is_named(
+        mounter: fh.Mounter, lower_ref: str, fuse_store: Path) -> None:
+    """After kill -9 of a daemon, the kernel may still answer a stat of the mount's root
+    from the attributes it cached, so the mount point looks like a directory: ``rewindfs
+    mount`` there used to say "something is already mounted there" (as for a live mount),
+    not that a dead mount is left and what to run."""
+    d = mounter.rw(lower_ref)
+    assert d.proc is not None and d.state is not None
+    with open(d.mnt / "touched", "wb") as f:  # fsynced: kept across the kill
+        f.write(b"x")
+        f.flush()
+        os.fsync(f.fileno())
+    os.stat(d.mnt)
+    os.killpg(d.proc.pid, signal.SIGKILL)
+    d.proc.wait()
+    assert fh.is_fuse_mounted(d.mnt) and os.path.isdir(d.mnt)  # the case: a cached root
+    r = _cli(d.mnt.parent, "--store", str(fuse_store), "mount", str(d.mnt), "--state",
+             str(d.state))
+    assert r.returncode == 9
+    assert "dead mount" in r.stderr and "rewindfs umount" in r.stderr, r.stderr
+    u = _cli(d.mnt.parent, "--store", str(fuse_store), "umount", str(d.mnt))
+    assert u.returncode == 0, u.stderr
+    mounter.kill9(d)  # reaps and forgets the killed daemon
+    mounter.restart(d)
+    assert (d.mnt / "touched").read_bytes() == b"x"
