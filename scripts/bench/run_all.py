@@ -319,6 +319,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def not_run(res: Result) -> str:
+    if res.status == "ok":   # it ran, but left nothing this report reads
+        return f"_Not available: the {res.name} benchmark gave no figures this report reads._"
     return f"_Not available: the {res.name} benchmark: {res.status}._"
 
 
