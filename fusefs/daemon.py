@@ -4,9 +4,12 @@
 state directory, mounts, reports readiness through ``ready``, serves until the mount is
 unmounted or SIGINT/SIGTERM arrives, then persists everything durably, unmounts and
 returns an exit code. A session mount also serves its control socket (``control.py``:
-checkpoint, restore, status). SIGUSR1 (and the exit) writes request counts per operation and the
-CPU time to ``config.stats_path`` (default: ``stats.json`` next to the log). The log goes to ``config.log_path`` (session mounts: ``daemon.log`` in the
-state directory) or stderr.
+checkpoint, restore, status). SIGUSR1 (and the exit) writes request counts per operation
+and the CPU time to ``config.stats_path`` (default: ``stats.json`` next to the log; for a
+log in the runtime directory, ``<key>.stats.json`` beside it). The log goes to
+``config.log_path`` (session mounts: ``daemon.log`` in the state directory; a mount without
+one, as the CLI starts it: ``<key>.log`` in the runtime directory's ``mounts``, removed
+with that stats file when the daemon ends with 0, kept after a failure) or stderr.
 
 It must never touch its own mount point from the serving thread (PYFUSE3.md trap 10).
 """
@@ -31,6 +34,7 @@ from .mounts import (
     claim_mountpoint,
     mount_device,
     mount_id,
+    record_path,
     release_claim,
     remove_record,
     start_time,
@@ -322,7 +326,12 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         options.add("ro")
     if cfg.allow_other:
         options.add("allow_other")
+    # A log in the runtime directory (the CLI's for a mount without a state directory) is
+    # this mount's alone, and so is its stats file; a clean end leaves neither behind.
+    runtime_log = cfg.log_path is not None and cfg.log_path == record_path(cfg.mountpoint,
+                                                                          ".log")
     stats_path = cfg.stats_path or (
+        record_path(cfg.mountpoint, ".stats.json") if runtime_log else
         os.path.join(os.path.dirname(cfg.log_path), "stats.json") if cfg.log_path else None)
 
     def write_stats() -> None:
@@ -444,13 +453,22 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         except Exception as e:  # a runtime directory refused: the log still says it
             log.error("cannot write the exit record: %s", e)
     remove_record(cfg.mountpoint, os.getpid())
-    try:
-        write_stats()
-    except OSError:
-        pass
+    clean = code == 0 and runtime_log
+    if not (clean and cfg.stats_path is None):
+        try:
+            write_stats()
+        except OSError:
+            pass
     unpin_mount(store, mount_pin)
     store.close()
     log.info("unmounted %s (%d requests)", cfg.mountpoint, sum(ops.counts.values()))
+    if clean:  # while the claim is held, so no other daemon serves there yet
+        for path in (cfg.log_path, None if cfg.stats_path else stats_path):
+            try:
+                if path is not None:
+                    os.unlink(path)
+            except OSError:
+                pass
     release_claim(cfg.mountpoint, claim)
     return code
 

@@ -56,7 +56,8 @@ def register(sub: Any) -> None:
                    help="let other users (still subject to permissions) use the mount")
     p.add_argument("--log", metavar="FILE",
                    help="daemon log (default: DIR/daemon.log, or the runtime directory for "
-                        "read-only mounts; stderr with --foreground)")
+                        "read-only mounts, removed after a clean unmount; stderr with "
+                        "--foreground)")
     p.add_argument("--debug", action="store_true", help="log at debug level")
     p.add_argument("--cache-mib", type=int, default=128,
                    help="decompressed lower chunks kept in memory (MiB, default 128)")

@@ -155,6 +155,37 @@ def test_a_loose_runtime_dir_is_tightened_and_every_start_works(box: Box, kind: 
     box.assert_nothing_left()
 
 
+def test_a_clean_unmount_leaves_nothing_in_the_runtime_dir(box: Box) -> None:
+    """A read-only mount logs into the runtime directory (``mounts/<key>.log``); once it is
+    unmounted (``umount``, or SIGTERM to its daemon) nothing of it is left there: no
+    record, lock, log or stats file. A state directory's mount leaves nothing there
+    either."""
+    rt = box.runtime("xdg")
+    ro, mnt = box.base / "ro", box.base / "mnt"
+    ro.mkdir()
+    mnt.mkdir()
+    out = json.loads(box.rw("mount", "--ro", box.ref, str(ro), "--json").stdout)
+    assert Path(out["log"]).parent == rt / "mounts" and Path(out["log"]).exists()
+    os.kill(out["pid"], signal.SIGUSR1)  # a stats file of its own, beside the log
+    deadline = time.monotonic() + 30
+    while not list((rt / "mounts").glob("*.stats.json")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [p.name for p in (rt / "mounts").glob("*.stats.json")] == [
+        Path(out["log"]).name.replace(".log", ".stats.json")]
+    box.rw("umount", str(ro))
+    assert sorted(os.listdir(rt / "mounts")) == []
+    pid = json.loads(box.rw("mount", "--ro", box.ref, str(ro), "--json").stdout)["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while (fh.is_fuse_mounted(ro) or _procs_naming(box.base)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(os.listdir(rt / "mounts")) == []
+    box.rw("mount", box.ref, str(mnt), "--state", str(box.base / "state"))
+    box.rw("umount", str(mnt))
+    assert sorted(os.listdir(rt / "mounts")) == []
+    box.assert_nothing_left()
+
+
 @pytest.mark.skipif(UID != 0, reason="making a directory of another user needs root")
 def test_a_runtime_dir_of_another_user_is_refused_and_nothing_starts(box: Box) -> None:
     rt = box.runtime("xdg")
