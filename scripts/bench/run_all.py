@@ -261,8 +261,8 @@ def run_tools(res: Result, runs: int, timeout: float) -> None:
             print("run_all: building the tools benchmark's 20,000-file tree", flush=True)
             importlib.import_module("bench_tools").build_tree(str(tree))
             (tree / ".built").touch()
-        # The policy row's matches, which bench_tools.py writes into the native tree: they
-        # must be in the snapshot the tools see, or that row covers nothing.
+        # The policy row's matches, before the snapshot: the tools (on the mount) and rg and
+        # find (on the native tree) then see the same files, and the row covers them.
         importlib.import_module("bench_tools").policy_paths(str(tree))
         store = str(work / "store")
         ref = subprocess.run([rw, "--store", store, "snapshot", str(tree)], check=True,
