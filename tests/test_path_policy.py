@@ -27,6 +27,18 @@ needs_sandbox = pytest.mark.skipif(not HAS_BWRAP, reason="no bubblewrap sandbox 
 SECRET = "TOKEN=hunter2-secret"
 
 
+@pytest.fixture(params=["before-bwrap", "bwrap-binds"])
+def cover_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the sandbox makes the policy's covers: before bwrap starts, in a namespace
+    of the process that becomes bwrap (where the kernel allows it), and bwrap's own binds
+    (``REWINDFS_BWRAP_COVERS=1``, and wherever the first cannot be made)."""
+    mode = str(request.param)
+    if mode == "before-bwrap" and not sandbox.covers_before_bwrap():
+        pytest.skip("covers cannot be made before bwrap here")
+    monkeypatch.setenv("REWINDFS_BWRAP_COVERS", "1" if mode == "bwrap-binds" else "0")
+    return mode
+
+
 @pytest.fixture
 def ws(tmp_path: Path) -> ToolContext:
     root = tmp_path / "root"
@@ -111,7 +123,7 @@ def test_protected_refuses_tool_changes(ws: ToolContext) -> None:
 
 
 @needs_sandbox
-def test_hidden_and_protected_inside_bash(ws: ToolContext) -> None:
+def test_hidden_and_protected_inside_bash(ws: ToolContext, cover_mode: str) -> None:
     root = Path(ws.root.path)
     r = run_bash(ws, "cat .env; echo rc=$?; cat src/.env; echo rc=$?; cat vault/key.txt; "
                      "echo rc=$?; cat link-to-env; echo rc=$?; grep -r hunter2 . ; "
@@ -199,7 +211,8 @@ def _policy_ws(tmp_path: Path) -> tuple[Path, ToolContext]:
 
 
 @needs_sandbox
-def test_a_renamed_parent_keeps_hidden_and_protected_paths_covered(tmp_path: Path) -> None:
+def test_a_renamed_parent_keeps_hidden_and_protected_paths_covered(tmp_path: Path,
+                                                                    cover_mode: str) -> None:
     """``mv secretsdir x`` in one call, ``cat x/.env`` in the next: the file is the same
     object under another name and stays hidden (and a protected one protected), for Bash
     and for the file tools."""
@@ -225,7 +238,7 @@ def test_a_renamed_parent_keeps_hidden_and_protected_paths_covered(tmp_path: Pat
 
 
 @needs_sandbox
-def test_hard_links_to_covered_files_are_covered(tmp_path: Path) -> None:
+def test_hard_links_to_covered_files_are_covered(tmp_path: Path, cover_mode: str) -> None:
     """A hard link to a hidden or protected file, wherever it is and whenever it was made,
     is covered like the file; inside the sandbox none can be made (EXDEV)."""
     root, ws = _policy_ws(tmp_path)
@@ -267,3 +280,62 @@ def test_a_kept_listing_is_read_again_when_its_directory_changes(tmp_path: Path)
     b = run_bash(ws, "cat secretsdir/.env; echo rc=$?; cat secretsdir/was-env")
     assert "a new secret" not in b.text and "rc=1" in b.text, b.text
     assert SECRET not in b.text, b.text   # the first .env, renamed, is still itself
+
+
+@needs_sandbox
+def test_covers_inside_a_protected_directory(tmp_path: Path, cover_mode: str) -> None:
+    """A hidden file and a hidden directory inside a protected directory stay hidden (the
+    protected directory's read-only view holds their covers), a hidden directory takes no
+    file, and root inside the sandbox can neither unmount a cover nor make one writable."""
+    root = tmp_path / "root"
+    (root / "conf" / "keys").mkdir(parents=True)
+    (root / "conf" / ".env").write_text(SECRET + "\n")
+    (root / "conf" / "keys" / "id").write_text(SECRET + "\n")
+    (root / "conf" / "app.toml").write_text("x = 1\n")
+    ws = ToolContext(DirBinding(root, policy=PathPolicy(hide=(".env", "keys/"),
+                                                        protect=("conf/",))))
+    b = run_bash(ws, "cat conf/.env; echo a=$?; cat conf/keys/id; echo b=$?; "
+                     "grep -r hunter2 .; echo c=$?; cat conf/app.toml; "
+                     "echo y > conf/app.toml; echo d=$?; touch conf/new; echo e=$?; "
+                     "touch conf/keys/x; echo f=$?; umount conf/.env; echo g=$?; "
+                     "umount -l conf; echo h=$?; mount -o remount,rw conf; echo i=$?; "
+                     "chmod 644 conf/.env; echo j=$?; cat conf/.env; echo k=$?")
+    assert SECRET not in b.text and "hunter2" not in b.text, b.text
+    assert "x = 1" in b.text, b.text
+    for k in "abcdefghijk":
+        assert f"{k}=0" not in b.text, b.text
+    assert (root / "conf" / "app.toml").read_text() == "x = 1\n"
+    assert sorted(os.listdir(root / "conf")) == [".env", "app.toml", "keys"]
+    assert os.listdir(root / "conf" / "keys") == ["id"]
+
+
+@needs_sandbox
+def test_a_cover_on_a_changed_object_runs_nothing(tmp_path: Path) -> None:
+    """The covers made before bwrap are made on the objects the scan saw: a path that is
+    another object by then (here: a stale identity) fails the start, and nothing runs."""
+    if not sandbox.covers_before_bwrap():
+        pytest.skip("covers cannot be made before bwrap here")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / ".env").write_text(SECRET + "\n")
+    st, top = os.lstat(root / ".env"), os.stat(root)
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    for stale in (sandbox.Cover(b".env", True, False, st.st_dev, st.st_ino + 1),
+                  sandbox.Cover(b".env", True, True, st.st_dev, st.st_ino),
+                  sandbox.Cover(b"../root/.env", True, False, st.st_dev, st.st_ino)):
+        covers = sandbox.CoverSet((stale,), top.st_dev, top.st_ino, str(empty))
+        with pytest.raises(OSError, match="path policy"):
+            sandbox.start_shell(sandbox.SandboxPolicy(), str(root), str(root), [],
+                                "touch ran", covers=covers)
+        assert not (root / "ran").exists()
+    ok = sandbox.CoverSet((sandbox.Cover(b".env", True, False, st.st_dev, st.st_ino),),
+                          top.st_dev, top.st_ino, str(empty))
+    import subprocess
+
+    run = sandbox.start_shell(sandbox.SandboxPolicy(), str(root), str(root), [],
+                              "cat .env; touch ran", covers=ok, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    out, _ = run.proc.communicate(timeout=60)
+    run.close()
+    assert SECRET.encode() not in out and (root / "ran").exists(), out

@@ -111,6 +111,7 @@ def _start_shell(ctx: ToolContext, script: str, cwd: str,
     try:
         return sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
                                    pass_fds=pass_fds + tuple(view.fds), view=view.argv,
+                                   covers=view.cover_set(),
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, start_new_session=True,
                                    close_fds=True)

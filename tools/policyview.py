@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tools.paths import Root
+from tools.sandbox import Cover, CoverSet, covers_before_bwrap
 from tools.walk import list_dir, open_subdir
 
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -58,14 +59,25 @@ _SETTLED_NS = 1_000_000_000
 
 @dataclass
 class PolicyView:
-    """bwrap arguments (``argv``) and the descriptors they name (``fds``, owned: pass them to
+    """How the sandbox covers the policy for one call: ``covers`` (``sandbox.Cover``, made
+    before bwrap starts, see :meth:`cover_set`) where ``sandbox.covers_before_bwrap``, else
+    bwrap arguments (``argv``) and the descriptors they name (``fds``, owned: pass them to
     ``sandbox.start_shell``, which closes them, or call :meth:`close`). ``hidden`` and
-    ``protected``: the workspace paths covered, in walk order."""
+    ``protected``: the workspace paths covered, in walk order; ``root_id``: the root's
+    (st_dev, st_ino) when the scan opened it."""
 
     argv: list[str] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
     hidden: list[str] = field(default_factory=list)
     protected: list[str] = field(default_factory=list)
+    covers: list[Cover] = field(default_factory=list)
+    root_id: tuple[int, int] = (0, 0)
+
+    def cover_set(self) -> CoverSet | None:
+        """The covers for ``sandbox.start_shell(covers=...)``; None when there are none."""
+        if not self.covers:
+            return None
+        return CoverSet(tuple(self.covers), self.root_id[0], self.root_id[1], _empty_file())
 
     def close(self) -> None:
         for fd in self.fds:
@@ -134,6 +146,8 @@ def scan(root: Root, want_view: bool = False) -> PolicyView:
         except OSError:
             return view
         try:
+            st = os.fstat(top)
+            view.root_id = (st.st_dev, st.st_ino)
             w = _Walk(root, cache, view, want_view, started)
             w.dir(top, "", None)
             w.aliases(top)
@@ -162,6 +176,7 @@ class _Walk:
         self.seen: dict[str, _Listing] = {}
         self.view = view
         self.want_view = want_view
+        self.premount = want_view and covers_before_bwrap()
         self.started = started
         self.hide = root.policy.matcher("hide")
         self.protect = root.policy.matcher("protect")
@@ -280,6 +295,18 @@ class _Walk:
         """Add the mount covering ``rel`` (entry ``name`` of directory ``fd``); False when
         it is not covered after all (gone, or a symbolic link now)."""
         view = self.view
+        if self.premount:
+            try:                               # the identity the cover step checks
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                return False
+            if stat.S_ISLNK(st.st_mode):
+                return False                   # swapped for a link since listed: never bound
+            view.covers.append(Cover(os.fsencode(rel), kind == "hide",
+                                     stat.S_ISDIR(st.st_mode), st.st_dev, st.st_ino))
+            (view.hidden if kind == "hide" else view.protected).append(rel)
+            self.done.add(rel)
+            return True
         if kind == "hide":
             if self.want_view:
                 if is_dir:

@@ -203,6 +203,225 @@ def _data_fd(data: bytes, name: str) -> int:
     return fd
 
 
+# -- covers made before bwrap: the path policy's mounts -------------------------------------
+
+# Mounting a path policy's covers through bwrap costs one read of /proc/self/mountinfo per
+# bind (bwrap looks the new mount up to set its flags), so n covers cost O(n^2) lines of
+# mountinfo. Instead the process that becomes bwrap first enters a user and mount namespace
+# of its own and makes each cover with the kernel's mount API (open_tree or fsmount,
+# mount_setattr, move_mount: a few calls per cover, no table read); bwrap's recursive bind
+# of the root carries them into the sandbox, whose namespace (owned by bwrap's nested user
+# namespace) gets them locked: the command can neither unmount one nor make it writable,
+# even with the capabilities seccomp and --cap-drop already deny it.
+_CLONE_NEWNS = 0x00020000
+_SYS = {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+        "openat2": 437, "mount_setattr": 442}   # one numbering on every architecture
+_OPEN_TREE_CLONE = 1
+_AT_EMPTY_PATH = 0x1000
+_AT_RECURSIVE = 0x8000
+_MOVE_MOUNT_EMPTY = 0x04 | 0x40           # MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH
+_FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 1, 6
+_MOUNT_RDONLY, _MOUNT_NOSUID, _MOUNT_NODEV, _MOUNT_NOEXEC = 0x1, 0x2, 0x4, 0x8
+_RESOLVE_BENEATH_NO_LINKS = 0x02 | 0x04 | 0x08   # NO_MAGICLINKS | NO_SYMLINKS | BENEATH
+
+
+@dataclasses.dataclass(frozen=True)
+class Cover:
+    """One path of the session's path policy covered inside the sandbox: ``rel`` (bytes,
+    relative to the workspace root), ``hide`` (an empty mode-0000 read-only object over
+    it: a tmpfs over a directory, the empty file over anything else) or not (protect: the
+    object bound read-only over itself), ``is_dir``, and the identity (``dev``, ``ino``)
+    the scan saw; a cover is made on that very object or the command does not start."""
+
+    rel: bytes
+    hide: bool
+    is_dir: bool
+    dev: int
+    ino: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CoverSet:
+    """What :func:`start_shell` covers before bwrap starts: the ``covers``, the root's
+    identity (``root_dev``, ``root_ino``) as the scan saw it, and ``empty``: the path of
+    an empty mode-0000 file of this process (bound over hidden non-directories)."""
+
+    covers: tuple[Cover, ...]
+    root_dev: int
+    root_ino: int
+    empty: str
+
+
+class _MountApi:
+    """The kernel calls the cover step makes, through ctypes (resolved once, in the
+    parent: the child between fork and exec only calls them)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.c = ctypes
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.syscall = self.libc.syscall
+        self.unshare = self.libc.unshare
+
+        class MountAttr(ctypes.Structure):
+            _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                        ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+        class OpenHow(ctypes.Structure):
+            _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                        ("resolve", ctypes.c_uint64)]
+
+        self.hidden_attr = MountAttr(_MOUNT_RDONLY | _MOUNT_NOSUID | _MOUNT_NODEV
+                                     | _MOUNT_NOEXEC, 0, 0, 0)
+        self.protect_attr = MountAttr(_MOUNT_RDONLY | _MOUNT_NOSUID | _MOUNT_NODEV, 0, 0, 0)
+        self.how = OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
+                           _RESOLVE_BENEATH_NO_LINKS)
+
+    def call(self, name: str, *args: Any) -> int:
+        c = self.c
+        # syscall(2) reads every argument as a long: ints are passed as such
+        conv = [c.c_long(a) if isinstance(a, int) else a for a in args]
+        r = int(self.syscall(c.c_long(_SYS[name]), *conv))
+        if r < 0:
+            e = c.get_errno()
+            raise OSError(e, f"{name}: {os.strerror(e)}")
+        return r
+
+    def ref(self, obj: Any) -> Any:
+        return self.c.byref(obj)
+
+    def size(self, obj: Any) -> int:
+        return self.c.sizeof(obj)
+
+
+@functools.lru_cache(maxsize=1)
+def _mount_api() -> _MountApi:
+    return _MountApi()
+
+
+def _enter_namespace(api: _MountApi, uid: int, gid: int) -> None:
+    """This (single-threaded, forked) process into a new user namespace mapping only its
+    own uid and gid, and a new mount namespace owned by it."""
+    if api.unshare(_CLONE_NEWUSER | _CLONE_NEWNS) != 0:
+        e = api.c.get_errno()
+        raise OSError(e, f"unshare: {os.strerror(e)}")
+    for name, data in ((b"setgroups", b"deny"), (b"uid_map", b"%d %d 1" % (uid, uid)),
+                       (b"gid_map", b"%d %d 1" % (gid, gid))):
+        fd = os.open(b"/proc/self/" + name, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def _make_cover(api: _MountApi, top: int, empty: int, c: Cover) -> None:
+    """Mount ``c`` over its object, found below ``top`` without following any link and
+    checked to be the object the scan saw (OSError ESTALE otherwise)."""
+    dst = api.call("openat2", top, c.rel, api.ref(api.how), api.size(api.how))
+    try:
+        st = os.fstat(dst)
+        if (st.st_dev, st.st_ino) != (c.dev, c.ino) or stat.S_ISLNK(st.st_mode) \
+                or stat.S_ISDIR(st.st_mode) != c.is_dir:
+            raise OSError(errno.ESTALE, "a covered path changed while the command started")
+        if c.hide and c.is_dir:
+            fs = api.call("fsopen", b"tmpfs", 1)   # FSOPEN_CLOEXEC
+            try:
+                api.call("fsconfig", fs, _FSCONFIG_SET_STRING, b"mode", b"0", 0)
+                api.call("fsconfig", fs, _FSCONFIG_CMD_CREATE, None, None, 0)
+                m = api.call("fsmount", fs, 1, _MOUNT_RDONLY | _MOUNT_NOSUID | _MOUNT_NODEV
+                             | _MOUNT_NOEXEC)   # FSMOUNT_CLOEXEC
+            finally:
+                os.close(fs)
+        else:
+            src, attr = (empty, api.hidden_attr) if c.hide else (dst, api.protect_attr)
+            m = api.call("open_tree", src, b"", _OPEN_TREE_CLONE | os.O_CLOEXEC
+                         | _AT_EMPTY_PATH | _AT_RECURSIVE)
+            try:
+                api.call("mount_setattr", m, b"", _AT_EMPTY_PATH | _AT_RECURSIVE,
+                         api.ref(attr), api.size(attr))
+            except BaseException:
+                os.close(m)
+                raise
+        try:
+            api.call("move_mount", m, b"", dst, b"", _MOVE_MOUNT_EMPTY)
+        finally:
+            os.close(m)
+    finally:
+        os.close(dst)
+
+
+def _cover_step(root: str, cs: CoverSet) -> Any:
+    """The function the process that becomes bwrap runs between fork and exec
+    (``preexec_fn``): a namespace of its own (:func:`_enter_namespace`), then every cover
+    in turn; each path is resolved through the covers made before it, so one below a
+    protected directory lands in the read-only view of it. Anything failing raises, and
+    then nothing is executed."""
+    api = _mount_api()
+    uid, gid = os.getuid(), os.getgid()
+    order = cs.covers
+    root_b = os.fsencode(root)
+    empty_b = os.fsencode(cs.empty)
+
+    def step() -> None:
+        _enter_namespace(api, uid, gid)
+        top = os.open(root_b, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(top)
+        if (st.st_dev, st.st_ino) != (cs.root_dev, cs.root_ino):
+            raise OSError(errno.ESTALE, "the workspace root changed")
+        empty = os.open(empty_b, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        for c in order:
+            _make_cover(api, top, empty, c)
+
+    return step
+
+
+def covers_before_bwrap() -> bool:
+    """Whether the path policy's covers are made before bwrap here (:func:`_cover_step`)
+    rather than by bwrap arguments: where :func:`premount_available`, unless
+    ``REWINDFS_BWRAP_COVERS=1`` asks for bwrap's own binds (for tests of that path)."""
+    if os.environ.get("REWINDFS_BWRAP_COVERS") == "1" or unavailable_reason() is not None:
+        return False
+    bw = shutil.which("bwrap")
+    return bw is not None and premount_available(bw)
+
+
+@functools.lru_cache(maxsize=4)
+def premount_available(bw: str) -> bool:
+    """Whether covers can be made before bwrap here (:func:`_cover_step`): an unprivileged
+    user namespace with mount rights (some systems confine those to bwrap), the mount API
+    (Linux 5.12), and bwrap working nested inside that namespace. Probed once per bwrap
+    path with a real cover of each kind in a scratch directory."""
+    import tempfile
+
+    try:
+        program = seccomp_program()
+    except (ImportError, OSError, RuntimeError):
+        return False
+    with tempfile.TemporaryDirectory(prefix="rewindfs-cover-probe-") as d:
+        for name in ("dir", "file", "empty"):
+            p = os.path.join(d, name)
+            os.mkdir(p) if name == "dir" else open(p, "w").close()
+        ids = {n: os.lstat(os.path.join(d, n)) for n in ("dir", "file")}
+        st = os.stat(d)
+        cs = CoverSet((Cover(b"dir", True, True, ids["dir"].st_dev, ids["dir"].st_ino),
+                       Cover(b"file", False, False, ids["file"].st_dev, ids["file"].st_ino)),
+                      st.st_dev, st.st_ino, os.path.join(d, "empty"))
+        fd = _data_fd(program, "rewindfs-seccomp")
+        argv = [bw, *_namespaces(), *_system_view(), "--dev", "/dev", "--proc", "/proc",
+                "--bind", d, d, "--seccomp", str(fd), "--", "sh", "-c",
+                f'! ls {d}/dir/ 2>/dev/null && ! (: > {d}/file) 2>/dev/null']
+        try:
+            r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=_PROBE_TIMEOUT_S,
+                               pass_fds=(fd,), preexec_fn=_cover_step(d, cs))
+        except (OSError, subprocess.SubprocessError):
+            return False
+        finally:
+            os.close(fd)
+    return r.returncode == 0
+
+
 # -- availability --------------------------------------------------------------------------
 
 
@@ -728,14 +947,17 @@ def _stop_network(net: subprocess.Popen[bytes]) -> None:
 
 def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str],
                 command: str, pass_fds: Sequence[int] = (), view: Sequence[str] = (),
-                **popen_kw: Any) -> ShellRun:
+                covers: CoverSet | None = None, **popen_kw: Any) -> ShellRun:
     """Start ``bash -c command`` in the sandbox (module docstring) with working directory
     ``cwd``; ``pass_fds``: the caller's descriptors the command inherits (the caller keeps
     and closes them); ``popen_kw`` go to subprocess.Popen (stdio, start_new_session). Where
     no sandbox can be built, runs it unconfined under the subreaper helper if
     ``policy.unsafe_no_sandbox``, else raises SandboxUnavailable naming the cause. Raises
     OSError when the command cannot be started. ``view``: further bwrap arguments
-    (:func:`confined_shell`; descriptors they name go in ``pass_fds``)."""
+    (:func:`confined_shell`; descriptors they name go in ``pass_fds``). ``covers``: the
+    path policy's covers, made before bwrap starts (:func:`_cover_step`; only where
+    :func:`premount_available`); a cover that cannot be made (its object changed since the
+    scan) is an OSError and nothing runs."""
     reason = unavailable_reason()
     if reason is not None:
         if not policy.unsafe_no_sandbox:
@@ -784,9 +1006,17 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
                               block_fd, net_fds, resolv_fd, view)
         env = sandbox_env(policy)
 
+        pre = _cover_step(root, covers) if covers is not None and covers.covers else None
+
         def popen() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(argv, cwd=root, env=env,
-                                    pass_fds=tuple(child_fds) + tuple(pass_fds), **popen_kw)
+            try:
+                return subprocess.Popen(argv, cwd=root, env=env, preexec_fn=pre,
+                                        pass_fds=tuple(child_fds) + tuple(pass_fds),
+                                        **popen_kw)
+            except subprocess.SubprocessError as e:   # the cover step failed: nothing ran
+                raise OSError(errno.ESTALE, "the session's path policy could not be "
+                              "applied in the sandbox (a covered path changed while the "
+                              "command started); nothing ran") from e
 
         proc = spawner.call(popen) if spawner is not None else popen()
     except BaseException:

@@ -11,7 +11,8 @@ The Bash rows time ``true`` through a real MCP client talking to ``rewindfs mcp`
 (sandboxed as the server would run it) against ``bash -c true`` run directly; their ratio
 has no goal of its own (the sandbox's cost), the latency is what to compare between runs.
 The last row times Bash with a path policy hiding 100 files and protecting 100 more
-(written into the tree first) against the plain Bash row (goal: at most 2x).
+(written first into the tree as the tools see it: ``--root`` when given) against the plain
+Bash row (goal: at most 2x); the two servers run at once and are called in turn.
 
 ``--mcp`` starts ``rewindfs mcp --root`` (a real stdio server, driven by the ``mcp``
 client) on a scratch directory and measures: a Bash ``true`` call (median of ``--runs``
@@ -115,33 +116,44 @@ def policy_paths(root: str, n: int = POLICY_MATCHES) -> None:
                     f.write("x\n")
 
 
-def bash_latency(root: str, runs: int, extra: tuple[str, ...] = ()
-                 ) -> tuple[list[float], list[float]]:
-    """Seconds per Bash ``true`` through MCP (a ``rewindfs mcp --root`` server over stdio,
-    after two warm-up calls; ``extra``: further server arguments), and per ``bash -c true``
-    run directly, alternating."""
+def bash_latency(root: str, runs: int,
+                 extras: tuple[tuple[tuple[str, ...], dict[str, str]], ...] = (((), {}),)
+                 ) -> tuple[list[list[float]], list[float]]:
+    """Seconds per Bash ``true`` through MCP, one list per server: a ``rewindfs mcp --root``
+    server over stdio per entry of ``extras`` (its further arguments, its further
+    environment), all running at once and called in turn after two warm-up calls each, so
+    that a change of the machine's load falls on every server alike; and per ``bash -c
+    true`` run directly, in the same turns."""
+    import contextlib
+
     import anyio
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
 
     repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     store = tempfile.mkdtemp(prefix="rewindfs-bench-store-")
-    params = StdioServerParameters(command=sys.executable,
-                                   args=["-m", "rewindfs.cli", "--store", store, "mcp",
-                                         "--root", root, *extra], cwd=os.path.abspath(repo))
-    t_mcp: list[float] = []
+    params = [StdioServerParameters(command=sys.executable,
+                                    args=["-m", "rewindfs.cli", "--store", store, "mcp",
+                                          "--root", root, *extra], cwd=os.path.abspath(repo),
+                                    env={**os.environ, **env})
+              for extra, env in extras]
+    t_mcp: list[list[float]] = [[] for _ in extras]
     t_direct: list[float] = []
 
     async def session() -> None:
-        async with Client(params, read_timeout_seconds=120) as client:
-            for _ in range(2):
-                await client.call_tool("Bash", {"command": "true"})
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(Client(p, read_timeout_seconds=120))
+                       for p in params]
+            for client in clients:
+                for _ in range(2):
+                    await client.call_tool("Bash", {"command": "true"})
             for _ in range(runs):
-                t = time.perf_counter()
-                r = await client.call_tool("Bash", {"command": "true"})
-                t_mcp.append(time.perf_counter() - t)
-                if r.is_error:
-                    raise SystemExit(f"Bash failed: {r.content}")
+                for client, times in zip(clients, t_mcp, strict=True):
+                    t = time.perf_counter()
+                    r = await client.call_tool("Bash", {"command": "true"})
+                    times.append(time.perf_counter() - t)
+                    if r.is_error:
+                        raise SystemExit(f"Bash failed: {r.content}")
                 t_direct.append(timed(lambda: subprocess.run(["bash", "-c", "true"],
                                                              check=True)))
 
@@ -287,20 +299,30 @@ def main() -> int:
         rows.append({"workload": name, "tool_ms": round(mt * 1000, 1),
                      "direct_ms": round(md * 1000, 1), "ratio": round(mt / md, 2),
                      "direct": " ".join(cmd)})
-    t_mcp, t_bash = bash_latency(args.root or tree, max(args.runs, 20))
+    # Bash alone, and with a path policy matching POLICY_MATCHES hidden and as many
+    # protected files, written where the tools see the tree (with --root, a mount of it:
+    # the native tree would not show them there); the second row's ratio is against the
+    # first (goal: 2), both servers running at once and called in turn.
+    # A third server makes the covers with bubblewrap's own binds (what the sandbox falls
+    # back to where they cannot be made before it starts), for comparison.
+    policy_paths(args.root or tree)
+    pol = ("--hide-glob", ".env", "--protect", "*.lock")
+    (t_mcp, t_pol, t_binds), t_bash = bash_latency(
+        args.root or tree, max(args.runs, 20),
+        (((), {}), (pol, {}), (pol, {"REWINDFS_BWRAP_COVERS": "1"})))
     mt, md = statistics.median(t_mcp), statistics.median(t_bash)
     rows.append({"workload": "Bash true (MCP stdio)", "tool_ms": round(mt * 1000, 1),
                  "direct_ms": round(md * 1000, 1), "ratio": round(mt / md, 2),
                  "direct": "bash -c true"})
-    # The same with a path policy matching POLICY_MATCHES hidden and as many protected
-    # files (written into the tree first); its ratio is against the row above (goal: 2).
-    policy_paths(tree)
-    t_pol, _ = bash_latency(args.root or tree, max(args.runs, 20),
-                            ("--hide-glob", ".env", "--protect", "*.lock"))
     mp = statistics.median(t_pol)
     rows.append({"workload": f"Bash true, {POLICY_MATCHES} hidden + {POLICY_MATCHES} "
                              "protected", "tool_ms": round(mp * 1000, 1),
                  "direct_ms": round(mt * 1000, 1), "ratio": round(mp / mt, 2),
+                 "direct": "Bash true (MCP stdio), no policy"})
+    mb = statistics.median(t_binds)
+    rows.append({"workload": "Bash true, same policy, bwrap binds",
+                 "tool_ms": round(mb * 1000, 1),
+                 "direct_ms": round(mt * 1000, 1), "ratio": round(mb / mt, 2),
                  "direct": "Bash true (MCP stdio), no policy"})
     if args.json:
         print(json.dumps({"tree": tree, "root": args.root or tree, "runs": args.runs,
@@ -310,6 +332,7 @@ def main() -> int:
         for r in rows:
             goal = 2.0 if "protected" in r["workload"] else 1.5
             flag = "" if r["ratio"] <= goal or r["workload"] == "Bash true (MCP stdio)" \
+                or "bwrap binds" in r["workload"] \
                 else f"  (over {goal:g}x)"
             print(f"{r['workload']:36} {r['tool_ms']:9.1f} {r['direct_ms']:10.1f} "
                   f"{r['ratio']:6.2f}{flag}")

@@ -491,9 +491,10 @@ def tools_section(res: Result) -> str:
             f"of a 20,000-file tree, against `rg` and `find` run directly on the native tree; "
             f"median of {d['runs']} runs. The Bash row is `true` through a real MCP client "
             f"and `rewindfs mcp` over stdio (sandboxed), against `bash -c true`, median of "
-            f"at least 20 calls; the last row is the same call with a path policy covering "
-            f"100 hidden and 100 protected files of the tree, against the Bash row (goal: "
-            f"at most 2x):\n\n" +
+            f"at least 20 calls; the row after it is the same call with a path policy "
+            f"covering 100 hidden and 100 protected files of the tree, against the Bash row "
+            f"(goal: at most 2x; their servers run at once, called in turn), and the last "
+            f"row makes those covers with bubblewrap's binds instead:\n\n" +
             table(["workload", "tool", "direct", "tool / direct"], rows))
 
 
