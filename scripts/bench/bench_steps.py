@@ -15,6 +15,8 @@ steps, each after changing 10 more of the dirty files, so every step looks at a 
   walk of the dirty set, the journal append whose barrier is shared (group commit,
   fusefs/session/journal.py), the socket), and the daemon's own part
   (``daemon_ms``); medians;
+- the transport alone: a ``mutated`` request (the session answers it without work), round
+  trip, median; the step's round trip is about this plus the daemon and journal part;
 - baseline, same tree and dirty set: ``rewindfs diff MNT``'s request (the daemon's diff op:
   a checkpoint preview of the dirty set, then a tree diff), round trip, median;
 - FUSE write throughput (the hot path the step log does not touch): 64 MiB written through
@@ -121,6 +123,13 @@ def main() -> int:
                 daemon.append(st["daemon_ms"])
                 journaled.append(st["elapsed_ms"])
                 assert len(st["changes"]) == 10, st["changes"]
+            # The transport alone: a request the session answers without work (connect,
+            # the server's thread per connection, JSON both ways), in the same turns.
+            nulls = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                request(sock, {"op": "mutated"}, 120)
+                nulls.append((time.perf_counter() - t0) * 1000)
             diffs = []
             mc = Client.for_mount(str(root))
             for _ in range(max(5, args.runs)):
@@ -131,6 +140,7 @@ def main() -> int:
             res.update(step_ms=statistics.median(rounds),
                        step_daemon_ms=statistics.median(daemon),
                        step_session_ms=statistics.median(journaled),
+                       noop_ms=statistics.median(nulls),
                        diff_ms=statistics.median(diffs))
 
             quiet = [write_mib_s(root) for _ in range(args.runs)]
@@ -158,6 +168,8 @@ def main() -> int:
          f"{res['diff_ms'] / res['step_ms']:.1f}x faster than diff MNT"],
         ["  of which in the daemon (what changed since the last step)", f"{res['step_daemon_ms']:.2f} ms", ""],
         ["  of which the daemon + the journal append (barrier shared: group commit)", f"{res['step_session_ms']:.2f} ms", ""],
+        ["a request without work (connect, thread, JSON), round trip",
+         f"{res['noop_ms']:.2f} ms", ""],
         ["baseline: diff MNT request, round trip", f"{res['diff_ms']:.2f} ms", ""],
         [f"first step ({res['first_step_paths']} paths journaled)",
          f"{res['first_step_ms']:.2f} ms", ""],
