@@ -3,15 +3,24 @@
 Computed when a call starts (``scan``), from what the policy covers then (a path created
 later by the command is not covered until the next call):
 
-- a ``hide`` match is covered by an empty, mode-0000 object: a tmpfs over a directory, an
-  empty read-only file over anything else. Reading it fails with EACCES, changing or
+- a ``hide`` match is covered by an empty, mode-0000, read-only object: a tmpfs over a
+  directory, an empty file over anything else. Reading it fails with EACCES, changing or
   removing it with EACCES, EROFS or EBUSY, and nothing of its content is reachable. Its
   name still appears in its parent's listing (a bind mount cannot remove a directory
   entry; ``ls`` shows the name, with mode 0000 and size 0).
-- a ``protect`` match is bound read-only over itself (``--ro-bind-fd`` from a descriptor
-  opened here without following links, so a path swapped for a symbolic link cannot bind
-  something outside the root into the sandbox): changes fail with EROFS (EBUSY for
+- a ``protect`` match is bound read-only over itself: changes fail with EROFS (EBUSY for
   removing or renaming the match itself).
+
+How. Where ``sandbox.covers_before_bwrap`` (an unprivileged user namespace with mount
+rights and the kernel's mount API), each cover is a ``sandbox.Cover`` naming the object by
+its path and its identity (st_dev, st_ino, taken here without following links); the
+process that becomes bwrap makes them in a mount namespace of its own, on the object found
+beneath the root without following any link and only if it is still that object (else
+nothing runs), and bwrap's bind of the root carries them into the sandbox, locked there.
+Elsewhere they are bwrap arguments: ``--perms 0000 --tmpfs`` over a hidden directory,
+``--ro-bind`` of the empty file over a hidden file, ``--ro-bind-fd`` from a descriptor
+opened here without following links for a protected path (so a path swapped for a
+symbolic link cannot bind something outside the root into the sandbox).
 
 Identity. A match stays covered under another name (``tools.paths.Covered``): each scan
 records the inode numbers of everything it covers (the matches and everything below them),
@@ -30,7 +39,9 @@ Cost. One ``open`` and ``fstat`` per directory of the workspace; a directory's l
 when the directory changed (its inode, mtime or ctime differ, which every entry created,
 removed or renamed in it changes, and which nothing unprivileged can set back), or changed
 less than a second before it was listed (times come from a coarse clock). Plus one mount
-per covered path; nothing when the policy has no hide and no protect patterns.
+per covered path: a few system calls each when made before bwrap, about 1 ms each through
+bwrap's binds (bwrap reads the whole mount table after every bind, so n binds cost
+O(n^2)); nothing when the policy has no hide and no protect patterns.
 """
 
 from __future__ import annotations

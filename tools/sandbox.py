@@ -21,6 +21,11 @@ Networking is off (an empty network namespace with only its own loopback); with
 ``SandboxPolicy.network`` slirp4netns gives the namespace outbound access in user mode,
 with the host's loopback unreachable unless ``SandboxPolicy.host_loopback``.
 
+The session's path policy (tools.policyview) covers paths inside the root with mounts
+made before bwrap starts, in a user and mount namespace of the process that becomes bwrap
+(:func:`_cover_step`; bwrap's recursive bind of the root carries them in, locked), or,
+where the kernel does not allow that, with bwrap's own binds.
+
 Where such a sandbox cannot be built, :func:`unavailable_reason` names the cause and the
 Bash tool refuses unless the operator chose ``--unsafe-no-sandbox``; then commands run
 under a small subreaper helper that kills the whole process tree when they end.
