@@ -18,7 +18,9 @@ tuples: a snapshot row is ``(ref, time_ns, origin, label, key)``, a journal row 
 Fencing (CONTRACT 4.2 across hosts): ``add_journal(row, fence=name)`` inserts the row only
 if the lease ``name`` is still at the row's epoch, in the same transaction, and raises
 ``FencedError`` otherwise; a holder that was taken over can never append after its
-successor. Leases: a name is acquired free (epoch 1), taken over when expired or its
+successor. Session registry writes are fenced the same way: ``put_session(...,
+fence=name, epoch=e)`` writes the row only while lease ``name`` is at epoch ``e``. A lease
+that was never taken fences nothing. Leases: a name is acquired free (epoch 1), taken over when expired or its
 holder is provably dead (epoch + 1), re-acquired by its holder (same epoch); every change
 runs in one transaction that locks the row, so of two hosts racing exactly one wins.
 """
@@ -191,7 +193,8 @@ class Catalog(Protocol):
     def state_dirs(self, host: str | None = None) -> list[tuple[str, str]]: ...
 
     # session registry: id -> (host, record JSON)
-    def put_session(self, session: str, host: str, record: str) -> None: ...
+    def put_session(self, session: str, host: str, record: str,
+                    fence: str | None = None, epoch: int = 0) -> None: ...
     def session(self, session: str) -> tuple[str, str] | None: ...
     def sessions(self) -> list[tuple[str, str, str]]: ...
     def delete_session(self, session: str) -> bool: ...
@@ -309,9 +312,7 @@ class SQLiteCatalog:
             with self._tx() as c:
                 return c.execute(sql, row).rowcount > 0
         with self._tx() as c:
-            lease = c.execute("SELECT epoch FROM leases WHERE name=?", (fence,)).fetchone()
-            if lease is not None and lease[0] != row[3]:
-                raise FencedError(fence, row[3], lease[0])
+            _check_fence(c, fence, row[3])
             n = c.execute(sql, row).rowcount
         return n > 0
 
@@ -358,9 +359,15 @@ class SQLiteCatalog:
 
     # -- sessions --------------------------------------------------------------------
 
-    def put_session(self, session: str, host: str, record: str) -> None:
-        self._conn().execute("INSERT OR REPLACE INTO sessions(id, host, record) "
-                             "VALUES (?, ?, ?)", (session, host, record))
+    def put_session(self, session: str, host: str, record: str,
+                    fence: str | None = None, epoch: int = 0) -> None:
+        sql = "INSERT OR REPLACE INTO sessions(id, host, record) VALUES (?, ?, ?)"
+        if fence is None:
+            self._conn().execute(sql, (session, host, record))
+            return
+        with self._tx() as c:
+            _check_fence(c, fence, epoch)
+            c.execute(sql, (session, host, record))
 
     def session(self, session: str) -> tuple[str, str] | None:
         row = self._conn().execute("SELECT host, record FROM sessions WHERE id=?",
@@ -500,6 +507,14 @@ class SQLiteCatalog:
 
     def close(self) -> None:
         return None
+
+
+def _check_fence(c: sqlite3.Connection, name: str, epoch: int) -> None:
+    """Inside a write transaction on ``c``: raise FencedError unless lease ``name`` is at
+    ``epoch`` (a lease never taken fences nothing)."""
+    lease = c.execute("SELECT epoch FROM leases WHERE name=?", (name,)).fetchone()
+    if lease is not None and lease[0] != epoch:
+        raise FencedError(name, epoch, lease[0])
 
 
 def ids_of(oids: Iterable[bytes]) -> list[bytes]:

@@ -319,10 +319,7 @@ class PostgresCatalog:
     def add_journal(self, row: JournalRow, fence: str | None = None) -> bool:
         with self._tx() as c:
             if fence is not None:
-                lease = c.execute("SELECT epoch FROM leases WHERE name=%s FOR UPDATE",
-                                  (fence,)).fetchone()
-                if lease is not None and int(lease[0]) != row[3]:
-                    raise FencedError(fence, row[3], int(lease[0]))
+                _check_fence(c, fence, row[3])
             n = c.execute("INSERT INTO journal(session, seq, time_ns, epoch, event, ref, "
                           "trigger_, consistency, key) VALUES (%s, %s, %s, %s, %s, %s, %s, "
                           "%s, %s) ON CONFLICT (session, seq) DO NOTHING", row).rowcount
@@ -384,8 +381,11 @@ class PostgresCatalog:
 
     # -- sessions --------------------------------------------------------------------
 
-    def put_session(self, session: str, host: str, record: str) -> None:
+    def put_session(self, session: str, host: str, record: str,
+                    fence: str | None = None, epoch: int = 0) -> None:
         with self._tx() as c:
+            if fence is not None:
+                _check_fence(c, fence, epoch)
             c.execute("INSERT INTO sessions(id, host, record) VALUES (%s, %s, %s) "
                       "ON CONFLICT (id) DO UPDATE SET host=excluded.host, "
                       "record=excluded.record", (session, host, record))
@@ -529,6 +529,14 @@ class PostgresCatalog:
 
     def close(self) -> None:
         self._pool.close()
+
+
+def _check_fence(c: Any, name: str, epoch: int) -> None:
+    """Inside a write transaction on ``c``: lock lease ``name``'s row and raise FencedError
+    unless it is at ``epoch`` (a lease never taken fences nothing: store/catalog.py)."""
+    lease = c.execute("SELECT epoch FROM leases WHERE name=%s FOR UPDATE", (name,)).fetchone()
+    if lease is not None and int(lease[0]) != epoch:
+        raise FencedError(name, epoch, int(lease[0]))
 
 
 def _redact(dsn: str) -> str:

@@ -153,6 +153,22 @@ def test_session_registry(cat: Catalog) -> None:
     assert cat.delete_session("x") and not cat.delete_session("x")
 
 
+def test_fenced_registry_write_refused_after_takeover(cat: Catalog) -> None:
+    first = cat.lease_acquire("session/x", "hostA:1:a", 10 * S, 0, never_dead)
+    cat.put_session("x", "hostA", '{"state": "running"}', fence="session/x",
+                    epoch=first.epoch)
+    second = cat.lease_acquire("session/x", "hostB:1:b", 10 * S, 20 * S, never_dead)
+    cat.put_session("x", "hostB", '{"state": "running", "moved": true}', fence="session/x",
+                    epoch=second.epoch)
+    # The stale holder's late write (say its shutdown's "stopped") is refused, typed, and
+    # changes nothing.
+    with pytest.raises(FencedError) as ei:
+        cat.put_session("x", "hostA", '{"state": "stopped"}', fence="session/x",
+                        epoch=first.epoch)
+    assert ei.value.epoch == first.epoch and ei.value.current == second.epoch
+    assert cat.session("x") == ("hostB", '{"state": "running", "moved": true}')
+
+
 def test_lease_rules(cat: Catalog) -> None:
     a = cat.lease_acquire("root/r", "h1:1:a", 10 * S, 0, never_dead)
     assert a == Lease("root/r", "h1:1:a", 1, 10 * S)

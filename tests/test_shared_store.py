@@ -18,6 +18,7 @@ import pytest
 
 from store.config import SharedConfig, StoreConfigError, configure
 from store.errors import FencedError, LeaseLostError
+from store.ref import Ref
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -159,6 +160,19 @@ def test_session_lease_taken_over_on_b_fences_a(hosts: tuple[Host, Host], tmp_pa
                             trigger="manual", consistency="quiescent", fence="session/s1")
     events = st_a.journal("s1")
     assert [e.epoch for e in events] == [lease_a.epoch, lease_b.epoch]
+    # The session registry is fenced the same way: B registers the session as its own, and
+    # A's late registry write (its shutdown's "stopped") is refused in the same transaction.
+    from fusefs.session import moves
+
+    row = {"dirty": None, "mode": None, "parent": None, "created_ns": 1, "spec": {}}
+    moves.publish(st_b, "s1", moves.RUNNING, head=Ref.parse(ref2), epoch=lease_b.epoch,
+                  **row)  # type: ignore[arg-type]
+    monkeypatch.setenv("REWINDFS_HOST_ID", "hostA")
+    with pytest.raises(FencedError):
+        moves.publish(st_a, "s1", moves.STOPPED, head=Ref.parse(ref), epoch=lease_a.epoch,
+                      **row)  # type: ignore[arg-type]
+    e = moves.entry(st_a, "s1")
+    assert e is not None and (e.host, e.state, e.head) == ("hostB", moves.RUNNING, str(ref2))
     with pytest.raises(LeaseLostError):  # nor can A renew
         Leaser(st_a).renew(lease_a, 60)
 

@@ -367,7 +367,7 @@ def remove_session(store: Any, registry: Registry, session_id: str, leaser: Any,
                 _fsync_dir(state_dir)
             if rec is None or rec.mode != Mode.SHARED.value:
                 unregister_state_dir(store, os.path.join(state_dir, UPPER))
-            moves.forget(store, session_id)  # a shared catalog's row, if this host's
+            moves.forget(store, session_id, lease.epoch)  # the catalog's row, if this host's
             force_rmtree(state_dir)
             if root is not None:
                 force_rmtree(root)

@@ -115,7 +115,9 @@ def elsewhere(store: Any, session_id: str) -> SessionEntry | None:
 def publish(store: Any, session_id: str, state: str, *, head: Ref | None,
             dirty: bool | None, mode: str | None, parent: str | None, created_ns: int,
             epoch: int, spec: dict[str, Any]) -> None:
-    """Register ``session_id`` as this host's in ``state`` (no-op on an embedded store)."""
+    """Register ``session_id`` as this host's in ``state`` (no-op on an embedded store),
+    fenced by the session lease at ``epoch`` (the writer's): FencedError, nothing written,
+    if that lease was taken over since (store/catalog.py)."""
     if not shared(store):
         return
     from store.hostid import host_id
@@ -123,13 +125,20 @@ def publish(store: Any, session_id: str, state: str, *, head: Ref | None,
     store.catalog.put_session(session_id, host_id(), json.dumps({
         "state": state, "head": None if head is None else str(head), "dirty": dirty,
         "mode": mode, "parent": parent, "created_ns": created_ns, "time_ns": time.time_ns(),
-        "epoch": epoch, "spec": spec}, sort_keys=True))
+        "epoch": epoch, "spec": spec}, sort_keys=True),
+        fence=lease_name(session_id) if epoch else None, epoch=epoch)
 
 
-def forget(store: Any, session_id: str) -> None:
-    """``session rm`` of a session whose row is this host's: the row becomes a tombstone
-    (state ``removed``), so that a host holding stale local state of it (from before it
-    moved here) does not open that state again: it gets SessionNotFoundError."""
+def lease_name(session_id: str) -> str:
+    """The name of ``session_id``'s session lease (CONTRACT 4.2)."""
+    return f"session/{session_id}"
+
+
+def forget(store: Any, session_id: str, epoch: int) -> None:
+    """``session rm`` of a session whose row is this host's, by the holder of its session
+    lease at ``epoch`` (fenced as ``publish``): the row becomes a tombstone (state
+    ``removed``), so that a host holding stale local state of it (from before it moved
+    here) does not open that state again: it gets SessionNotFoundError."""
     from store.hostid import host_id
 
     e = entry(store, session_id)
@@ -138,7 +147,8 @@ def forget(store: Any, session_id: str) -> None:
     store.catalog.put_session(session_id, host_id(), json.dumps({
         "state": REMOVED, "head": e.head, "dirty": False, "mode": e.mode,
         "parent": e.parent, "created_ns": e.created_ns, "time_ns": time.time_ns(),
-        "epoch": 0, "spec": {}}, sort_keys=True))
+        "epoch": 0, "spec": {}}, sort_keys=True),
+        fence=lease_name(session_id) if epoch else None, epoch=epoch)
 
 
 def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,
@@ -150,7 +160,7 @@ def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,
     ``discard_upper`` only if it has no head), SessionError (a fixed root, or no head)."""
     if e.state == REMOVED:
         raise SessionNotFoundError(e.id)
-    cur = leaser.current(f"session/{e.id}")
+    cur = leaser.current(lease_name(e.id))
     if cur is not None:
         raise SessionBusyError(e.id, cur.epoch, cur.holder,
                                max(0.0, (cur.expires_ns - time.time_ns()) / 1e9))
