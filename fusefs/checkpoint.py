@@ -52,6 +52,7 @@ from typing import Protocol
 
 from store import chunker
 from store.objects import Store, Writer
+from store.pack import Location
 from store.ref import ObjectId, Ref
 from store.snapshot import link_group_id
 from store.tree import ChunkList, Entry, Kind, Tree, tree_version
@@ -626,12 +627,39 @@ class _Runs:
         return z
 
 
-def file_chunks(job: FileJob, store: Store, w: Sink) -> ChunkList:
+def _lower_slots(job: FileJob, cs: int) -> tuple[int, int, int]:
+    """``(lower_len, lower_slots, whole)`` of a changed file: the length of its lower part
+    still in the file, the slots that part touches and those it fills wholly (the slots
+    between, at most one, are read from the lower and merged: ``lower_slot``)."""
+    lower_len = min(job.lower_len, job.size)
+    slots = -(-job.size // cs)
+    lower_slots = min(-(-lower_len // cs), len(job.lower_chunks), slots)
+    return lower_len, lower_slots, min(lower_len // cs, lower_slots)
+
+
+def lower_reads(p: Plan, cs: int) -> list[bytes]:
+    """The lower chunk ids ``file_chunks`` will look at for the files of ``p`` (the slot
+    where a file's lower content ends inside), to be located in one query beforehand."""
+    out: list[bytes] = []
+    for dp in p.dirs:
+        for job in dp.files.values():
+            if job.inline is not None:
+                continue
+            _, lower_slots, whole = _lower_slots(job, cs)
+            out.extend(job.lower_chunks[i] for i in range(whole, lower_slots)
+                       if i not in job.present)
+    return out
+
+
+def file_chunks(job: FileJob, store: Store, w: Sink,
+                locs: dict[bytes, Location] | None = None) -> ChunkList:
     """The chunk ids of a changed file; chunks that differ from lower are read, hashed and
     put into ``w``. A lower chunk still whole is reused without being read, and the holes
     of the data file are found with SEEK_DATA/SEEK_HOLE, never read: the cost follows the
-    lower list's runs, the chunks copied up and the data written, not the file's size."""
+    lower list's runs, the chunks copied up and the data written, not the file's size.
+    ``locs``: where lower chunks are stored, as far as known (``lower_reads``)."""
     cs = store.chunk_size
+    locs = locs or {}
     out = _Runs(w, job.size, cs)
     if job.inline is not None:
         for i in range(min(out.slots, -(-len(job.inline) // cs))):
@@ -649,9 +677,7 @@ def file_chunks(job: FileJob, store: Store, w: Sink) -> ChunkList:
             fd = None
     try:
         lower = job.lower_chunks
-        lower_len = min(job.lower_len, job.size)
-        lower_slots = min(-(-lower_len // cs), len(lower), out.slots)
-        whole = min(lower_len // cs, lower_slots)  # slots wholly below lower_len
+        lower_len, lower_slots, whole = _lower_slots(job, cs)
 
         def upper_slot(i: int) -> None:
             lo = i * cs
@@ -666,11 +692,12 @@ def file_chunks(job: FileJob, store: Store, w: Sink) -> ChunkList:
             lo = i * cs
             hi = lo + out.length(i)
             cid = lower[i]
-            if hi <= lower_len and store.locate(cid).raw_length == hi - lo:
+            loc = locs.get(cid) or store.locate(cid)
+            if hi <= lower_len and loc.raw_length == hi - lo:
                 out.add(cid)
                 return
             lend = min(hi, lower_len)
-            data = store.read_object(cid)[:lend - lo]
+            data = store.read_object(cid, loc)[:lend - lo]
             if len(data) < lend - lo:
                 data += bytes(lend - lo - len(data))
             if lend < hi:
@@ -731,10 +758,12 @@ def build(p: Plan, store: Store, w: Sink) -> Ref:
         return p.base
     if p.kept_pins:
         p.kept_tree = w.put_tree(p.kept_pins)
+    reads = lower_reads(p, store.chunk_size)
+    locs = store.locate_many(ObjectId(c) for c in reads) if len(reads) > 1 else {}
     for dp in p.dirs:
         ents = dp.entries
         for idx, job in dp.files.items():
-            ents[idx] = replace(ents[idx], chunks=file_chunks(job, store, w))
+            ents[idx] = replace(ents[idx], chunks=file_chunks(job, store, w, locs))
         for idx, child in dp.subdirs.items():
             assert child.tree_id is not None
             ents[idx] = replace(ents[idx], tree_id=child.tree_id)

@@ -109,6 +109,9 @@ class Live:
         # there, before the swap); if it raises, the restore fails and nothing is swapped.
         self.on_pre_restore: Callable[[Ref], None] | None = None
         self.closing = False
+        # A shared store's pins of what this mount serves (store/sharedgc.py MountPins, set
+        # by the mount daemon): replaced after each checkpoint and restore.
+        self.mount_pins: Any = None
         self._device: str | None = None  # the mount's major:minor (the writer scan's key)
         from .steps import StepTracker
 
@@ -180,6 +183,20 @@ class Live:
         lap("drop_data")
         return {"ref": ref, "unchanged": ref == p.base, "packs": packs, "bytes": nbytes,
                 "uppers": p.uppers, "folded": folded, "kept": p.kept, "rebase": rb}
+
+    def _repin(self) -> None:
+        """Worker thread, the upper lock held: pin what the state directory pins now (a
+        shared store's mount pins, after the base changed). A failure is logged: what was
+        just done is durable and its Ref listed or journaled."""
+        if self.mount_pins is None:
+            return
+        from .session.fusetree import pinned_refs
+
+        try:
+            self.mount_pins.replace(pinned_refs(self.state_dir))
+        except Exception as e:
+            log.warning("re-pinning the mount's Refs in the catalog failed: %s: %s",
+                        type(e).__name__, e)
 
     def _lap(self, name: str) -> None:
         """Record the time since the previous lap under ``name`` (ms, in ``phases``)."""
@@ -300,6 +317,9 @@ class Live:
                         except Exception as e:
                             log.error("checkpoint failed: %s: %s", type(e).__name__, e)
                             raise CheckpointError(trigger, e) from e
+                        if done["rebase"] is not None and self.mount_pins is not None:
+                            await trio.to_thread.run_sync(self._repin)
+                            self._lap("repin")
                 await self._drop_folded_listings(done)
         ms = (time.perf_counter() - t0) * 1000
         log.info("checkpoint (%s) -> %s in %.1f ms%s", trigger, done["ref"], ms,
@@ -398,6 +418,12 @@ class Live:
                                f"wait_writers_s must not be negative, not {wait_writers_s}")
         wait = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         ov = self.ov
+        if self.mount_pins is not None:  # before it is verified: see MountPins.add
+            try:
+                await trio.to_thread.run_sync(self.mount_pins.add, [target])
+            except Exception as e:
+                raise RestoreError(RestoreError.SWAP_FAILED, str(target),
+                                   f"cannot pin the target in the catalog: {e}") from e
         append_error: BaseException | None = None
         discarded: dict[str, str] = {}
         async with self._busy, self.gate.exclusive():
@@ -483,6 +509,7 @@ class Live:
                     # may make a data file at a path this would remove.
                     await trio.to_thread.run_sync(ck.drop_data, sp.rebase.drop_data)
                     self._lap("drop_data")
+                    await trio.to_thread.run_sync(self._repin)
                 if self.on_restored is not None:
                     try:
                         self.on_restored(target)

@@ -45,6 +45,7 @@ from .mounts import (
 
 if TYPE_CHECKING:
     from store.objects import Store
+    from store.sharedgc import MountPins
 
     from .overlay import Overlay
 
@@ -248,6 +249,25 @@ def _open(cfg: MountConfig) -> tuple[Store, Overlay]:
         raise
 
 
+def _pin(store: Store, ov: Overlay, cfg: MountConfig) -> MountPins | None:
+    """On a shared store, pin what this mount serves for every host's GC (its Ref, or what
+    its state directory pins: store/sharedgc.py ``MountPins``) and check that its base is
+    still indexed (a GC that ran meanwhile may have deleted it: MountError). Returns the
+    pins (None on an embedded store)."""
+    from store.sharedgc import pin_mount
+
+    from .session.fusetree import pinned_refs
+
+    if not store.catalog.shared:
+        return None
+    pins = pin_mount(store, [ov.lower.ref] if cfg.state_dir is None
+                     else pinned_refs(cfg.state_dir))
+    if pins is not None and not store.catalog.has(ov.lower.ref.tree_id):
+        pins.release()
+        raise MountError(cfg.mountpoint, f"{ov.lower.ref} is not in the store")
+    return pins
+
+
 def refuse_no_open(cfg: MountConfig) -> None:
     """Raise MountError if ``cfg`` asks for no-open mode and the binding cannot serve it
     (a stock pyfuse3 does not hand the inode to requests without a handle)."""
@@ -306,13 +326,15 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         raise
     gate = None
     # A shared store's GCs on other hosts cannot read this host's mount records.
-    from store.sharedgc import pin_mount, unpin_mount
+    from store.sharedgc import unpin_mount
 
+    mount_pin = None
     try:
-        mount_pin = pin_mount(store, ov.lower.ref) if ov.readonly else None
+        mount_pin = _pin(store, ov, cfg)
     except Exception as e:
-        log.error("cannot mount %s: pinning its Ref in the catalog failed: %s",
+        log.error("cannot mount %s: pinning what it serves in the catalog failed: %s",
                   cfg.mountpoint, e)
+        unpin_mount(mount_pin)
         ready(str(e))
         release_claim(cfg.mountpoint, claim)
         raise
@@ -374,6 +396,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                 assert gate is not None
                 live = Live(ops, store, gate, mountpoint=cfg.mountpoint,
                             state_dir=os.path.abspath(cfg.state_dir))
+                live.mount_pins = mount_pin
                 await nursery.start(serve_control, live)
             take_exit_record(cfg.mountpoint)  # a failed earlier daemon's, nobody read it
             write_record(cfg.mountpoint, {
@@ -417,7 +440,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                            # an upper this start made was never served: nothing to keep
                            ("upper", ov.upper.discard if ov.upper is not None
                             and ov.upper.created else ops.close),
-                           ("mount pin", lambda: unpin_mount(store, mount_pin)),
+                           ("mount pin", lambda: unpin_mount(mount_pin)),
                            ("store", store.close)):
             try:
                 step()
@@ -459,7 +482,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
             write_stats()
         except OSError:
             pass
-    unpin_mount(store, mount_pin)
+    unpin_mount(mount_pin)
     store.close()
     log.info("unmounted %s (%d requests)", cfg.mountpoint, sum(ops.counts.values()))
     if clean:  # while the claim is held, so no other daemon serves there yet

@@ -5,8 +5,8 @@
 so a cold read of a big file fetches its records range by range (one chunk each) instead
 of whole packs, and every later read of them is local. Packs are immutable and named by
 their digest, so a cached range never goes stale. Everything else (history objects, whole
-pack reads by verify/GC/rebuild, puts, lists) goes straight to ``inner``; a put of a pack
-seeds nothing (the writer reads its own objects rarely).
+pack reads by verify/GC/rebuild, puts, lists) goes straight to ``inner``; a put seeds
+nothing by itself, but a writer of a small pack seeds its records (``seed``, below).
 
 On disk: ``<directory>/<pack key>/<offset>-<length>`` holding the blake3 digest of the
 range (32 bytes) and then the range. A read checks the digest; a file that does not match
@@ -51,6 +51,7 @@ _DIGEST = 32
 _TOUCH_EVERY_NS = 60_000_000_000
 
 SEGMENT = 8 << 20  # bytes per read-ahead GET (aligned in the pack)
+SEED_MAX = 4 << 20  # packs put up to this size have their records cached (``seed``)
 READAHEAD_AFTER = 2  # back-to-back ranges of a pack before its read-ahead starts
 READAHEAD_DEPTH = 2  # segments fetched past the one being read
 READAHEAD_WORKERS = 3
@@ -301,8 +302,25 @@ class CachedBackend:
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)
 
+    def seed(self, key: str, data: bytes, ranges: list[tuple[int, int]]) -> None:
+        """Cache ``ranges`` (offset, length) of pack ``key`` whose bytes ``data`` were just
+        put, if the pack is at most ``SEED_MAX`` bytes: the next checkpoint of a live mount
+        reads back what the last one wrote (the chunk a file's append lands in), and the
+        range then need not come from the server again. Bigger packs (a first snapshot's)
+        seed nothing, so a bulk write does not fill the cache with what is rarely read."""
+        if not key.startswith("packs/") or len(data) > SEED_MAX:
+            return
+        for offset, length in sorted(set(ranges)):
+            if length > 0 and offset + length <= len(data):
+                self._insert(self._path(key, offset, length), data[offset:offset + length])
+
     def get(self, key: str) -> bytes:
         return self.inner.get(key)
+
+    def abort_stale_uploads(self, prefix: str, older_than_s: float) -> list[str]:
+        """The inner backend's ``abort_stale_uploads`` (store/s3.py); [] if it has none."""
+        inner = getattr(self.inner, "abort_stale_uploads", None)
+        return [] if inner is None else list(inner(prefix, older_than_s))
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)

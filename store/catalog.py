@@ -171,6 +171,8 @@ class Catalog(Protocol):
 
     # snapshot list
     def snapshot(self, ref: str) -> SnapshotRow | None: ...
+    def before_listing(self, ref: str, tree_id: bytes) -> tuple[int | None,
+                                                                SnapshotRow | None]: ...
     def put_snapshot(self, row: SnapshotRow) -> None: ...
     def delete_snapshot(self, ref: str) -> bool: ...
     def snapshots(self) -> list[SnapshotRow]: ...
@@ -282,6 +284,14 @@ class SQLiteCatalog:
         row = self._conn().execute("SELECT ref, time_ns, origin, label, key FROM snapshots "
                                    "WHERE ref=?", (ref,)).fetchone()
         return None if row is None else tuple(row)
+
+    def before_listing(self, ref: str, tree_id: bytes) -> tuple[int | None,
+                                                                SnapshotRow | None]:
+        """What listing ``ref`` (root tree ``tree_id``) must know first, in one call: the
+        kind of object ``tree_id`` (None: not indexed) and ``ref``'s row, if listed."""
+        c = self._conn()
+        kind = c.execute("SELECT kind FROM objects WHERE id=?", (tree_id,)).fetchone()
+        return None if kind is None else int(kind[0]), self.snapshot(ref)
 
     def put_snapshot(self, row: SnapshotRow) -> None:
         with self._tx() as c:

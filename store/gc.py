@@ -68,6 +68,7 @@ class GCReport:
     leftover_packs: int = 0
     files_cache_pruned: int = 0
     dirs_cache_pruned: int = 0
+    uploads_aborted: int = 0  # unfinished multipart uploads aborted (S3, store/sharedgc.py)
     unknown_keys: list[str] = field(default_factory=list)
 
 

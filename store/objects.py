@@ -454,10 +454,12 @@ class Store:
         is not indexed and IntegrityError if it names a chunk: nothing is written then.
         """
         ref = Ref.parse(ref)
-        if self.locate(ref.tree_id).kind is not ObjKind.TREE:
+        kind, row = self.catalog.before_listing(str(ref), ref.tree_id)
+        if kind is None:
+            raise ObjectNotFoundError(ref.tree_id.hex())
+        if kind != ObjKind.TREE:
             raise IntegrityError(str(ref), "names a chunk, not a tree")
         if label is None:
-            row = self.catalog.snapshot(str(ref))
             label = None if row is None else row[3]
         now = time.time_ns()
         key = f"snapshots/{now:020d}-{os.getpid()}-add.json"
@@ -613,6 +615,9 @@ class Writer:
 
     def _emit(self, key: str, data: bytes, rows: list[Location]) -> None:
         self.store.backend.put(key, data)
+        seed = getattr(self.store.backend, "seed", None)  # a cache in front of a remote one
+        if seed is not None:
+            seed(key, data, [(r.rec_offset, r.rec_length) for r in rows])
         self._rows.extend(rows)
         self._packs.append((key, len(data), len(rows)))
         self.packs_written += 1

@@ -210,21 +210,39 @@ class PostgresCatalog:
 
     # -- the cross-host GC protocol (store/sharedgc.py) --------------------------------
 
-    def pin_writer(self, holder: str, host: str, ttl_ns: int, now_ns: int) -> bool:
-        """Pin writer ``holder`` unless a GC holds its lease unexpired (then False). The
-        ``gc`` lease row is read FOR SHARE, so a pin and a GC start are serialized."""
-        from .sharedgc import GC_LEASE
+    def pin_writer(self, holder: str, host: str, ttl_ns: int, now_ns: int) -> str | None:
+        """Pin writer ``holder`` unless a GC holds its lease unexpired (then None); returns
+        the catalog's ``gc_generation`` (``"0"`` before any GC), read in the same
+        transaction. The ``gc`` lease row is read FOR SHARE, so a pin and a GC start are
+        serialized."""
+        from .sharedgc import GENERATION
 
         with self._tx() as c:
-            c.execute("INSERT INTO leases(name, holder, epoch, expires_ns) "
-                      "VALUES (%s, '', 0, 0) ON CONFLICT (name) DO NOTHING", (GC_LEASE,))
-            h, x = c.execute("SELECT holder, expires_ns FROM leases WHERE name=%s FOR SHARE",
-                             (GC_LEASE,)).fetchone()
-            if h and int(x) > now_ns:
-                return False
+            if _gc_runs(c, now_ns):
+                return None
             c.execute("INSERT INTO writer_pins(holder, host, started_ns, expires_ns) "
                       "VALUES (%s, %s, %s, %s) ON CONFLICT (holder) DO UPDATE SET "
                       "expires_ns=excluded.expires_ns", (holder, host, now_ns, now_ns + ttl_ns))
+            row = c.execute("SELECT value FROM config WHERE key=%s", (GENERATION,)).fetchone()
+        return "0" if row is None else str(row[0])
+
+    def set_mount_pins(self, name: str, refs: list[str], now_ns: int,
+                       after_gc: bool) -> bool:
+        """Make the named refs ``name`` (the first of ``refs``) and ``name/1``, ``name/2``,
+        ... (the others) exactly ``refs`` (none: drop them all), in one transaction. With
+        ``after_gc``, refuse (False, nothing changed) while a GC holds its lease unexpired,
+        serialized with its start as ``pin_writer`` is: a GC that started before never
+        misses a Ref this adds while it runs."""
+        with self._tx() as c:
+            if after_gc and _gc_runs(c, now_ns):
+                return False
+            c.execute("DELETE FROM named_refs WHERE name=%s OR starts_with(name, %s)",
+                      (name, name + "/"))
+            if refs:
+                with c.cursor() as cur:
+                    cur.executemany("INSERT INTO named_refs(name, ref) VALUES (%s, %s)",
+                                    [(name if i == 0 else f"{name}/{i}", r)
+                                     for i, r in enumerate(refs)])
         return True
 
     def renew_writer_pin(self, holder: str, ttl_ns: int, now_ns: int) -> None:
@@ -290,6 +308,15 @@ class PostgresCatalog:
             row = c.execute("SELECT ref, time_ns, origin, label, key FROM snapshots "
                             "WHERE ref=%s", (ref,)).fetchone()
         return None if row is None else (row[0], int(row[1]), row[2], row[3], row[4])
+
+    def before_listing(self, ref: str, tree_id: bytes) -> tuple[int | None,
+                                                                SnapshotRow | None]:
+        with self._tx() as c:
+            row = c.execute("SELECT (SELECT kind FROM objects WHERE id=%s), s.ref, s.time_ns, "
+                            "s.origin, s.label, s.key FROM (SELECT 1) AS one "
+                            "LEFT JOIN snapshots s ON s.ref=%s", (tree_id, ref)).fetchone()
+        kind = None if row[0] is None else int(row[0])
+        return kind, None if row[1] is None else (row[1], int(row[2]), row[3], row[4], row[5])
 
     def put_snapshot(self, row: SnapshotRow) -> None:
         with self._tx() as c:
@@ -529,6 +556,19 @@ class PostgresCatalog:
 
     def close(self) -> None:
         self._pool.close()
+
+
+def _gc_runs(c: Any, now_ns: int) -> bool:
+    """Inside a transaction on ``c``: True if a GC holds the ``gc`` lease unexpired. The
+    row is read FOR SHARE, so this transaction and a GC's acquisition (FOR UPDATE) are
+    serialized (store/sharedgc.py)."""
+    from .sharedgc import GC_LEASE
+
+    c.execute("INSERT INTO leases(name, holder, epoch, expires_ns) "
+              "VALUES (%s, '', 0, 0) ON CONFLICT (name) DO NOTHING", (GC_LEASE,))
+    h, x = c.execute("SELECT holder, expires_ns FROM leases WHERE name=%s FOR SHARE",
+                     (GC_LEASE,)).fetchone()
+    return bool(h) and int(x) > now_ns
 
 
 def _check_fence(c: Any, name: str, epoch: int) -> None:

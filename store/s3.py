@@ -19,6 +19,9 @@ The BlobBackend contract (store/backend.py) on S3:
   object (S3 makes an object visible only when its upload completes), so a half-uploaded
   pack is never visible, let alone indexed.
 - ``sync``: a no-op; S3 acknowledges a put only once it is durable.
+- An upload killed part-way (the process or the server) leaves an unfinished multipart
+  upload whose parts stay stored; GC aborts those older than its grace period
+  (``abort_stale_uploads``).
 - ``delete`` of a missing key raises ``BlobNotFoundError`` (S3 itself would not say).
 - Every other failure (server gone after the retries, access denied, ...) is
   ``BackendError`` naming the operation, key and the S3 error code, never the credentials.
@@ -28,6 +31,7 @@ Keys are those of the protocol, stored as ``PREFIX/key``.
 
 from __future__ import annotations
 
+import builtins
 import io
 import threading
 from typing import Any
@@ -187,6 +191,41 @@ class S3Backend:
 
     def sync(self) -> None:
         return None
+
+    def abort_stale_uploads(self, prefix: str, older_than_s: float) -> builtins.list[str]:
+        """Abort every multipart upload under ``prefix`` begun more than ``older_than_s``
+        seconds ago (by the server's clock against this host's: give a bound well above
+        any skew) and return the keys they were for. A killed upload leaves its parts in
+        the bucket, billed and invisible, until it is aborted (ListMultipartUploads +
+        AbortMultipartUpload); an upload that is under way must not be aborted, which the
+        caller ensures (store/sharedgc.py: no writer is pinned while GC runs). An upload
+        the server already ended meanwhile is skipped. BackendError if listing fails."""
+        import datetime
+
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(
+            seconds=older_than_s)
+        stale: builtins.list[tuple[str, str]] = []
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=full)
+            for page in pages:
+                stale.extend((u["Key"], u["UploadId"]) for u in page.get("Uploads", ())
+                             if u["Initiated"] < cutoff)
+        except Exception as e:
+            raise self._fail("list uploads of", prefix, e) from None
+        out: builtins.list[str] = []
+        for key, upload in stale:
+            try:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=key,
+                                                    UploadId=upload)
+            except Exception as e:
+                if _code(e) != "NoSuchUpload":
+                    raise self._fail("abort the upload of", key[strip:], e) from None
+                continue
+            out.append(key[strip:])
+        return out
 
     def check(self) -> None:
         """Raise BackendError unless the bucket is reachable with the configured credentials."""

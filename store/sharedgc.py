@@ -13,7 +13,8 @@ so the same exclusion is made of catalog rows (store/pgcatalog.py, schema versio
   unexpired the writer does not pin, it waits (polling) until the GC is done; a GC's
   acquisition locks the same row ``FOR UPDATE``, so a pin and a GC start are serialized.
   A thread renews the pin every third of its ttl (``PIN_TTL_S``); ``Writer.close`` (after
-  the snapshot is listed or the journal appended, inside the writer's block) deletes it.
+  the snapshot is listed or the journal appended, inside the writer's block) deletes it
+  (in a thread of its own, off the writer's path: the deletion only lets a GC go on).
 - **Fenced commit**: ``Writer.commit`` indexes its packs with ``add_objects(..., pin=)``,
   which refuses (``WriterPinLostError``) in the same transaction if the pin row is gone.
 - **GC run** (``gc_shared``): take the ``gc`` lease; wait (at most ``wait_s``) until no
@@ -26,8 +27,11 @@ so the same exclusion is made of catalog rows (store/pgcatalog.py, schema versio
   (holder and epoch, ``FOR UPDATE``) their index rows go and the catalog's
   ``gc_generation`` increases; then the blobs are deleted (the lease checked and renewed
   before each), then crash leftovers (``packs/`` keys with no index row: no live writer
-  can be uploading one, since none is pinned and none may pin). Sparse packs are not
-  repacked on a shared store.
+  can be uploading one, since none is pinned and none may pin), then, on S3, the
+  unfinished multipart uploads of packs begun more than ``grace_s`` ago (a writer or
+  server killed mid-upload leaves its parts stored, invisible, until they are aborted;
+  for the same reason none of them belongs to a live writer, and the grace period keeps
+  even a fenced writer's young upload). Sparse packs are not repacked on a shared store.
 - **Dirs caches of other hosts** (store/dircache.py trusts an indexed tree to be
   complete): a writer that pins compares the catalog's ``gc_generation`` with the one its
   host last saw and drops its dirs cache when it changed, so no host reuses a tree whose
@@ -55,16 +59,27 @@ Crash windows, each safe:
   call; the lease is checked and renewed before each.
 
 - **Mounts of other hosts**: GC reads only this host's state directories and mount
-  records. A read-only mount of a shared store therefore also pins its Ref in the
-  catalog as the named ref ``mount/<host>:<pid>:<nonce>`` (``pin_mount``) while it serves,
-  and drops it at unmount; a GC drops such pins of its own host whose process is gone
-  (``store.lease.holder_is_dead``), so a killed daemon's pin keeps garbage only until the
+  records. A mount daemon of a shared store (``rewindfs mount``) therefore also pins, in
+  the catalog, what its own host's GC would keep for it (``MountPins``): a read-only
+  mount its Ref, a read-write one (``--state DIR``) what its state directory pins (its
+  base, the older lowers detached files still read, the kept tree of excluded files:
+  ``fusefs.session.fusetree.pinned_refs``), as named refs ``mount/<host>:<pid>:<nonce>``
+  and ``.../1``, ... while it serves; it drops them at unmount. The first pins and a
+  restore's target are added only while no GC runs (the ``gc`` lease row read FOR
+  SHARE, as a writer pin), and the daemon then checks its base is still indexed: a GC
+  that started earlier may have deleted it, one that starts later sees the pin. After
+  each checkpoint and restore the pins are replaced by what the state directory pins
+  then (a checkpoint's new base is listed already, so that replacement need not wait).
+  A GC drops such pins of its own host whose process is gone
+  (``store.lease.holder_is_dead``), so a killed daemon's pins keep garbage only until the
   next GC on its host. Session uppers need no pin: their bases and held lowers are
   journaled.
 
-Not covered: a read-write ``mount REF MNT --state DIR`` (not a session) of a Ref that is not
-listed and in no journal, on another host: its base is read from its state directory, which
-only its own host can read.
+Not covered: a plain read-write mount's state directory while no daemon serves it (after
+``umount``) is pinned on no host, as on the embedded store (its state directory is not
+registered). The new trees a restore writes before its swap (a discard's freeze, a path
+restore's target) are pinned once the swap is recorded; until then only the grace period
+keeps them (they are in young packs), as it keeps every writer's trees.
 """
 
 from __future__ import annotations
@@ -113,7 +128,8 @@ class WriterPin:
         self.holder = holder_name(os.getpid(), secrets.token_hex(4))
         cat = store.catalog
         waited = 0.0
-        while not cat.pin_writer(self.holder, host_id(), int(ttl_s * 1e9), time.time_ns()):
+        while (generation := cat.pin_writer(self.holder, host_id(), int(ttl_s * 1e9),
+                                            time.time_ns())) is None:
             if waited == 0.0:
                 log.info("a GC runs on this shared store: the writer waits for it")
             time.sleep(PIN_POLL_S)
@@ -122,7 +138,7 @@ class WriterPin:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="writer-pin", daemon=True)
         self._thread.start()
-        _sync_generation(store)
+        _sync_generation(store, generation)
 
     def _renew(self) -> None:
         from .errors import WriterPinLostError
@@ -138,18 +154,25 @@ class WriterPin:
                 log.warning("renewing writer pin %s failed: %s", self.holder, e)
 
     def release(self) -> None:
+        """Stop renewing and delete the pin, off the caller's path: in a thread of its own,
+        which the interpreter waits for at exit (not a daemon thread), so a writer's
+        caller does not wait for that round trip; a GC polling for pins sees it go a
+        moment later. A pin whose deletion never ran (the process was killed) expires."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+        threading.Thread(target=self._unpin, name="writer-unpin", daemon=False).start()
+
+    def _unpin(self) -> None:
         try:
             self.store.catalog.unpin_writer(self.holder)
         except StoreError as e:  # it expires by itself
             log.warning("releasing writer pin %s failed: %s", self.holder, e)
 
 
-def _sync_generation(store: Any) -> None:
-    """Drop this host's dirs cache if a GC ran since it last looked (module docstring)."""
-    now = store.catalog.config_value(GENERATION) or "0"
+def _sync_generation(store: Any, now: str) -> None:
+    """Drop this host's dirs cache if a GC ran since it last looked (module docstring):
+    ``now`` is the catalog's ``gc_generation``, read with the pin."""
     c = store.conn
     row = c.execute("SELECT value FROM config WHERE key=?", (GENERATION,)).fetchone()
     if row is not None and row[0] == now:
@@ -232,8 +255,16 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
             rep.bytes_freed += packs[key][0] if key in packs else 0
         rep.packs_deleted = len(dead) + len(leftovers)
         rep.leftover_packs = len(leftovers)
-        log.info("gc on host %s: %d packs deleted (%d leftovers), %d objects", host_id(),
-                 rep.packs_deleted, rep.leftover_packs, rep.objects_deleted)
+        abort = getattr(store.backend, "abort_stale_uploads", None)  # S3: killed uploads
+        if abort is not None:
+            lease = _renew(leaser, lease)
+            try:
+                rep.uploads_aborted = len(abort("packs/", grace_s))
+            except StoreError as e:
+                raise GCError("abort", "packs/", str(e)) from e
+        log.info("gc on host %s: %d packs deleted (%d leftovers), %d objects, %d stale "
+                 "uploads aborted", host_id(), rep.packs_deleted, rep.leftover_packs,
+                 rep.objects_deleted, rep.uploads_aborted)
         return rep
     finally:
         leaser.release(lease)
@@ -262,29 +293,66 @@ def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float) -> Any
 MOUNT_PIN = "mount/"
 
 
-def pin_mount(store: Any, ref: Ref) -> str | None:
-    """Pin ``ref`` for the GCs of every host while this process serves it read-only: a
-    named ref ``mount/<host>:<pid>:<nonce>``, whose name it returns (None on an embedded
-    store, whose GC reads this host's mount records)."""
+class MountPins:
+    """What a mount daemon serves, pinned for the GCs of every host of a shared store while
+    it serves (module docstring): the named refs ``mount/<host>:<pid>:<nonce>`` (the first
+    Ref) and ``.../1``, ``.../2``, ... (the others). ``add`` waits while a GC runs (its
+    Refs may be garbage that GC is about to delete: once added, check they are still
+    indexed); ``replace`` does not (use it only when every Ref it adds is live by other
+    means, e.g. a checkpoint's listed Ref). Thread-safe. ``pin_mount`` makes one."""
+
+    def __init__(self, store: Any, refs: Iterable[Ref]) -> None:
+        import secrets
+
+        from .lease import holder_name
+
+        self.store = store
+        self.name = MOUNT_PIN + holder_name(os.getpid(), secrets.token_hex(4))
+        self.refs: list[str] = []
+        self._lock = threading.Lock()
+        self.add(refs)
+
+    def add(self, refs: Iterable[Ref]) -> None:
+        """Pin ``refs`` too, once no GC runs (polling, as a writer pin)."""
+        with self._lock:
+            want = list(dict.fromkeys([*self.refs, *(str(r) for r in refs)]))
+            waited = False
+            while not self.store.catalog.set_mount_pins(self.name, want, time.time_ns(),
+                                                        True):
+                if not waited:
+                    log.info("a GC runs on this shared store: the mount waits for it")
+                    waited = True
+                time.sleep(PIN_POLL_S)
+            self.refs = want
+
+    def replace(self, refs: Iterable[Ref]) -> None:
+        """Pin exactly ``refs`` (see the class docstring: at once, even while a GC runs)."""
+        with self._lock:
+            want = list(dict.fromkeys(str(r) for r in refs))
+            if want != self.refs:
+                self.store.catalog.set_mount_pins(self.name, want, time.time_ns(), False)
+                self.refs = want
+
+    def release(self) -> None:
+        """Drop every pin (a failure is logged: the next GC on this host drops them)."""
+        try:
+            self.replace([])
+        except StoreError as e:
+            log.warning("dropping the mount pins %s failed: %s", self.name, e)
+
+
+def pin_mount(store: Any, refs: Iterable[Ref]) -> MountPins | None:
+    """Pin ``refs`` for the GCs of every host while this process serves them (None on an
+    embedded store, whose GC reads this host's mount records)."""
     if not store.catalog.shared:
         return None
-    import secrets
-
-    from .lease import holder_name
-
-    name = MOUNT_PIN + holder_name(os.getpid(), secrets.token_hex(4))
-    store.catalog.set_named_ref(name, str(ref))
-    return name
+    return MountPins(store, refs)
 
 
-def unpin_mount(store: Any, name: str | None) -> None:
-    """Drop a ``pin_mount`` pin (a failure is logged: the next GC on this host drops it)."""
-    if name is None:
-        return
-    try:
-        store.catalog.delete_named_ref(name)
-    except StoreError as e:
-        log.warning("dropping the mount pin %s failed: %s", name, e)
+def unpin_mount(pins: MountPins | None) -> None:
+    """Drop a ``pin_mount`` pin, if any."""
+    if pins is not None:
+        pins.release()
 
 
 def _drop_dead_mount_pins(store: Any) -> None:
@@ -292,7 +360,8 @@ def _drop_dead_mount_pins(store: Any) -> None:
     from .lease import holder_is_dead
 
     for name, _ref in store.catalog.named_refs():
-        if name.startswith(MOUNT_PIN) and holder_is_dead(name[len(MOUNT_PIN):]):
+        if name.startswith(MOUNT_PIN) and holder_is_dead(
+                name[len(MOUNT_PIN):].split("/")[0]):
             store.catalog.delete_named_ref(name)
 
 

@@ -87,6 +87,12 @@ def test_snapshot_list(cat: Catalog) -> None:
     assert [r[0] for r in cat.snapshots()] == ["r2", "r1"]
     assert cat.delete_snapshot("r2") and not cat.delete_snapshot("r2")
     assert [r[0] for r in cat.snapshots()] == ["r1"]
+    # What a listing checks first, in one call: the root's kind and the ref's row.
+    tree, chunk = _loc(2), _loc(1)
+    cat.add_objects([tree, chunk], [("packs/a.pack", 1000, 2)])
+    assert cat.before_listing("r1", tree.oid) == (int(ObjKind.TREE), cat.snapshot("r1"))
+    assert cat.before_listing("r9", chunk.oid) == (int(ObjKind.CHUNK), None)
+    assert cat.before_listing("r9", _loc(3).oid) == (None, None)
 
 
 def _ev(session: str, seq: int, epoch: int = 1) -> tuple[str, int, int, int, str, str,

@@ -111,6 +111,34 @@ def test_store_on_s3_reads_from_cache_when_server_is_gone(own_seaweed: object,
     assert again.misses == 0 and again.hits > 0
 
 
+def test_a_writer_seeds_the_cache_with_the_records_of_a_small_pack(s3_env: object,
+                                                                  s3_bucket: str,
+                                                                  tmp_path: Path) -> None:
+    from store.blobcache import SEED_MAX
+    from store.snapshot import run_snapshot
+
+    remote = _s3(s3_env, s3_bucket, "seed")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("what a checkpoint writes\n" * 50)
+    (src / "b.bin").write_bytes(os.urandom(300_000))
+    cache = CachedBackend(remote, tmp_path / "c", 64 << 20)
+    ref = run_snapshot(_store(tmp_path / "local", cache), str(src)).ref  # type: ignore[arg-type]
+    # A store with empty memory caches reads every record back from the cache directory.
+    again = CachedBackend(remote, tmp_path / "c", 64 << 20)
+    st = _store(tmp_path / "local", again)
+    for e in st.root_tree(ref).entries:  # type: ignore[attr-defined]
+        assert b"".join(st.iter_file(e)) == (src / e.name.decode()).read_bytes()  # type: ignore[attr-defined]
+    assert again.misses == 0 and again.hits > 0
+    # A pack bigger than SEED_MAX (a first snapshot's) seeds nothing.
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "c.bin").write_bytes(os.urandom(SEED_MAX + (1 << 20)))
+    before = cache.cached_bytes()
+    run_snapshot(_store(tmp_path / "local", cache), str(big))  # type: ignore[arg-type]
+    assert cache.cached_bytes() == before
+
+
 def test_corrupted_pack_in_s3_is_integrity_error(s3_env: object, s3_bucket: str,
                                                  tmp_path: Path) -> None:
     from store.snapshot import run_snapshot

@@ -1,6 +1,7 @@
 """Faults of the shared servers under a live session mount (real FUSE, real SeaweedFS and
-PostgreSQL of this test alone): the S3 server killed during a checkpoint, PostgreSQL
-restarted mid-session.
+PostgreSQL of this test alone): the S3 server killed during a checkpoint (also mid
+multipart upload, whose unfinished upload GC then aborts), PostgreSQL restarted
+mid-session.
 
 The mount's store is a local directory configured for the shared store (store/config.py),
 so the daemon (a separate ``rewindfs mount`` process) opens S3 and the catalog itself.
@@ -198,3 +199,19 @@ def test_s3_killed_mid_multipart_upload_of_a_big_pack(mounter: fh.Mounter, fuse_
         assert verify(st) == []
     finally:
         st.close()
+    # The killed upload was never completed: its parts stay stored until it is aborted.
+    # GC aborts it once it is older than the grace period, never before.
+    killed = {str(u["UploadId"]) for u in uploads}
+
+    def unfinished() -> set[str]:
+        return {str(u["UploadId"]) for u in s3.list_multipart_uploads(Bucket=bucket).get(
+            "Uploads", ()) if "/packs/" in str(u["Key"])}
+
+    assert killed <= unfinished()
+    report = json.loads(cli(fuse_store, "gc", "--json").stdout)  # grace: an hour
+    assert report["uploads_aborted"] == 0 and killed <= unfinished()
+    report = json.loads(cli(fuse_store, "gc", "--grace", "0", "--json").stdout)
+    assert report["uploads_aborted"] >= len(killed)
+    assert not killed & unfinished()
+    assert _read(fuse_store, ref, "big.bin") == big  # what is live stays
+    assert (m / "note.txt").read_text() == "small change\n"

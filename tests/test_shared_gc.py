@@ -249,6 +249,41 @@ def test_a_read_only_mount_on_a_pins_its_ref_against_gc_on_b(hosts: tuple[Host, 
     assert b.run("cat", ref, "data.bin", check=False).returncode == 4
 
 
+def test_a_read_write_mount_on_a_pins_what_its_state_holds_against_gc_on_b(
+        hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    from fusefs.session.fallback import fuse_available
+
+    if not fuse_available():
+        pytest.skip("needs /dev/fuse")
+    a, b = hosts
+    src = tmp_path / "src"
+    src.mkdir()
+    text = os.urandom(1 << 18).hex() + "\n"
+    (src / "data.txt").write_text(text)
+    ref = a.json("snapshot", str(src))["ref"]  # type: ignore[index]
+    a.run("forget", ref)  # listed nowhere, in no journal: only the mount on A holds it
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    a.run("mount", ref, str(mnt), "--state", str(tmp_path / "state"))
+    try:
+        assert b.json("gc", "--grace", "0")["packs_deleted"] == 0  # type: ignore[index]
+        assert b.run("cat", ref, "data.txt").stdout == text
+        # A checkpoint moves the pins to the new base, which is kept though forgotten too.
+        (mnt / "new.txt").write_text("after the mount\n")
+        new = a.json("checkpoint", str(mnt))["ref"]  # type: ignore[index]
+        a.run("forget", new)
+        b.json("gc", "--grace", "0")
+        assert b.run("cat", new, "new.txt").stdout == "after the mount\n"
+        assert b.run("cat", new, "data.txt").stdout == text
+        assert (mnt / "data.txt").read_text() == text
+    finally:
+        a.run("umount", str(mnt), check=False)
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+    # Unmounted, nothing pins it any more (as on the embedded store): B's GC collects it.
+    assert b.json("gc", "--grace", "0")["packs_deleted"] >= 1  # type: ignore[index]
+    assert b.run("cat", new, "new.txt", check=False).returncode == 4
+
+
 def test_a_gc_makes_every_host_drop_its_dirs_cache(hosts: tuple[Host, Host], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import sqlite3
