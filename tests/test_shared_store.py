@@ -297,9 +297,9 @@ def test_a_checkpoint_of_ten_appends_makes_a_few_round_trips(s3_env: object, s3_
                                                              tmp_path: Path) -> None:
     from fusefs.checkpoint import checkpoint_overlay
     from fusefs.lower import Lower
-    from store.browse import cat
     from fusefs.overlay import Overlay
     from fusefs.upper import Upper
+    from store.browse import cat
     from store.objects import Store
     from store.snapshot import snapshot
 
