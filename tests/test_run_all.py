@@ -5,7 +5,8 @@ The README states no benchmark figure of its own: where its prose speaks of a co
 rows of the tables run_all writes between the perf markers (``run_all.CITED``: a table's
 heading, its rows' first cells), as ``"label"``. These tests render the tables of a saved
 run (``tests/data/run_all/results.json``, the results of a real ``run_all.py --quick``, its
-output trimmed to what the report reads) with ``run_all.py --from-results`` into a copy of
+stderr left out; the steps entry from a later ``--only steps --quick``, once bench_steps.py
+measured the transport alone) with ``run_all.py --from-results`` into a copy of
 the README, measuring nothing, and check that every cited row is in it, that the prose
 names every cited row, and that a run whose results lack a cited row exits 1 naming it;
 and that no paragraph of the README that speaks of the benchmarks states a measured figure

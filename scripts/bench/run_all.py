@@ -112,6 +112,7 @@ CITED: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "cold read 256 MiB (MiB/s)", "warm re-read 256 MiB (MiB/s)")),
     "Step change log": ("steps", ("a step, round trip", "a step, in the daemon",
                                   "a step, in the daemon with its journal append",
+                                  "a request without work, round trip",
                                   "FUSE write with a step every 50 ms")),
     "Excluded paths": ("exclude", ("5,000 files kept", "20,000 files kept")),
     "Sessions": ("sessions", ("resident size of a session process (RSS median)",)),
@@ -515,6 +516,9 @@ def steps_section(res: Result) -> str:
          ratio(d["step_daemon_ms"], d["diff_ms"])],
         ["a step, in the daemon with its journal append", fmt_ms(d["step_session_ms"]), diff,
          fmt_ms(d["diff_ms"]), ratio(d["step_session_ms"], d["diff_ms"])],
+        *([["a request without work, round trip", fmt_ms(d["noop_ms"]),
+             "a step, round trip", fmt_ms(d["step_ms"]), ratio(d["noop_ms"], d["step_ms"])]]
+          if "noop_ms" in d else []),
         [f"the first step ({d['first_step_paths']:,} paths)", fmt_ms(d["first_step_ms"]),
          diff, fmt_ms(d["diff_ms"]), ratio(d["first_step_ms"], d["diff_ms"])],
         ["FUSE write with a step every 50 ms", f"{d['write_mib_s_stepping']:.0f} MiB/s",
@@ -525,7 +529,9 @@ def steps_section(res: Result) -> str:
     return (f"Recording a step (`step_done`, a request to the session process) on a FUSE "
             f"session of {d['files']:,} files with {d['dirty']:,} dirty paths, 10 of them "
             f"changed before each step, medians of {option(res.cmd, '--steps')} steps; "
-            f"against `rewindfs diff MNT` of the same dirty set; and 64 MiB written through "
+            f"against `rewindfs diff MNT` of the same dirty set; a request the session "
+            f"answers without work (the transport alone: connect, the server's thread, "
+            f"JSON), against a step; and 64 MiB written through "
             f"the mount, medians of {option(res.cmd, '--runs')} runs (its ratio is of the "
             f"times: above 1 the writes are slower while steps are recorded):\n\n"
             + table(["", "figure", "baseline", "baseline's figure", "figure / baseline"],
