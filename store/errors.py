@@ -85,9 +85,10 @@ class SnapshotError(StoreError):
 
     exit_code = 1
 
-    def __init__(self, root: str, cause: str) -> None:
+    def __init__(self, root: str, cause: str, *, err: int | None = None) -> None:
         self.root = root
         self.cause = cause
+        self.err = err  # the errno of the OSError behind ``cause``, where there was one
         super().__init__(f"cannot snapshot {root}: {cause}")
 
 

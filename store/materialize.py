@@ -15,7 +15,10 @@ The three destination cases:
   whose wipe failed too (its message says so: the destination needs removing by hand).
 - a non-empty directory: its Ref is computed (``snapshot.compute_ref``); equal to what an
   extraction by this process writes -> success with ``already_equal`` and no write;
-  different or unreadable -> ``DestNotEmptyError`` and nothing touched.
+  different or unreadable -> ``DestNotEmptyError`` and nothing touched. Not as root, what
+  this user owns but may not read (a mode-0000 file or directory, as an extraction of such
+  an entry leaves it) is read from a user namespace of its own, where it may (nothing is
+  changed for that); where none can be made, the error says so and what to do.
 - anything else, a symlink included: ``NotDirError``.
 
 What is not written: sockets (a socket is made by the program that listens on it) and,
@@ -594,12 +597,28 @@ def _materialize_at(store: Store, ref: Ref, shown: str, parent_fd: int, name: by
 
 def _compare(store: Store, ref: Ref, shown: str, dest_fd: int) -> MaterializeResult:
     """``already_equal`` if the directory open at ``dest_fd`` holds what an extraction of
-    ``ref`` by this process writes (see ``_as_written``), else DestNotEmptyError."""
+    ``ref`` by this process writes (see ``_as_written``), else DestNotEmptyError. Not as
+    root, an entry this user owns but may not read (mode 0000, as an extraction leaves a
+    file or directory recorded so) is read through ``_compute_as_owner``."""
     trees: dict[ObjectId, bytes] = {}
     try:
         got = compute_ref_fd(dest_fd, shown, store.chunk_size, trees)
     except SnapshotError as e:
-        raise DestNotEmptyError(shown, str(ref), f"an unreadable tree ({e.cause})") from None
+        cause = e.cause
+        again = None
+        if e.err == errno.EACCES and os.geteuid() != 0:
+            found = _compute_as_owner(dest_fd, shown, store.chunk_size)
+            if isinstance(found, str):
+                cause = found
+            elif found is None:
+                cause += ("; this user may not read it, and no user namespace of its own "
+                          "(where it could) can be made here: run as root, or give it "
+                          "read permission")
+            else:
+                again = found
+        if again is None:
+            raise DestNotEmptyError(shown, str(ref), f"an unreadable tree ({cause})") from None
+        got, trees = again
     if got != ref:
         as_root = os.geteuid() == 0
         skip = {Kind.SOCKET} if as_root else {Kind.SOCKET, Kind.BLOCK, Kind.CHAR}
@@ -609,6 +628,70 @@ def _compare(store: Store, ref: Ref, shown: str, dest_fd: int) -> MaterializeRes
         if want != have:
             raise DestNotEmptyError(shown, str(ref), str(got))
     return MaterializeResult(0, 0, 0, already_equal=True)
+
+
+_CLONE_NEWUSER = 0x10000000
+
+
+def _compute_as_owner(dest_fd: int, shown: str, chunk_size: int
+                      ) -> tuple[Ref, dict[ObjectId, bytes]] | str | None:
+    """``compute_ref_fd`` of the directory open at ``dest_fd`` (with its trees), computed
+    in a child process that entered a user namespace of its own mapping only this user, as
+    its root: there it may read and list what this user owns whatever the modes
+    (CAP_DAC_OVERRIDE over inodes whose owner the namespace maps; user_namespaces(7)), and
+    nothing else; nothing is written or changed. A string: why the tree is still
+    unreadable there (an entry of another user); None where no such namespace can be made
+    (unprivileged user namespaces switched off, or refused by a seccomp filter)."""
+    import ctypes
+    import pickle
+
+    uid, gid = os.getuid(), os.getgid()
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    if pid == 0:  # pragma: no cover - the child
+        code = 3  # no namespace
+        try:
+            os.close(r)
+            if ctypes.CDLL(None, use_errno=True).unshare(_CLONE_NEWUSER) != 0:
+                os._exit(code)
+            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"),
+                               ("gid_map", f"0 {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+            code = 1  # failed in it
+            trees: dict[ObjectId, bytes] = {}
+            try:
+                out: object = (str(compute_ref_fd(dest_fd, shown, chunk_size, trees)), trees)
+            except SnapshotError as e:
+                out = e.cause
+            data = pickle.dumps(out)
+            while data:
+                data = data[os.write(w, data):]
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    try:
+        while chunk := os.read(r, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 3:
+        return None
+    if code != 0:
+        return f"the compare in a user namespace failed (exit {code})"
+    got = pickle.loads(b"".join(chunks))
+    if isinstance(got, str):
+        return got
+    return Ref.parse(got[0]), got[1]
 
 
 def _as_written(entries_of: Callable[[ObjectId], tuple[Entry, ...]], root: ObjectId,

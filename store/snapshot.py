@@ -285,13 +285,13 @@ class _Walker:
         self.all_rows: dict[bytes, dircache.Row] | None = None
         self.result = SnapshotResult(Ref(ObjectId(bytes(DIGEST_SIZE))))
 
-    def fail(self, rel: bytes, why: str) -> SnapshotError:
-        return SnapshotError(self.shown, f"{os.fsdecode(rel) or '.'}: {why}")
+    def fail(self, rel: bytes, why: str, err: int | None = None) -> SnapshotError:
+        return SnapshotError(self.shown, f"{os.fsdecode(rel) or '.'}: {why}", err=err)
 
     def oserror(self, rel: bytes, e: OSError) -> SnapshotError:
         if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
             return self.fail(rel, "changed while read (entry vanished or was replaced)")
-        return self.fail(rel, e.strerror or str(e))
+        return self.fail(rel, e.strerror or str(e), e.errno)
 
     # -- listing and metadata ------------------------------------------------------
 

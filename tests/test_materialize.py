@@ -674,3 +674,60 @@ def test_non_root_materializes_a_root_owned_snapshot_twice(nobody_base: Path) ->
     (work / "out" / "README").write_bytes(b"changed\n")
     third = as_nobody_cli("materialize", str(ref), str(work / "out"))
     assert third.returncode == 6, third.stderr
+
+
+def test_non_root_materializes_mode_0000_entries_twice(nobody_base: Path) -> None:
+    """A non-root extraction writes a mode-0000 file or directory (content first, mode
+    last) but cannot read it back: a second materialize into the same destination reads
+    what it owns from a user namespace of its own and finds "the same tree" (exit 0,
+    already_equal), still refuses different content (exit 6, naming the Ref it found),
+    and says "unreadable" for an entry of another user it may not read."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "-r",
+             "true"], capture_output=True).returncode != 0:
+        pytest.skip("no unprivileged user namespaces here")
+    src = nobody_base / "src"
+    (src / "sealed").mkdir(parents=True)
+    (src / "sealed" / "inner").write_bytes(b"behind a mode-0000 directory\n")
+    (src / "secret").write_bytes(b"mode 0000\n")
+    (src / "plain").write_bytes(b"readable\n")
+    os.chmod(src / "secret", 0)
+    os.chmod(src / "sealed", 0)
+    st = Store(nobody_base / "store")
+    ref = snapshot(st, src)
+    st.close()
+    _chown_tree(nobody_base / "store", 65534)
+    work = nobody_base / "work"
+    work.mkdir()
+    os.chown(work, 65534, 65534)
+    repo = Path(__file__).resolve().parent.parent
+
+    def as_nobody_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             sys.executable, "-m", "rewindfs", "--store", str(nobody_base / "store"), *args],
+            capture_output=True, text=True, cwd=repo, env={**os.environ, "HOME": str(work)})
+
+    out = work / "out"
+    first = as_nobody_cli("materialize", str(ref), str(out), "--json")
+    assert first.returncode == 0, first.stderr
+    assert not json.loads(first.stdout)["already_equal"]
+    assert stat.S_IMODE(os.stat(out / "secret").st_mode) == 0
+    second = as_nobody_cli("materialize", str(ref), str(out), "--json")
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout)["already_equal"]
+    assert stat.S_IMODE(os.stat(out / "secret").st_mode) == 0  # nothing changed
+    with open(out / "sealed" / "inner", "ab") as f:  # as root
+        f.write(b"changed\n")
+    third = as_nobody_cli("materialize", str(ref), str(out))
+    assert third.returncode == 6 and "v1:blake3:" in third.stderr.split("holds")[1], \
+        third.stderr
+    os.chown(out / "secret", 0, 0)  # no longer this user's: not readable in its namespace
+    fourth = as_nobody_cli("materialize", str(ref), str(out))
+    assert fourth.returncode == 6 and "unreadable" in fourth.stderr, fourth.stderr
+    assert "secret" in fourth.stderr
