@@ -40,12 +40,16 @@ def describe() -> str:
 
 def info() -> dict[str, Any]:
     """What ``status`` reports: ``{kind, version, features, listings_cached,
-    capabilities}``; ``capabilities`` is the connection's ``[capable, want]`` FUSE_CAP_*
-    bits once INIT was answered (patched binding only), else None."""
+    capabilities, init_flags}``; ``capabilities`` is the connection's ``[capable, want]``
+    FUSE_CAP_* bits once INIT was answered (patched binding only), else None;
+    ``init_flags`` the kernel protocol's INIT flags ``[offered, added by the binding]``
+    (``[0, 0]`` when the binding adds none), or None without that feature."""
     caps = getattr(pyfuse3, "connection_capabilities", None)
+    flags = getattr(pyfuse3, "init_flags", None)
     return {"kind": kind(), "version": getattr(pyfuse3, "__version__", "?"),
             "features": sorted(FEATURES), "listings_cached": EXTENDED,
-            "capabilities": list(caps) if caps is not None else None}
+            "capabilities": list(caps) if caps is not None else None,
+            "init_flags": list(flags()) if callable(flags) else None}
 
 
 _init_lock = threading.Lock()

@@ -138,6 +138,8 @@ class Operations(pyfuse3.Operations):
     absent_xattr_errno = errno.EOPNOTSUPP
     # With the patched binding, handle requests also carry the inode (no-open mode).
     inode_in_requests = True
+    # ... and a write its FUSE_WRITE_* flags, once ``init_flags`` is set (no-open mode).
+    write_flags_in_requests = True
 
     def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S,
                  gate: Gate | None = None, upper_lock: trio.Lock | None = None,
@@ -156,6 +158,16 @@ class Operations(pyfuse3.Operations):
         self.no_open = no_open
         # O_TRUNC then arrives as a SETATTR: an OPEN answered ENOSYS cannot truncate.
         self.init_unwant = getattr(pyfuse3, "CAP_ATOMIC_O_TRUNC", 0) if no_open else 0
+        # FUSE_HANDLE_KILLPRIV_V2: the kernel no longer clears S_ISUID/S_ISGID itself; it
+        # says when to (WRITE_KILL_SUIDGID on a write, ``kill_suidgid`` on a truncate or
+        # chown: the writer lacks CAP_FSETID, or it is a chown), and this daemon does.
+        # Spared: a GETATTR before every chown of a file, which the kernel sends to learn
+        # the mode it would clear, and the security.capability query before every write
+        # but the first after the file's attributes were last fetched (SB_NOSEC). Only in
+        # no-open mode, where an O_TRUNC comes as a SETATTR: its flag in an OPEN does not
+        # reach the handler.
+        self.init_flags = getattr(pyfuse3, "INIT_HANDLE_KILLPRIV_V2", 0) if no_open else 0
+        self._kill_write_flag = getattr(pyfuse3, "WRITE_KILL_SUIDGID", 0)
         self.ov = overlay
         self.timeout = timeout
         self.gate: Gate = gate or OpenGate()
@@ -381,7 +393,8 @@ class Operations(pyfuse3.Operations):
                 size=attr.st_size if fields.update_size else None,
                 atime_ns=attr.st_atime_ns if fields.update_atime else None,
                 mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
-                ctime_ns=attr.st_ctime_ns if fields.update_ctime else None)
+                ctime_ns=attr.st_ctime_ns if fields.update_ctime else None,
+                kill_suidgid=bool(getattr(fields, "kill_suidgid", False)))
         return self.attrs(n)
 
     @_boundary
@@ -469,11 +482,11 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def write(self, fh: FileHandleT, off: int, buf: bytes,
-                    inode: InodeT | None = None) -> int:
+                    inode: InodeT | None = None, flags: int = 0) -> int:
         async with self.gate.mutation():
             h = self._fh(fh, inode)
             await self._load_chunks(h, off, len(buf))
-            return self.ov.write(h, off, buf)
+            return self.ov.write(h, off, buf, bool(flags & self._kill_write_flag))
 
     async def flush(self, fh: FileHandleT, inode: InodeT | None = None) -> None:
         """ENOSYS: the kernel then stops sending FLUSH on every close(2) of this

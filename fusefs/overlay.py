@@ -1067,11 +1067,12 @@ class Overlay:
     def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, size: int | None = None,
                 atime_ns: int | None = None, mtime_ns: int | None = None,
-                ctime_ns: int | None = None) -> Node:
+                ctime_ns: int | None = None, kill_suidgid: bool = False) -> Node:
         """chmod/chown/truncate/utimens; copies no data of a lower file (truncate down only
-        shortens its lower range). Clearing setuid/setgid on write, truncate and chown is
-        the kernel's (it sends the new mode here), as for any FUSE file system without
-        ``handle_killpriv``."""
+        shortens its lower range). ``kill_suidgid``: then clear S_ISUID, and S_ISGID if
+        group-executable, as the truncate or chown of a writer without CAP_FSETID does
+        (the kernel's verdict, FUSE_HANDLE_KILLPRIV_V2). Without that flag the kernel
+        clears them itself, by sending the new mode here."""
         self._mut()
         n = self._node(ino)
         if not (size is not None and size <= n.size and mode is None and uid is None
@@ -1108,8 +1109,20 @@ class Overlay:
             n.atime_ns = atime_ns
         if mtime_ns is not None:
             n.mtime_ns = mtime_ns
+        if kill_suidgid:
+            self._kill_suidgid(n)
         n.ctime_ns = now if ctime_ns is None else ctime_ns
         return n
+
+    @staticmethod
+    def _kill_suidgid(n: Node) -> None:
+        """Clear S_ISUID, and S_ISGID if group-executable, of a non-directory (the caller
+        gave it an upper row)."""
+        if n.kind is Kind.DIR:
+            return
+        if n.mode & stat.S_ISGID and n.mode & stat.S_IXGRP:
+            n.mode &= ~stat.S_ISGID
+        n.mode &= ~stat.S_ISUID
 
     def _drop_inline(self, n: Node) -> None:
         if n.inline is not None:
@@ -1343,12 +1356,13 @@ class Overlay:
             data += bytes(size - len(data))
         return data
 
-    def write(self, fh: int, off: int, data: bytes) -> int:
+    def write(self, fh: int, off: int, data: bytes, kill_suidgid: bool = False) -> int:
         """Write ``data`` at ``off`` (at the end with O_APPEND); returns the bytes written:
         all of them, except that a write straddling ``MAX_FILE_SIZE`` is cut short there,
         and one starting at or beyond it fails with EFBIG (as write(2) does at a file size
         limit), or fewer when the state directory's disk filled up (ENOSPC if none). The
-        first write into a lower chunk copies that chunk up."""
+        first write into a lower chunk copies that chunk up. ``kill_suidgid`` as for
+        ``setattr`` (the writer lacks CAP_FSETID)."""
         h = self.handle(fh)
         if not h.writable:
             raise _err(errno.EBADF)
@@ -1371,6 +1385,8 @@ class Overlay:
             elif self.used_bytes >= self.quota_bytes and self._copies_up(n, off, end):
                 raise _err(errno.EDQUOT, "the session's byte quota is used up")
         self._copy_up(n)
+        if kill_suidgid:
+            self._kill_suidgid(n)
         before = held_bytes(n, self.cs)
         try:
             return self._write(n, off, data, end)

@@ -269,3 +269,40 @@ def test_no_open_mode_restore_shows_the_target_at_once(mounter: fh.Mounter,
         assert keep.read() == b"a2"  # the old inode, detached, still reads
     finally:
         keep.close()
+
+
+@patched_only
+def test_no_open_mode_clears_setuid_bits_itself_without_a_getattr_per_chown(
+        mounter: fh.Mounter, lower_ref: str) -> None:
+    """FUSE_HANDLE_KILLPRIV_V2 (added to the INIT reply by the binding): the kernel sends a
+    chown without first asking for the mode it would clear, and the daemon clears
+    S_ISUID, and S_ISGID of a group-executable file, as the kernel did before
+    (tests/test_fuse_perms.py covers an unprivileged writer's write and truncate,
+    tests/test_fuse_ops.py that root's keep the bits)."""
+    import pyfuse3
+
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    offered, added = client(m).status()["binding"]["init_flags"]
+    assert added == pyfuse3.INIT_HANDLE_KILLPRIV_V2 and offered & added == added
+    for name, mode in (("gx", 0o6775), ("nogx", 0o6745), ("sgid", 0o2644)):
+        (m / name).write_bytes(b"x")
+        os.chmod(m / name, mode)
+    os.chmod(m / "dir", 0o2755)
+    for name in ("gx", "nogx", "sgid", "dir"):
+        os.stat(m / name)  # the kernel now holds every attribute
+    before = requests(m)
+    for name in ("gx", "nogx", "sgid", "dir"):
+        os.chown(m / name, 1000, 1000)
+    after = requests(m)
+    assert after.get("getattr", 0) == before.get("getattr", 0)
+    assert after.get("setattr", 0) - before.get("setattr", 0) == 4
+    want = {"gx": 0o0775, "nogx": 0o2745, "sgid": 0o2644, "dir": 0o2755}
+
+    def modes() -> dict[str, int]:
+        return {n: os.stat(m / n).st_mode & 0o7777 for n in want}
+
+    assert modes() == want
+    client(m).checkpoint()
+    mounter.remount(d)
+    assert modes() == want
