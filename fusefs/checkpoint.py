@@ -833,6 +833,10 @@ class Graft:
     nlink: dict[int, int] = field(default_factory=dict)  # kept lower files' new nlink
     attrs: dict[int, Entry] = field(default_factory=dict)  # directories' new metadata
     named: set[int] = field(default_factory=set)
+    # a restore's: hard-link group -> its names in the target at or below kept entries
+    # (the live entry shows there instead), and the paths of those kept entries
+    shadowed: dict[bytes, int] = field(default_factory=dict)
+    shadow_roots: set[bytes] = field(default_factory=set)
 
 
 def _set_col(row: tuple[object, ...], **cols: object) -> tuple[object, ...]:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -59,7 +59,7 @@ from store.objects import Store
 from store.ref import ObjectId, Ref
 from store.tree import NAME_MAX, Entry, Kind
 
-from .checkpoint import Kept, Rebase, _set_pin, graft_apply, kept_rows, number, switch_lower
+from .checkpoint import Graft, Kept, Rebase, _set_pin, graft_apply, kept_rows, number, switch_lower
 from .inodes import ROOT_INO, Node, content_digest, derive_ino, origin_key
 from .overlay import Overlay
 from .session.errors import RestoreError
@@ -455,11 +455,54 @@ def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
                     if (u := nodes.get(i)) is not None and u.upper and u.nlink > 0}
     if sp.rebase.graft is not None:  # the excluded entries kept (``graft_swap``)
         graft_apply(ov, sp.rebase.graft)
+        discount_shadowed(ov, sp.rebase.graft)
         ov.recount()
     for h in ov.dirs.values():
         h.refresh()
     for ls in ov.inode_dirs.values():
         ls.refresh()
+
+
+def _group_names(store: Store, e: Entry, out: Counter[bytes]) -> None:
+    """Count into ``out`` the hard-link group members at or below entry ``e``."""
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x.kind is Kind.DIR:
+            if x.tree_id is not None:
+                todo.extend(store.get_tree(x.tree_id).entries)
+        elif x.link_group is not None:
+            out[x.link_group] += 1
+
+
+def discount_shadowed(ov: Overlay, g: Graft) -> None:
+    """After a restore kept excluded entries over names of the target's hard-link groups
+    (``Graft.shadowed``): the group's file, seen under its other names, counts only those
+    in ``st_nlink`` (as if the shadowed names had been unlinked), in memory and in its
+    upper row (written at the next commit; until then a crash shows the target's count).
+    Walks the target's tree once, only when a kept entry shadows a group member.
+    Event-loop thread, after the swap."""
+    if not g.shadowed:
+        return
+    store = ov.lower.store
+    left = dict(g.shadowed)
+    todo: list[tuple[bytes, ObjectId]] = [(b"", ov.lower.root_tree)]
+    while todo and left:
+        path, tid = todo.pop()
+        for e in store.get_tree(tid).entries:
+            cp = path + b"/" + e.name if path else e.name
+            if cp in g.shadow_roots:
+                continue
+            if e.kind is Kind.DIR:
+                if e.tree_id is not None:
+                    todo.append((cp, e.tree_id))
+                continue
+            if e.link_group is None or e.link_group not in left:
+                continue
+            n = ov.resolve(cp)
+            visible = ov.lower.link_count(e.link_group) - left.pop(e.link_group)
+            n.nlink = n.lower_links = max(1, visible)
+            ov._copy_up(n)
 
 
 def known_to_kernel(ov: Overlay, inv: Invalidation) -> Invalidation:
@@ -561,7 +604,7 @@ def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None)
     the freeze that cleaned the overlay (its kept rows). A kept entry whose directory the
     target does not hold as a directory is given up (``keep_target`` made every other one
     exist). Event-loop thread; before the reset commits."""
-    from .checkpoint import Graft, _below_kept, _set_col, rows_now, still_named
+    from .checkpoint import _below_kept, _set_col, rows_now, still_named
     from .overlay import row_of
 
     rb = sp.rebase
@@ -591,6 +634,13 @@ def graft_swap(ov: Overlay, sp: SwapPlan, kept: list[Kept], prev: Rebase | None)
         for a, dn in zip(prefixes, reversed(chain), strict=True):
             where[dn.ino] = a
         held.append(k)
+        under = new.entry(k.path)  # the target's entry the kept one shows over
+        if under is not None:
+            names: Counter[bytes] = Counter()
+            _group_names(store, under, names)
+            for grp, c in names.items():
+                g.shadowed[grp] = g.shadowed.get(grp, 0) + c
+            g.shadow_roots.add(k.path)
         have = (k.parent.entries or {}).get(k.name)
         cookie = have[1] if have is not None and have[0] == k.node.ino else ov._cookie()
         dents.setdefault(k.parent.ino, {})[k.name] = (k.node.ino, cookie)

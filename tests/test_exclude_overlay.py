@@ -537,3 +537,46 @@ def test_excluded_paths_are_no_changes_that_keep_a_session_from_moving(env: Env)
     write(ov, "pkg/main.py", b"print(3)\n")
     ov.close()
     assert upper_holds_changes(env.store, env.state, ref)
+
+
+def test_restore_counts_no_group_name_a_kept_directory_shadows(tmp_path: Path) -> None:
+    """A target whose hard-link groups have names below node_modules, restored where the
+    live tree keeps its own node_modules: those names do not show, and the group's file
+    counts only the names that do (st_nlink), after a remount and a checkpoint too, and
+    again after a second restore to the same target."""
+    env = Env(tmp_path)
+    src = tmp_path / "older"  # a tree imported before the policy, node_modules and all
+    (src / "pkg").mkdir(parents=True)
+    (src / "node_modules").mkdir()
+    (src / "pkg/a.txt").write_bytes(b"shared\n")
+    os.link(src / "pkg/a.txt", src / "node_modules/x.txt")
+    (src / "pkg/b.txt").write_bytes(b"b\n")
+    os.link(src / "pkg/b.txt", src / "pkg/c.txt")
+    os.link(src / "pkg/b.txt", src / "node_modules/b.txt")
+    target = snapshot(env.store, src)
+    ov = env.mount()
+    npm_install(ov)  # the live tree keeps a node_modules of its own
+    checkpoint_overlay(ov)
+
+    def counts(ov: Overlay) -> tuple[int, int, int]:
+        a, b, c = (ov.resolve(p) for p in ("pkg/a.txt", "pkg/b.txt", "pkg/c.txt"))
+        assert b.ino == c.ino != a.ino
+        assert not (ov.resolve("node_modules").entries or {}).keys() & {b"x.txt", b"b.txt"}
+        return a.nlink, b.nlink, c.nlink
+
+    restore_overlay(ov, target)
+    assert counts(ov) == (1, 2, 2)
+    assert read(ov, "node_modules/left-pad/index.js") == b"module.exports = 2\n"
+    env.sound()
+    ov = env.remount()
+    assert counts(ov) == (1, 2, 2)
+    ref = checkpoint_overlay(ov).ref
+    listing = tree_listing(env.store, ref)
+    assert (listing[b"pkg/a.txt"].nlink, listing[b"pkg/b.txt"].nlink) == (1, 2)
+    assert counts(ov) == (1, 2, 2)
+    env.sound()
+    restore_overlay(ov, target)
+    assert counts(ov) == (1, 2, 2)
+    env.sound()
+    ov = env.remount()
+    assert counts(ov) == (1, 2, 2)
