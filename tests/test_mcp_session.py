@@ -7,15 +7,17 @@ when its client closes.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-from test_tools_session import REPO, Sessions, outside_tmp_sessions
+from test_tools_session import CALC, REPO, Sessions, outside_tmp_sessions
 
 from fusefs.session.journal import Journal
 from store.objects import Store
@@ -154,3 +156,58 @@ def test_mcp_restore_of_one_path(sessions: Sessions) -> None:
     assert (root / "notes.txt").read_text() == "kept\n"
     last = Journal(Store(sessions.store), sid).events()[-1]
     assert last.event == "WorkspaceRestored" and str(last.ref) != seed
+
+
+def test_mcp_refs_as_typed_and_path_restores_the_policy_covers(sessions: Sessions) -> None:
+    """The diff and restore tools take every form of Ref a person types (@label, @-N, a
+    prefix), scoped to the session; a path restore that would change a hidden or protected
+    path (the path itself, or anything below it in the live tree or in the Ref) is refused
+    as not found or protected, and changes nothing."""
+    seed = sessions.project()
+    (seed / "secrets").mkdir()
+    (seed / "secrets" / "prod.key").write_text("prod\n")
+    (seed / ".env").write_text("API_KEY=1\n")
+    out = sessions.cli("session", "new", "--no-fuse", "--base", str(sessions.base), "--seed",
+                       str(seed), "--hide", ".env", "--protect", "secrets/**", "--json")
+    sid, root = json.loads(out.stdout)["id"], Path(json.loads(out.stdout)["root"])
+    answers: dict[str, str] = {}
+
+    async def agent() -> None:
+        async with Client(server(sessions, sid, "--allow-restore"),
+                          read_timeout_seconds=120) as client:
+            r = await client.call_tool("checkpoint", {"label": "good"})
+            assert not r.is_error, text(r)
+            good = text(r).split(" as ")[1].split(" ")[0]
+            # The user changes what the agent may not see or change.
+            (root / ".env").write_text("API_KEY=2\n")
+            (root / "secrets" / "prod.key").write_text("rotated\n")
+            r = await client.call_tool("ReadFile", {"path": "calc.py"})
+            assert not r.is_error, text(r)
+            r = await client.call_tool("WriteFile", {"path": "calc.py", "content": "broken\n"})
+            assert not r.is_error, text(r)
+            r = await client.call_tool("diff", {"ref_a": "@good"})
+            assert not r.is_error and "modified     calc.py" in text(r), text(r)
+            r = await client.call_tool("diff", {"ref_a": good[len("v1:blake3:"):][:8],
+                                                "ref_b": "@-1"})
+            assert not r.is_error and text(r).startswith("no changes"), text(r)
+            for paths, refused in (([".env"], ".env: no such file or directory"),
+                                   (["secrets"], "secrets: permission denied (EACCES)"),
+                                   (["calc.py", "secrets/prod.key"],
+                                    "secrets/prod.key: permission denied (EACCES)")):
+                r = await client.call_tool("restore", {"ref": "@good", "paths": paths})
+                answers[paths[-1]] = text(r)
+                assert r.is_error and refused in text(r), text(r)
+            r = await client.call_tool("restore", {"ref": "@nolabel", "paths": ["calc.py"]})
+            assert r.is_error and "no snapshot labelled 'nolabel'" in text(r), text(r)
+            r = await client.call_tool("restore", {"ref": "@-1", "paths": ["calc.py"]})
+            assert not r.is_error, text(r)
+            answers["calc.py"] = text(r)
+
+    anyio.run(agent)
+    assert "API_KEY" not in "".join(answers.values())
+    assert (root / "calc.py").read_text() == CALC
+    assert (root / ".env").read_text() == "API_KEY=2\n"
+    assert (root / "secrets" / "prod.key").read_text() == "rotated\n"
+    restores = [e for e in Journal(Store(sessions.store), sid).events()
+                if e.event == "WorkspaceRestored"]
+    assert len(restores) == 1

@@ -255,12 +255,13 @@ LOG = ToolSpec("log", M.DESCRIBE_LOG, (), read_only=True, destructive=False,
                idempotent=True)
 
 DIFF = ToolSpec("diff", M.DESCRIBE_DIFF, (
-    Arg("ref_a", "string", "The older ref (default: the last checkpoint or restore)."),
-    Arg("ref_b", "string", "The newer ref (default: the live workspace)."),
+    Arg("ref_a", "string", "The older ref (default: the last checkpoint or restore). " +
+        M.REF_FORMS),
+    Arg("ref_b", "string", "The newer ref (default: the live workspace). " + M.REF_FORMS),
 ), read_only=True, destructive=False, idempotent=True)
 
 RESTORE = ToolSpec("restore", M.DESCRIBE_RESTORE, (
-    Arg("ref", "string", "The ref to restore (v1:blake3:...).", required=True),
+    Arg("ref", "string", "The ref to restore. " + M.REF_FORMS, required=True),
     Arg("paths", "array", "Restore only these paths (relative to the workspace root; each "
         "becomes what the ref holds there, or is removed where it holds nothing); the rest "
         "stays as it is."),

@@ -223,4 +223,6 @@ DESCRIBE_DIFF = ("List paths added, removed or modified between two refs (defaul
                  "checkpoint and the live workspace).")
 DESCRIBE_CHANGES = ("List the paths each step (each WriteFile, EditFile or Bash call) added, "
                     "removed or modified; with step=N only that step's.")
+REF_FORMS = ("A full ref (v1:blake3:...), a unique prefix of at least 8 hex digits, @label "
+             "(the newest checkpoint with that label) or @-N (the Nth checkpoint back).")
 DESCRIBE_RESTORE = "Restore the workspace to a ref (the current state is checkpointed first)."

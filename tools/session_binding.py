@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import json
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,10 +39,13 @@ from store.diff import Change, diff_trees
 from store.objects import Store
 from store.pathpolicy import PathPolicy
 from store.ref import ObjectId, Ref
+from store.resolve import resolve_ref
 from store.snapshot import compute_ref
-from store.tree import Kind, Tree, decode_tree
+from store.tree import Entry, Kind, Tree, decode_tree
 from tools import messages as M
 from tools.binding import PermitError
+from tools.paths import PathError
+from tools.walk import list_dir, open_subdir
 
 STATE_DIR_NAME = "sessions"  # the session state base under the store (fusefs.session.config)
 _STATUS_TIMEOUT_S = 30.0
@@ -183,13 +187,24 @@ class SessionToolBinding:
             return M.SESSION_CHECKPOINTED_LABEL.format(ref=ref, label=label)
         return M.SESSION_CHECKPOINTED.format(ref=ref)
 
+    def resolve(self, ref: str) -> Ref:
+        """The Ref ``ref`` names as a person types it (``store.resolve``): a full Ref, a
+        unique prefix of 8+ hex digits, ``@label`` (the newest in this session's journal)
+        or ``@-N`` (this session's Nth checkpoint back). Raises InvalidRefError."""
+        return resolve_ref(self.store, ref.strip(), session=self.id)
+
     def restore(self, ref: str, paths: list[str] | None = None) -> str:
-        """Restore the workspace to ``ref`` through the session process (the state before is
-        checkpointed first); with ``paths`` (relative to the root) only those paths.
-        Raises InvalidRefError, or the session's error as HostError."""
-        target = str(Ref.parse(ref.strip()))
+        """Restore the workspace to ``ref`` (as ``resolve`` reads it) through the session
+        process (the state before is checkpointed first); with ``paths`` (relative to the
+        root) only those paths, each refused before anything changes when it, or anything
+        below it in the live tree or in ``ref``, is hidden (PathError not_found) or
+        protected (PathError protected) by the path policy. Raises InvalidRefError,
+        PathError, or the session's error as HostError."""
+        target_ref = self.resolve(ref)
+        target = str(target_ref)
         req: dict[str, object] = {"op": "restore", "ref": target}
         if paths is not None:
+            self._check_restore_paths(target_ref, paths)
             req["paths"] = list(paths)
         reply = self._ask(req)
         pre = reply.get("pre_restore")
@@ -198,6 +213,81 @@ class SessionToolBinding:
         if pre:
             return M.SESSION_RESTORED_UNDO.format(ref=target, pre=pre)
         return M.SESSION_RESTORED.format(ref=target)
+
+    def _check_restore_paths(self, target: Ref, paths: list[str]) -> None:
+        """Refuse a path restore that would change what the path policy hides or protects:
+        each path, and every path below it in the live tree and in ``target``. Paths the
+        session refuses anyway (``..``, absolute, the root) are left to it."""
+        pol = self._policy
+        if not (pol.hide or pol.protect):
+            return
+        for text in paths:
+            parts = [c for c in text.split("/") if c and c != "."]
+            if not parts or ".." in parts or text.startswith("/"):
+                continue
+            for rel, is_dir in [*self._live_below(parts), *self._ref_below(target, parts)]:
+                if pol.hides(rel, is_dir):
+                    raise PathError("not_found", text)
+                if pol.protects(rel, is_dir):
+                    raise PathError("protected", text)
+
+    def _live_below(self, parts: list[str]) -> Iterator[tuple[str, bool]]:
+        """``(path, is_dir)`` of the live path ``parts`` and everything below it, walked
+        without following a symbolic link; nothing when it is absent."""
+        fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for comp in parts[:-1]:
+                sub = open_subdir(fd, comp)
+                os.close(fd)
+                if sub is None:
+                    return
+                fd = sub
+            rel = "/".join(parts)
+            try:
+                st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                return
+            is_dir = stat.S_ISDIR(st.st_mode)
+            yield rel, is_dir
+            if not is_dir:
+                return
+            todo = [(rel, open_subdir(fd, parts[-1]))]
+            while todo:
+                prefix, dfd = todo.pop()
+                if dfd is None:
+                    continue
+                try:
+                    for entry in list_dir(dfd):
+                        sub_dir = entry.is_dir(follow_symlinks=False)
+                        path = f"{prefix}/{entry.name}"
+                        yield path, sub_dir
+                        if sub_dir:
+                            todo.append((path, open_subdir(dfd, entry.name)))
+                finally:
+                    os.close(dfd)
+        finally:
+            os.close(fd)
+
+    def _ref_below(self, target: Ref, parts: list[str]) -> Iterator[tuple[str, bool]]:
+        """``(path, is_dir)`` of path ``parts`` in ``target`` and everything below it."""
+        tree: Tree | None = self.store.root_tree(target)
+        entry: Entry | None = None
+        for comp in parts:
+            if tree is None:
+                return
+            entry = tree.get(os.fsencode(comp))
+            if entry is None:
+                return
+            tree = (self.store.get_tree(entry.tree_id)
+                    if entry.kind is Kind.DIR and entry.tree_id is not None else None)
+        assert entry is not None
+        todo = [("/".join(parts), entry)]
+        while todo:
+            rel, e = todo.pop()
+            yield rel, e.kind is Kind.DIR
+            if e.kind is Kind.DIR and e.tree_id is not None:
+                todo.extend((f"{rel}/{os.fsdecode(c.name)}", c)
+                            for c in self.store.get_tree(e.tree_id).entries)
 
     def log(self) -> str:
         """The session's journal, oldest first, one line per event (times in UTC); a
@@ -275,14 +365,14 @@ class SessionToolBinding:
         Raises InvalidRefError, ObjectNotFoundError for a Ref not in the store,
         SnapshotError if the workspace changed while it was read."""
         if ref_a:
-            a = Ref.parse(ref_a.strip())
+            a = self.resolve(ref_a)
         else:
             pointer = Journal(self.store, self.id).restore_pointer()
             if pointer is None:
                 return M.SESSION_LOG_EMPTY
             a = pointer
         if ref_b:
-            b = Ref.parse(ref_b.strip())
+            b = self.resolve(ref_b)
             changes = diff_trees(self.store, a.tree_id, b.tree_id)
             shown_b = str(b)
         else:
