@@ -13,7 +13,8 @@ kernel's inode), so any thread may call it, also while the serving loop waits fo
    (``/proc/<pid>/task/<tid>/fd``): a process with more than one thread has each thread's
    table compared with its leader's by kcmp(2) ``KCMP_FILES``, one system call per
    thread, and only the tables that differ (and differ from each other) are read; where
-   kcmp is refused (ENOSYS, or EPERM under a seccomp filter) every thread's table is read;
+   kcmp is refused (ENOSYS, or EPERM under a seccomp filter) or its number is not known
+   here (32-bit processes, other architectures) every thread's table is read;
 2. a link naming a path (not a pipe, socket or anonymous inode) has its lstat looked at:
    its mode has ``S_IWUSR`` when the descriptor was opened for writing
    (``tid_fd_update_inode`` in fs/proc/fd.c); a writable one has its
