@@ -36,7 +36,7 @@ so):
 - ``bench_scan.py``: no-open mode's scan of /proc for open writers, with a holder of 200
   threads and 1,000 descriptors and without, against the scan of ``SCAN_BASELINE``.
 
-``--quick`` uses the smallest sizes and one run each (a smoke run, about 5 minutes);
+``--quick`` uses the smallest sizes and one run each (a smoke run, 5 to 10 minutes);
 ``--only NAME,...`` runs some of them (the others are reported as not run).
 ``--wait-load L`` waits (up to 10 minutes) until the 1-minute load average is below L
 before starting; the load averages before and after each benchmark are part of the report.
