@@ -1,8 +1,8 @@
 """Where running mount daemons are recorded, and how the system's mount table is read.
 
 A daemon writes one small JSON record per mount point into the runtime directory
-(``runtime_dir("mounts")``: ``$XDG_RUNTIME_DIR/rewindfs/mounts``, else
-``/tmp/rewindfs-<uid>/mounts``; every level 0700) once
+(``runtime_dir("mounts")``: ``$XDG_RUNTIME_DIR/rewindfs/mounts`` where that is a directory
+of this user, else ``/tmp/rewindfs-<uid>/mounts``; every level 0700) once
 it serves, and removes it when it exits; ``rewindfs umount`` reads it to wait for the daemon
 to finish persisting, then reads the exit record a failed daemon leaves (``EXIT_SUFFIX``).
 Light on imports: the CLI uses it without loading FUSE.
@@ -27,12 +27,34 @@ fit the 107 bytes of a Unix socket path (unix(7), ``sun_path``)."""
 
 def runtime_base() -> str:
     """Where the runtime directory is: ``$XDG_RUNTIME_DIR/rewindfs`` when XDG_RUNTIME_DIR
-    names a directory, else ``$TMPDIR/rewindfs-<uid>`` (TMPDIR default ``/tmp``)."""
+    names a directory of this user, else ``$TMPDIR/rewindfs-<uid>`` (TMPDIR default
+    ``/tmp``). See ``xdg_passed_over``."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base):
+    if base and xdg_passed_over() is None:
         return os.path.join(base, "rewindfs")
     tmp = os.environ.get("TMPDIR") or "/tmp"
     return os.path.join(tmp, f"rewindfs-{os.getuid()}")
+
+
+def xdg_passed_over() -> str | None:
+    """Why ``$XDG_RUNTIME_DIR`` is not used (None: it is, or it is not set): it does not
+    exist, is not a directory, or belongs to another user. The XDG base directory spec
+    wants it owned by the user, and a replacement used otherwise; ``su`` without ``-``
+    keeps the caller's (``/run/user/0``), which this user can neither read nor write
+    in."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base:
+        return None
+    try:
+        st = os.stat(base)
+    except OSError as e:
+        return f"XDG_RUNTIME_DIR={base}: {e.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"XDG_RUNTIME_DIR={base} is not a directory"
+    if st.st_uid != os.getuid():
+        return (f"XDG_RUNTIME_DIR={base} belongs to uid {st.st_uid}, not to this user (uid "
+                f"{os.getuid()})")
+    return None
 
 
 def _private_level(path: str) -> None:

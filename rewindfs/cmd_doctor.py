@@ -73,6 +73,19 @@ def check_fuse() -> list[Check]:
 
 
 def check_runtime_dir() -> Check:
+    from fusefs.mounts import xdg_passed_over
+
+    c = _check_runtime_base()
+    passed_over = xdg_passed_over()
+    if passed_over is None:
+        return c
+    return Check("runtime_dir", "warn" if c.status == "ok" else c.status,
+                 f"{passed_over}, so rewindfs uses another: {c.detail}",
+                 c.fix or "unset XDG_RUNTIME_DIR, or log in as this user (su - USER) to get "
+                          "one of yours")
+
+
+def _check_runtime_base() -> Check:
     from fusefs.mounts import runtime_base
 
     d = runtime_base()
@@ -80,6 +93,9 @@ def check_runtime_dir() -> Check:
         st = os.lstat(d)
     except FileNotFoundError:
         return Check("runtime_dir", "ok", f"{d} will be created (mode 0700) on first use")
+    except OSError as e:
+        return Check("runtime_dir", "fail", f"{d} cannot be looked at: {e.strerror}",
+                     "export XDG_RUNTIME_DIR=$(mktemp -d)")
     if not os.path.isdir(d) or os.path.islink(d):
         return Check("runtime_dir", "fail", f"{d} is not a directory",
                      f"rm {d}  (or set XDG_RUNTIME_DIR to a private directory)")

@@ -103,9 +103,12 @@ def _parse_targets(args: argparse.Namespace) -> tuple[str | None, str]:
     return ref, os.path.abspath(mnt)
 
 
-def cmd_mount(args: argparse.Namespace) -> int:
+def _checked_targets(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The Ref (resolved) and mount point of ``mount``, checked: raises InvalidRefError,
+    RefNotFoundError, UsageError, MountError (a mount there, dead or alive; not a
+    directory)."""
     from fusefs.errors import MountError
-    from fusefs.mounts import is_mounted, record_path
+    from fusefs.mounts import is_mounted
 
     ref, mnt = _parse_targets(args)
     if ref is not None:
@@ -128,12 +131,28 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise MountError(mnt, "something is already mounted there")
     if not os.path.isdir(mnt):
         raise MountError(mnt, "mount point is not a directory")
+    return ref, mnt
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from fusefs.daemon import MountConfig, fd_ready, refuse_no_open, refuse_overlap, serve
+    from fusefs.mounts import record_path
+
+    if args.foreground:
+        # The daemon a background mount started: a refusal of these checks (a mount that
+        # appeared at the path since the CLI made them) must reach the waiting CLI.
+        ready = fd_ready(args.ready_fd)
+        try:
+            ref, mnt = _checked_targets(args)
+        except Exception as e:
+            ready(str(e))
+            raise
+    else:
+        ref, mnt = _checked_targets(args)
     store = os.path.abspath(args.store)
     state = os.path.abspath(args.state) if args.state else None
     log_path = os.path.abspath(args.log) if args.log else None
     stats_path = os.path.abspath(args.stats_file) if args.stats_file else None
-
-    from fusefs.daemon import MountConfig, fd_ready, refuse_no_open, refuse_overlap, serve
 
     cfg = MountConfig(store_root=store, mountpoint=mnt, ref=ref, state_dir=state,
                       readonly=args.ro, allow_other=args.allow_other, log_path=log_path,
@@ -141,7 +160,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                       no_open=args.no_open, quota_bytes=args.quota_bytes,
                       quota_inodes=args.quota_inodes)
     if args.foreground:
-        return serve(cfg, fd_ready(args.ready_fd))
+        return serve(cfg, ready)
     refuse_overlap(cfg)
     refuse_no_open(cfg)
 

@@ -187,6 +187,40 @@ def test_a_clean_unmount_leaves_nothing_in_the_runtime_dir(box: Box) -> None:
 
 
 @pytest.mark.skipif(UID != 0, reason="making a directory of another user needs root")
+def test_an_xdg_runtime_dir_of_another_user_is_passed_over(box: Box) -> None:
+    """``su USER`` without ``-`` keeps the caller's XDG_RUNTIME_DIR (``/run/user/0``), in
+    which that user can make nothing: every mount and session failed with "cannot create
+    it (Permission denied)" (and root made its runtime directory inside another user's).
+    As the XDG spec asks of a runtime directory the user does not own, rewindfs uses
+    ``$TMPDIR/rewindfs-<uid>`` instead, leaves the other one untouched, and doctor says
+    so."""
+    xdg = box.base / "xdg-of-another"
+    xdg.mkdir(mode=0o700)
+    os.chown(xdg, 65534, 65534)
+    tmp = box.base / "tmp"
+    tmp.mkdir()
+    box.env.update(XDG_RUNTIME_DIR=str(xdg), TMPDIR=str(tmp))
+    box.rt = tmp / f"rewindfs-{UID}"
+    ro = box.base / "ro"
+    ro.mkdir()
+    box.rw("mount", "--ro", box.ref, str(ro))
+    assert (ro / "a").read_text() == "lower\n"
+    assert [p.suffix for p in (box.rt / "mounts").iterdir()].count(".json") == 1
+    box.rw("umount", str(ro))
+    out = json.loads(box.rw("session", "new", "--base", str(box.base / "ws"),
+                            "--json").stdout)
+    assert fh.is_fuse_mounted(out["root"])
+    assert (box.rt / f"{out['id']}.sock").exists()
+    box.rw("session", "shutdown", out["id"])
+    assert list(xdg.iterdir()) == []
+    doc = json.loads(box.rw("doctor", "--json", ok=False).stdout)
+    c = {c["name"]: c for c in doc["checks"]}["runtime_dir"]
+    assert c["status"] == "warn" and "belongs to uid 65534" in c["detail"], c
+    assert str(box.rt) in c["detail"] and "XDG_RUNTIME_DIR" in c["fix"], c
+    box.assert_nothing_left()
+
+
+@pytest.mark.skipif(UID != 0, reason="making a directory of another user needs root")
 def test_a_runtime_dir_of_another_user_is_refused_and_nothing_starts(box: Box) -> None:
     rt = box.runtime("xdg")
     rt.mkdir(mode=0o700)
@@ -356,6 +390,34 @@ def test_two_mounts_started_together_at_one_mount_point_give_one_mount(box: Box)
     (mnt / "b").write_text("upper\n")
     box.rw("umount", str(mnt))
     assert not fh.is_fuse_mounted(str(mnt))
+    box.assert_nothing_left()
+
+
+def test_a_daemon_that_finds_its_mount_point_taken_tells_the_waiting_cli(box: Box) -> None:
+    """A background mount's daemon (``mount --foreground --ready-fd``) repeats the CLI's
+    checks of the mount point; one that found a mount there (another start won the race
+    since the CLI looked) exited 9 without a word on its ready pipe, so the CLI said only
+    "daemon exited with 9 before mounting (see its log)": two mounts started together
+    failed the test above so about one run in eight."""
+    box.runtime("xdg")
+    mnt = box.base / "mnt"
+    mnt.mkdir()
+    box.rw("mount", box.ref, str(mnt), "--state", str(box.base / "state0"))
+    r, w = os.pipe()
+    try:
+        p = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(box.store),
+                            "mount", box.ref, str(mnt), "--state", str(box.base / "state1"),
+                            "--foreground", "--ready-fd", str(w)], pass_fds=(w,),
+                           capture_output=True, text=True, cwd=str(box.base), env=box.env,
+                           timeout=120)
+        os.close(w)
+        said = os.read(r, 4096).decode()
+    finally:
+        os.close(r)
+    assert p.returncode == 9, p.stderr
+    assert said.startswith("error: ") and "already mounted there" in said, (said, p.stderr)
+    assert not (box.base / "state1").exists()
+    box.rw("umount", str(mnt))
     box.assert_nothing_left()
 
 
