@@ -18,7 +18,13 @@ runs that deleted index rows.
 
 Connections: a pool of ``max_size`` connections, each checked before it is handed out, so
 after a PostgreSQL restart the next operation reconnects (the operation that was running
-when the server went away fails with ``CatalogError``). Every method is one transaction.
+when the server went away fails with ``CatalogError``). Opening connects once directly,
+so a server that refuses (down, no such database or role, a bad password) is a
+``CatalogError`` with the server's own reason at once. While the server is unreachable,
+each operation asks it with one direct connection and fails at once with its reason; the
+first that gets through puts a fresh pool in place (the old pool's own reconnection
+attempts back off up to minutes), so the next operation after an outage of any length
+succeeds. Every method is one transaction.
 Leases and fenced journal appends lock their ``leases`` row (``SELECT ... FOR UPDATE``), so
 two hosts racing for one lease are serialized and exactly one wins.
 """
@@ -97,30 +103,95 @@ class PostgresCatalog:
 
     def __init__(self, dsn: str, *, max_size: int = 8, timeout_s: float = 10.0) -> None:
         import psycopg
-        from psycopg_pool import ConnectionPool
 
         self._psycopg = psycopg
         self.dsn = dsn
         self.transactions = 0  # transactions begun: round trips to the server (stats, tests)
         self._count_lock = threading.Lock()
-        self._pool: Any = ConnectionPool(
-            dsn, min_size=1, max_size=max_size, open=False, timeout=timeout_s,
-            check=ConnectionPool.check_connection,
-            kwargs={"connect_timeout": max(1, int(timeout_s)), "autocommit": True},
-            name="rewindfs-catalog")
+        self._max_size = max_size
+        self._timeout_s = timeout_s
+        self._pool_lock = threading.Lock()
+        self._down = False  # the last direct attempt found the server unreachable
+        # One direct connection first: a server that refuses (gone, no such database or
+        # role, bad password) is reported at once with its own reason, and the schema is
+        # migrated on it while the pool opens its connections.
+        first = self._connect()
         try:
-            self._pool.open(wait=True, timeout=timeout_s)
-        except Exception as e:
-            self._pool.close()
-            raise CatalogError(f"cannot reach the catalog at {_redact(dsn)}: {e}") from None
-        try:
-            self._migrate()
-        except BaseException:
-            self._pool.close()
-            raise
+            self._migrate(first)
+        except psycopg.Error as e:
+            raise CatalogError(f"catalog {_redact(dsn)}: {_one_line(e)}") from None
+        finally:
+            first.close()
+        self._pool: Any = self._new_pool()
 
     def __repr__(self) -> str:
         return f"PostgresCatalog({_redact(self.dsn)})"
+
+    def _connect(self) -> Any:
+        """A new connection outside the pool; CatalogError naming the server's reason if
+        there is none within the timeout (and ``_down`` set until one succeeds)."""
+        try:
+            conn = self._psycopg.connect(self.dsn, autocommit=True,
+                                         connect_timeout=max(1, int(self._timeout_s)))
+        except (self._psycopg.Error, OSError) as e:
+            self._down = True
+            raise CatalogError(f"cannot reach the catalog at {_redact(self.dsn)}: "
+                               f"{_one_line(e)}") from None
+        self._down = False
+        return conn
+
+    def _new_pool(self) -> Any:
+        from psycopg_pool import ConnectionPool
+
+        pool = ConnectionPool(
+            self.dsn, min_size=1, max_size=self._max_size, open=False,
+            timeout=self._timeout_s, check=ConnectionPool.check_connection,
+            kwargs={"connect_timeout": max(1, int(self._timeout_s)), "autocommit": True},
+            name="rewindfs-catalog")
+        pool.open(wait=False)
+        return pool
+
+    def _getconn(self) -> tuple[Any, Any]:
+        """``(pool, connection)``: a connection of the pool, to give back to that pool.
+
+        When the pool has none to give within the timeout, or the last attempt found the
+        server unreachable, one direct connection asks the server at once: still gone is
+        CatalogError with its reason (so while it is down each operation fails fast, not
+        after the timeout); back is a fresh pool in place of the old one, whose own
+        reconnection attempts back off exponentially (psycopg_pool: 1, 2, 4, ... s, up to
+        its 5 min reconnect timeout), so the next operation after the server returns
+        succeeds."""
+        from psycopg_pool import PoolTimeout
+
+        pool = self._pool
+        if pool is not None and not self._down:
+            try:
+                return pool, pool.getconn()
+            except PoolTimeout:
+                pass
+        try:
+            self._connect().close()
+        except CatalogError:
+            # Down: the old pool's own attempts stop; the first success makes a new one.
+            self._replace_pool(pool, None)
+            raise
+        return self._replace_pool(pool, self._new_pool)
+
+    def _replace_pool(self, old: Any, make: Callable[[], Any] | None) -> Any:
+        """Put ``make()`` (None: no pool) in place of pool ``old`` unless another thread
+        replaced it already; returns ``(pool, connection)`` with ``make``."""
+        with self._pool_lock:
+            if self._pool is old:
+                self._pool = None if make is None else make()
+                if old is not None:  # closed aside: its workers stop within its timeout
+                    threading.Thread(target=old.close, name="rewindfs-catalog-close",
+                                     daemon=True).start()
+            pool = self._pool
+        if make is None:
+            return None
+        if pool is None:  # another thread found the server down meanwhile
+            return self._getconn()
+        return pool, pool.getconn()
 
     @contextmanager
     def _tx(self) -> Iterator[Any]:
@@ -130,20 +201,25 @@ class PostgresCatalog:
         with self._count_lock:
             self.transactions += 1
         try:
-            with self._pool.connection() as conn, conn.transaction():
-                yield conn
+            pool, conn = self._getconn()
+            try:
+                with conn.transaction():
+                    yield conn
+            finally:
+                pool.putconn(conn)
         except StoreError:
             raise
         except (psycopg.Error, OSError) as e:
             raise CatalogError(f"catalog {_redact(self.dsn)}: {type(e).__name__}: "
-                               f"{str(e).strip()}") from None
+                               f"{_one_line(e)}") from None
         except Exception as e:
             if type(e).__module__.startswith("psycopg_pool"):
                 raise CatalogError(f"catalog {_redact(self.dsn)}: {e}") from None
             raise
 
-    def _migrate(self) -> None:
-        with self._tx() as c:
+    def _migrate(self, conn: Any) -> None:
+        with conn.transaction():
+            c = conn
             c.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
             c.execute("CREATE TABLE IF NOT EXISTS catalog_meta "
                       "(key text PRIMARY KEY, value text NOT NULL)")
@@ -555,7 +631,15 @@ class PostgresCatalog:
                           "DO UPDATE SET value=excluded.value", (key, value))
 
     def close(self) -> None:
-        self._pool.close()
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+
+def _one_line(e: BaseException) -> str:
+    """A server's message (often several lines, with a tab-indented hint) as one line."""
+    return " ".join(str(e).split())
 
 
 def _gc_runs(c: Any, now_ns: int) -> bool:

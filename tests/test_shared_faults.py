@@ -215,3 +215,30 @@ def test_s3_killed_mid_multipart_upload_of_a_big_pack(mounter: fh.Mounter, fuse_
     assert not killed & unfinished()
     assert _read(fuse_store, ref, "big.bin") == big  # what is live stays
     assert (m / "note.txt").read_text() == "small change\n"
+
+
+def test_the_catalog_reconnects_at_once_after_a_long_outage(own_postgres: object) -> None:
+    """PostgreSQL down for many operations: each fails with CatalogError naming the
+    server's reason (on one line), and the first operation after it returns succeeds. The
+    pool's own reconnection attempts back off (1, 2, 4, 8, 16 s apart): it alone answered
+    'couldn't get a connection' for up to minutes after the server was back."""
+    from store.errors import CatalogError
+    from store.pgcatalog import PostgresCatalog
+
+    cat = PostgresCatalog(own_postgres.new_database(), timeout_s=1.0)  # type: ignore[attr-defined]
+    try:
+        cat.set_config("k", "before the outage")
+        own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+        try:
+            for _ in range(20):
+                with pytest.raises(CatalogError) as raised:
+                    cat.config_value("k")
+                msg = str(raised.value)
+                assert "\n" not in msg and "Connection refused" in msg, msg
+        finally:
+            own_postgres.start()  # type: ignore[attr-defined]
+        assert cat.config_value("k") == "before the outage"
+        cat.set_config("k", "after")
+        assert cat.config_value("k") == "after"
+    finally:
+        cat.close()

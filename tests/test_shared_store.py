@@ -86,6 +86,20 @@ def test_a_remote_store_without_a_catalog_is_refused(tmp_path: Path, s3_bucket: 
     assert not (tmp_path / "l").exists()
 
 
+def test_a_catalog_that_refuses_is_one_line_naming_its_reason(s3_env: object, s3_bucket: str,
+                                                              postgres: object,
+                                                              tmp_path: Path) -> None:
+    """No such database: exit 1 at once with the server's reason on one line (it was the
+    pool's multi-line warnings for 10 s, then 'pool initialization incomplete')."""
+    bad = postgres.dsn("no_such_db")  # type: ignore[attr-defined]
+    r = _cli(["--store", f"s3://{s3_bucket}/x", "--s3-endpoint",
+              s3_env.endpoint, "--catalog", bad,  # type: ignore[attr-defined]
+              "--local", str(tmp_path / "l"), "list"], check=False)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("rewindfs: "), r.stderr
+    assert 'database "no_such_db" does not exist' in r.stderr, r.stderr
+
+
 def test_a_local_dir_belongs_to_one_store(tmp_path: Path) -> None:
     a = SharedConfig("s3://b/one", "postgresql://h/db")
     configure(str(tmp_path / "l"), a)
