@@ -273,10 +273,15 @@ def _dirty_dirs(ov: Overlay, uppers: list[Node]) -> tuple[set[int] | None, bool]
     dirty: set[int] = set()
     broken = False
     groups = False
-    named: set[int] = set()  # inodes named by an upper dentry (created, linked or moved)
-    for n in uppers:
-        if n.kind is Kind.DIR and n.nlink > 0 and n.entries:
-            named.update(ino for ino, _c in n.entries.values() if ino)
+    store = ov.lower.store
+    # Inodes named by an upper dentry (created, linked or moved), which only matter for
+    # upper directories whose lower tree holds hard-link members: gathered only then.
+    named: set[int] = set()
+    if any(n.kind is Kind.DIR and n.nlink > 0 and n.lower_tree is not None
+           and bearing(store, n.lower_tree) for n in uppers):
+        for n in uppers:
+            if n.kind is Kind.DIR and n.nlink > 0 and n.entries:
+                named.update(ino for ino, _c in n.entries.values() if ino)
 
     def mark(ino: int) -> None:
         nonlocal broken
@@ -298,7 +303,7 @@ def _dirty_dirs(ov: Overlay, uppers: list[Node]) -> tuple[set[int] | None, bool]
                 continue  # only the root's own attributes, which no snapshot records
             mark(n.ino)
             if (n.ino in named and n.lower_tree is not None
-                    and bearing(ov.lower.store, n.lower_tree)):
+                    and bearing(store, n.lower_tree)):
                 groups = True  # a moved directory holding hard-link members
             continue
         o = n.origin
@@ -512,14 +517,16 @@ def plan(ov: Overlay) -> Plan:
     p.uppers = uppers
     p.upper_inos = {n.ino for n in uppers}
     if ov.exclude is not None or ov.kept_tree is not None:
+        # the kept files reading lower content: the kept entries, and the linked upper
+        # nodes the tree does not place (below kept entries); only those are sorted
         placed = {pl.ino for pl in p.placements}
-        kept = {k.node.ino: k.node for k in p.kept}
-        kept.update((n.ino, n) for n in uppers if n.nlink > 0 and n.ino not in placed
-                    and n.ino != ROOT_INO)
+        kept = {k.node.ino: k.node for k in p.kept
+                if k.node.kind is Kind.FILE and k.node.lower_len > 0}
+        kept.update((n.ino, n) for n in uppers if n.kind is Kind.FILE and n.lower_len > 0
+                    and n.nlink > 0 and n.ino not in placed and n.ino != ROOT_INO)
         p.kept_pins = [Entry(str(ino).encode(), Kind.FILE, 0o600, 0, 0, 0, n.lower_len,
                              chunks=n.lower_chunks)
-                       for ino, n in sorted(kept.items())
-                       if n.kind is Kind.FILE and n.lower_len > 0]
+                       for ino, n in sorted(kept.items())]
     return p
 
 
