@@ -5,7 +5,10 @@ user may want is missing) or ``fail`` (a part of rewindfs cannot work here), wit
 and the command that fixes it. Checks: the FUSE device and ``fusermount3``; the runtime
 directory (owner and mode); ``user_allow_other`` for ``--allow-other``; bubblewrap and user
 namespaces for the Bash sandbox; ripgrep for Grep; free space where the store and session
-states live; the FUSE binding in use. Exit 0 without a ``fail``, else 1. ``--json`` prints
+states live; the FUSE binding in use; for the local directory of a shared store
+(``store.json``), that its bucket answers with this environment's credentials and that its
+PostgreSQL catalog answers with a schema this program reads (read only: nothing is created
+or migrated). Exit 0 without a ``fail``, else 1. ``--json`` prints
 ``{"ok": bool, "checks": [{"name", "status", "detail", "fix"}]}``.
 """
 
@@ -191,6 +194,53 @@ def check_binding() -> Check:
     return Check("fuse_binding", "ok", detail)
 
 
+def check_shared_store(store: str) -> list[Check]:
+    """For the local directory of a shared store: can this host reach its bucket and its
+    catalog? Nothing for an embedded store."""
+    from store import config
+    from store.errors import StoreError
+
+    try:
+        cfg = config.read(store)
+    except config.StoreConfigError as e:
+        return [Check("shared_config", "fail", str(e), "fix or remove that file")]
+    if cfg is None:
+        return []
+    from store.pgcatalog import SCHEMA_VERSION, probe
+    from store.s3 import S3Backend, parse_s3_url
+
+    out: list[Check] = []
+    where = f" at {cfg.s3_endpoint}" if cfg.s3_endpoint else ""
+    try:
+        bucket, prefix = parse_s3_url(cfg.blobs)
+        S3Backend(bucket, prefix, endpoint_url=cfg.s3_endpoint, max_attempts=2,
+                  read_timeout=10.0).check()
+        out.append(Check("shared_blobs", "ok", f"{cfg.blobs}{where} answers"))
+    except (StoreError, ValueError) as e:
+        out.append(Check("shared_blobs", "fail", str(e),
+                         "check the endpoint and the credentials (AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials) and "
+                         "that the bucket exists"))
+    try:
+        have = probe(cfg.catalog)
+    except StoreError as e:
+        out.append(Check("shared_catalog", "fail", str(e),
+                         "check that the server runs and the database exists; a password "
+                         "comes from PGPASSWORD or ~/.pgpass"))
+        return out
+    if have is None:
+        out.append(Check("shared_catalog", "ok", "the catalog answers; its schema is made "
+                                                 "by the first command that opens it"))
+    elif have > SCHEMA_VERSION:
+        out.append(Check("shared_catalog", "fail", f"the catalog has schema version {have}; "
+                         f"this program reads up to {SCHEMA_VERSION}",
+                         "upgrade rewindfs on this host"))
+    else:
+        out.append(Check("shared_catalog", "ok", f"the catalog answers (schema version "
+                                                 f"{have})"))
+    return out
+
+
 def run_checks(store: str, allow_other: bool = False) -> list[Check]:
     """Every check, in the order shown. A check that cannot look (a permission error, say)
     is reported as failed with its cause, never raised."""
@@ -200,7 +250,8 @@ def run_checks(store: str, allow_other: bool = False) -> list[Check]:
         ("user_allow_other", lambda: check_allow_other(allow_other)),
         ("bash_sandbox", check_sandbox), ("ripgrep", check_ripgrep),
         ("store_space", lambda: check_space("store_space", store)),
-        ("state_space", lambda: check_space("state_space", os.path.join(store, "sessions")))]
+        ("state_space", lambda: check_space("state_space", os.path.join(store, "sessions"))),
+        ("shared_store", lambda: check_shared_store(store))]
     out: list[Check] = []
     for name, fn in steps:
         try:

@@ -637,6 +637,26 @@ class PostgresCatalog:
             pool.close()
 
 
+def probe(dsn: str, timeout_s: float = 5.0) -> int | None:
+    """The schema version of the catalog at ``dsn`` (None: not created yet), read over one
+    connection without creating or migrating anything. Raises CatalogError naming the
+    server's reason if it cannot be reached or read."""
+    import psycopg
+
+    try:
+        with psycopg.connect(dsn, autocommit=True,
+                             connect_timeout=max(1, int(timeout_s))) as conn:
+            made = conn.execute("SELECT to_regclass('catalog_meta')").fetchone()
+            if made is None or made[0] is None:
+                return None
+            row = conn.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
+                               ).fetchone()
+    except (psycopg.Error, OSError) as e:
+        raise CatalogError(f"cannot reach the catalog at {_redact(dsn)}: "
+                           f"{_one_line(e)}") from None
+    return None if row is None else int(row[0])
+
+
 def _one_line(e: BaseException) -> str:
     """A server's message (often several lines, with a tab-indented hint) as one line."""
     return " ".join(str(e).split())

@@ -351,3 +351,35 @@ def test_a_checkpoint_of_ten_appends_makes_a_few_round_trips(s3_env: object, s3_
     finally:
         ov.close()
         st.close()
+
+
+def test_doctor_checks_the_shared_stores_bucket_and_catalog(s3_env: object, s3_bucket: str,
+                                                            postgres: object,
+                                                            tmp_path: Path) -> None:
+    """doctor said 'ready' for a shared store whose bucket refused this host's keys or
+    whose catalog did not exist; now each is a failed check (exit 1), and it only looks."""
+    good = tmp_path / "good"
+    dsn = postgres.new_database()  # type: ignore[attr-defined]
+    ep = s3_env.endpoint  # type: ignore[attr-defined]
+    configure(str(good), SharedConfig(f"s3://{s3_bucket}/d", dsn, ep, str(tmp_path / "c")))
+
+    def doctor(local: Path, env: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
+        r = _cli(["--store", str(local), "doctor", "--json"], env, check=False)
+        doc = json.loads(r.stdout)
+        return r.returncode, {c["name"]: c["status"] for c in doc["checks"]
+                              if c["name"].startswith("shared_")}
+
+    assert doctor(good)[1] == {"shared_blobs": "ok", "shared_catalog": "ok"}
+    code, got = doctor(good, {"AWS_SECRET_ACCESS_KEY": "not-the-secret"})
+    assert code == 1 and got == {"shared_blobs": "fail", "shared_catalog": "ok"}
+    bad = tmp_path / "bad"
+    configure(str(bad), SharedConfig(f"s3://{s3_bucket}/d",
+                                     postgres.dsn("no_such_db"), ep,  # type: ignore[attr-defined]
+                                     str(tmp_path / "c")))
+    code, got = doctor(bad)
+    assert code == 1 and got == {"shared_blobs": "ok", "shared_catalog": "fail"}
+    # Only looked: the new database's catalog was not created by doctor.
+    import psycopg
+
+    with psycopg.connect(dsn) as c:
+        assert c.execute("SELECT to_regclass('catalog_meta')").fetchone() == (None,)
