@@ -31,6 +31,7 @@ two hosts racing for one lease are serialized and exactly one wins.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -149,6 +150,10 @@ class PostgresCatalog:
             kwargs={"connect_timeout": max(1, int(self._timeout_s)), "autocommit": True},
             name="rewindfs-catalog")
         pool.open(wait=False)
+        # Closed at exit on the main thread at the latest: a pool left to its __del__ may be
+        # collected on one of its own worker threads, which cannot join itself
+        # ("cannot join current thread" printed on stderr by the interpreter).
+        atexit.register(pool.close)
         return pool
 
     def _getconn(self) -> tuple[Any, Any]:
@@ -184,8 +189,8 @@ class PostgresCatalog:
             if self._pool is old:
                 self._pool = None if make is None else make()
                 if old is not None:  # closed aside: its workers stop within its timeout
-                    threading.Thread(target=old.close, name="rewindfs-catalog-close",
-                                     daemon=True).start()
+                    threading.Thread(target=_close_pool, args=(old,),
+                                     name="rewindfs-catalog-close", daemon=True).start()
             pool = self._pool
         if make is None:
             return None
@@ -634,7 +639,13 @@ class PostgresCatalog:
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.close()
+            _close_pool(pool)
+
+
+def _close_pool(pool: Any) -> None:
+    """Close a pool of ``_new_pool`` and drop its exit hook."""
+    pool.close()
+    atexit.unregister(pool.close)
 
 
 def probe(dsn: str, timeout_s: float = 5.0) -> int | None:

@@ -122,6 +122,7 @@ GOLDEN = {
     'READ_MORE': '[lines {first}-{last} of {total}; continue with offset={next}]',
     'READ_MORE_OPEN': '[lines {first}-{last}; the file goes on; continue with offset={next}]',
     'READ_PAST_END': '{path}: offset {offset} is past the end of the file ({total} lines)',
+    'REF_FORMS': 'A full ref (v1:blake3:...), a unique prefix of at least 8 hex digits, @label (the newest checkpoint with that label) or @-N (the Nth checkpoint back).',
     'SERVER_INSTRUCTIONS': 'Tools bound to one workspace. Paths are relative to the workspace root (absolute paths must lie inside it). Read a file before you change it.',
     'SESSION_CHECKPOINTED': 'checkpointed the workspace as {ref}',
     'SESSION_CHECKPOINTED_LABEL': 'checkpointed the workspace as {ref} (label {label!r})',
