@@ -12,7 +12,9 @@ import os
 import shutil
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import treegen
@@ -560,6 +562,30 @@ def _chown_tree(path: Path, uid: int) -> None:
             os.chown(os.path.join(dirpath, n), uid, uid, follow_symlinks=False)
 
 
+def _nobody_store(base: Path, src: Path) -> tuple[Ref, Path, Callable[..., Any]]:
+    """``src`` snapshotted into ``base/store``, handed to uid 65534, with a work directory
+    of that user: (the Ref, the work directory, the CLI run as that user on the store)."""
+    import subprocess
+    import sys
+
+    st = Store(base / "store")
+    ref = snapshot(st, src)
+    st.close()
+    _chown_tree(base / "store", 65534)
+    work = base / "work"
+    work.mkdir()
+    os.chown(work, 65534, 65534)
+    repo = Path(__file__).resolve().parent.parent
+
+    def as_nobody_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             sys.executable, "-m", "rewindfs", "--store", str(base / "store"), *args],
+            capture_output=True, text=True, cwd=repo, env={**os.environ, "HOME": str(work)})
+
+    return ref, work, as_nobody_cli
+
+
 @pytest.fixture
 def nobody_base() -> Path:
     if not treegen.AS_ROOT:
@@ -638,8 +664,6 @@ def test_non_root_materializes_a_root_owned_snapshot_twice(nobody_base: Path) ->
     its own), so a second one into the same destination must still find "the same tree"
     (exit 0, already_equal) rather than refuse it as different (exit 6)."""
     import json
-    import subprocess
-    import sys
 
     src = nobody_base / "src"
     (src / "pkg").mkdir(parents=True)
@@ -648,20 +672,7 @@ def test_non_root_materializes_a_root_owned_snapshot_twice(nobody_base: Path) ->
     os.symlink("pkg/mod.py", src / "link")
     os.chmod(src / "pkg" / "mod.py", 0o4755)  # setuid: never written by materialize
     os.chown(src / "README", 0, 4)
-    st = Store(nobody_base / "store")
-    ref = snapshot(st, src)
-    st.close()
-    _chown_tree(nobody_base / "store", 65534)
-    work = nobody_base / "work"
-    work.mkdir()
-    os.chown(work, 65534, 65534)
-    repo = Path(__file__).resolve().parent.parent
-
-    def as_nobody_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-             sys.executable, "-m", "rewindfs", "--store", str(nobody_base / "store"), *args],
-            capture_output=True, text=True, cwd=repo, env={**os.environ, "HOME": str(work)})
+    ref, work, as_nobody_cli = _nobody_store(nobody_base, src)
 
     first = as_nobody_cli("materialize", str(ref), str(work / "out"), "--json")
     assert first.returncode == 0, first.stderr
@@ -685,7 +696,6 @@ def test_non_root_materializes_mode_0000_entries_twice(nobody_base: Path) -> Non
     import json
     import shutil
     import subprocess
-    import sys
 
     if shutil.which("unshare") is None or subprocess.run(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "-r",
@@ -698,20 +708,7 @@ def test_non_root_materializes_mode_0000_entries_twice(nobody_base: Path) -> Non
     (src / "plain").write_bytes(b"readable\n")
     os.chmod(src / "secret", 0)
     os.chmod(src / "sealed", 0)
-    st = Store(nobody_base / "store")
-    ref = snapshot(st, src)
-    st.close()
-    _chown_tree(nobody_base / "store", 65534)
-    work = nobody_base / "work"
-    work.mkdir()
-    os.chown(work, 65534, 65534)
-    repo = Path(__file__).resolve().parent.parent
-
-    def as_nobody_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-             sys.executable, "-m", "rewindfs", "--store", str(nobody_base / "store"), *args],
-            capture_output=True, text=True, cwd=repo, env={**os.environ, "HOME": str(work)})
+    ref, work, as_nobody_cli = _nobody_store(nobody_base, src)
 
     out = work / "out"
     first = as_nobody_cli("materialize", str(ref), str(out), "--json")

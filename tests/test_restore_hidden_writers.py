@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import fusehelpers as fh
 import pytest
@@ -44,6 +45,23 @@ def logged_mount(mounter: fh.Mounter, lower_ref: str, mode: list[str]) -> tuple[
     m = mounter.rw(lower_ref, extra=mode).mnt
     (m / "log.txt").write_bytes(b"one\n")
     return m, client(m).checkpoint()["ref"]
+
+
+def restore_between(p: subprocess.Popen[str], m: Path, good: str) -> dict[str, Any]:
+    """Restore ``m`` to ``good`` between a holder's "ready" and its write: ``p`` prints
+    "ready", writes once a line arrives on its stdin, then prints "done"; it is killed in
+    any case. Returns the restore's reply."""
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        reply = client(m).restore(good)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "done"
+    finally:
+        p.kill()
+        p.wait(30)
+    return reply
 
 
 def assert_write_detached(m: Path, good: str) -> None:
@@ -105,16 +123,7 @@ def test_a_writer_in_a_mount_namespace_without_the_mount_is_detached(
                              text=True)
     finally:
         os.close(fd)
-    assert p.stdin is not None and p.stdout is not None
-    try:
-        assert p.stdout.readline().strip() == "ready"
-        assert client(m).restore(good)["detached"] >= 1
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.stdout.readline().strip() == "done"
-    finally:
-        p.kill()
-        p.wait(30)
+    assert restore_between(p, m, good)["detached"] >= 1
     assert_write_detached(m, good)
 
 
@@ -139,16 +148,7 @@ def test_a_writer_thread_with_its_own_descriptor_table_is_detached(
     m, good = logged_mount(mounter, lower_ref, mode)
     p = subprocess.Popen([sys.executable, "-c", THREAD_WRITER, str(m / "log.txt")],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdin is not None and p.stdout is not None
-    try:
-        assert p.stdout.readline().strip() == "ready"
-        client(m).restore(good)
-        p.stdin.write("\n")
-        p.stdin.flush()
-        assert p.stdout.readline().strip() == "done"
-    finally:
-        p.kill()
-        p.wait(30)
+    restore_between(p, m, good)
     assert_write_detached(m, good)
 
 

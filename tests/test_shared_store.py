@@ -62,6 +62,13 @@ def hosts(s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> tuple[
     return two_hosts(s3_env, s3_bucket, pg_dsn, tmp_path)
 
 
+def _configure_host(local: Path, s3_env: object, store: str, dsn: str, cache: Path) -> None:
+    """``local`` made a host of the shared store ``store`` (an s3:// URL on the test's
+    SeaweedFS) with the catalog ``dsn`` and its own cache directory ``cache``."""
+    configure(str(local), SharedConfig(store, dsn, s3_env.endpoint,  # type: ignore[attr-defined]
+                                       str(cache)))
+
+
 def _tree(tmp: Path) -> Path:
     src = tmp / "src"
     (src / "pkg" / "sub").mkdir(parents=True)
@@ -218,8 +225,8 @@ def test_unchanged_resnapshot_on_a_shared_store_reads_nothing(s3_env: object, s3
     from store.snapshot import run_snapshot
 
     local = tmp_path / "host"
-    configure(str(local), SharedConfig(f"s3://{s3_bucket}/p", pg_dsn,
-                                       s3_env.endpoint, str(tmp_path / "cache")))  # type: ignore[attr-defined]
+    _configure_host(local, s3_env, f"s3://{s3_bucket}/p", pg_dsn,
+                    tmp_path / "cache")
     src = _tree(tmp_path)
     # Cache rows are trusted only for files older than the whole second a snapshot starts
     # in (store/snapshot.py): start the first snapshot in the next second.
@@ -244,8 +251,8 @@ def test_first_snapshot_looks_objects_up_in_batches(s3_env: object, s3_bucket: s
     from store.snapshot import run_snapshot
 
     local = tmp_path / "host"
-    configure(str(local), SharedConfig(f"s3://{s3_bucket}/p", pg_dsn,
-                                       s3_env.endpoint, str(tmp_path / "cache")))  # type: ignore[attr-defined]
+    _configure_host(local, s3_env, f"s3://{s3_bucket}/p", pg_dsn,
+                    tmp_path / "cache")
     src = tmp_path / "many"
     for d in range(20):
         (src / f"d{d}").mkdir(parents=True)
@@ -260,8 +267,8 @@ def test_first_snapshot_looks_objects_up_in_batches(s3_env: object, s3_bucket: s
     assert st.catalog.transactions - before < 30  # type: ignore[attr-defined]
     # A second host with an empty cache reads every file back.
     other = tmp_path / "other"
-    configure(str(other), SharedConfig(f"s3://{s3_bucket}/p", pg_dsn,
-                                       s3_env.endpoint, str(tmp_path / "cache2")))  # type: ignore[attr-defined]
+    _configure_host(other, s3_env, f"s3://{s3_bucket}/p", pg_dsn,
+                    tmp_path / "cache2")
     st2 = Store(other)
     tree = st2.root_tree(first.ref)
     assert [e.name for e in tree.entries][:2] == [b"big.bin", b"d0"]
@@ -318,8 +325,8 @@ def test_a_checkpoint_of_ten_appends_makes_a_few_round_trips(s3_env: object, s3_
     from store.snapshot import snapshot
 
     local = tmp_path / "host"
-    configure(str(local), SharedConfig(f"s3://{s3_bucket}/ck", pg_dsn,
-                                       s3_env.endpoint, str(tmp_path / "cache")))  # type: ignore[attr-defined]
+    _configure_host(local, s3_env, f"s3://{s3_bucket}/ck", pg_dsn,
+                    tmp_path / "cache")
     src = tmp_path / "src"
     for d in range(5):
         (src / f"d{d}").mkdir(parents=True)
