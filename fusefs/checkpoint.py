@@ -982,8 +982,10 @@ def rows_now(ov: Overlay, also: Iterable[int] = ()) -> set[int]:
 def graft_apply(ov: Overlay, g: Graft) -> None:
     """Make memory what ``graft_rows`` committed (event-loop thread, after the commit)."""
     nodes = ov.nodes
+    cs = ov.cs
     for ino, (tid, origin, nlink, mine) in g.dirs.items():
         d = nodes[ino]
+        before = held_bytes(d, cs)
         if not d.upper and ino != ROOT_INO:
             ov.used_inodes += 1  # a row again (its own, holding kept entries)
         d.upper = True
@@ -994,6 +996,7 @@ def graft_apply(ov: Overlay, g: Graft) -> None:
         if e is not None:
             d.mode, d.uid, d.gid, d.mtime_ns = e.mode, e.uid, e.gid, e.mtime_ns
             d.xattrs = dict(e.xattrs)
+        ov.used_bytes += held_bytes(d, cs) - before  # the row's xattrs
         if ino != ROOT_INO:
             d.origin = origin
             if origin is not None:
@@ -1013,6 +1016,7 @@ def graft_apply(ov: Overlay, g: Graft) -> None:
         if not n.upper:
             ov.used_inodes += 1
             n.upper = True
+            ov.used_bytes += held_bytes(n, cs)
             if n.kind is Kind.DIR and n.entries is None:
                 n.entries = {}
     for ino in g.cleared:

@@ -78,17 +78,26 @@ _KIND_OF_FMT = {stat.S_IFREG: Kind.FILE, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK:
                 stat.S_IFBLK: Kind.BLOCK, stat.S_IFCHR: Kind.CHAR}
 
 
+def xattr_bytes(n: Node) -> int:
+    """Bytes of ``n``'s extended attributes: names plus values."""
+    return sum(len(k) + len(v) for k, v in n.xattrs.items()) if n.xattrs else 0
+
+
 def held_bytes(n: Node, cs: int) -> int:
-    """Content bytes the upper holds for ``n`` (``cs``: chunk size): a file's inline
-    content, or the lower chunks copied into its data file (the last one at its real
-    length) plus everything past its lower content; 0 for other kinds and lower nodes."""
-    if not n.upper or n.kind is not Kind.FILE:
+    """Bytes the upper holds for ``n`` (``cs``: chunk size): its extended attributes
+    (names and values), and for a file its inline content, or the lower chunks copied
+    into its data file (the last one at its real length) plus everything past its lower
+    content; 0 for lower nodes."""
+    if not n.upper:
         return 0
+    b = xattr_bytes(n)
+    if n.kind is not Kind.FILE:
+        return b
     if n.inline is not None:
-        return len(n.inline)
+        return b + len(n.inline)
     if not n.has_data:
-        return 0
-    b = n.size - n.lower_len if n.size > n.lower_len else 0
+        return b
+    b += n.size - n.lower_len if n.size > n.lower_len else 0
     if n.present:
         b += len(n.present) * cs
         last = (n.lower_len - 1) // cs
@@ -636,7 +645,11 @@ class Overlay:
         nb = ni = 0
         seen: set[int] = set()
         for n in (self.nodes.values() if nodes is None else nodes):
-            if not n.upper or n.ino == ROOT_INO or n.ino in seen or \
+            if n.ino == ROOT_INO and n.ino not in seen:
+                seen.add(n.ino)
+                nb += held_bytes(n, cs)  # its xattrs; the root's row is no inode of the cap
+                continue
+            if not n.upper or n.ino in seen or \
                     self.nodes.get(n.ino) is not n or (n.nlink == 0 and n.nopen == 0):
                 continue  # (an unreachable inode no longer counts, see ``_unreachable``)
             seen.add(n.ino)
@@ -695,8 +708,10 @@ class Overlay:
         self._dirty_ino.add(n.ino)
 
     def _row(self, n: Node) -> None:
-        if not n.upper and n.ino != ROOT_INO:
-            self.used_inodes += 1
+        if not n.upper:
+            if n.ino != ROOT_INO:
+                self.used_inodes += 1
+            self.used_bytes += xattr_bytes(n)  # copied up with the row
         n.upper = True
         if n.kind is Kind.DIR and n.entries is None:
             n.entries = {}
@@ -1191,7 +1206,13 @@ class Overlay:
         if flags & XATTR_REPLACE and name not in n.xattrs:
             raise _err(errno.ENODATA, name)
         self._copy_up(n)
+        old = n.xattrs.get(name)
+        grow = len(value) - (len(old) if old is not None else -len(name))
+        if self.quota_bytes is not None and grow > 0 and \
+                self.used_bytes + grow > self.quota_bytes:
+            raise _err(errno.EDQUOT, "the session's byte quota")
         n.xattrs[name] = bytes(value)
+        self.used_bytes += grow
         n.ctime_ns = self.clock()
         self._dirty_xattr.add(n.ino)
 
@@ -1201,7 +1222,7 @@ class Overlay:
         if name not in n.xattrs:
             raise _err(errno.ENODATA, name)
         self._copy_up(n)
-        del n.xattrs[name]
+        self.used_bytes -= len(name) + len(n.xattrs.pop(name))
         n.ctime_ns = self.clock()
         self._dirty_xattr.add(n.ino)
 

@@ -176,6 +176,35 @@ def test_counters_follow_every_change(env: Env) -> None:
     _check_counts(ov)
 
 
+def test_xattr_bytes_follow_every_change(env: Env) -> None:
+    """xattr bytes count from a copy-up on, through set, replace, remove, unlink and a
+    checkpoint, as a count from scratch finds them; the cap refuses a set past it."""
+    ov = env.mount()
+    big = node(ov, "big.bin")
+    ov.setxattr(big.ino, b"user.a", b"1" * 100)   # a copy-up: the row and the value
+    assert ov.used_bytes == len(b"user.a") + 100
+    _check_counts(ov)
+    ov.setxattr(big.ino, b"user.a", b"2" * 10)    # replaced
+    ov.setxattr(ROOT_INO, b"user.r", b"r" * 7)     # the root's row holds them too
+    assert ov.used_bytes == len(b"user.a") + 10 + len(b"user.r") + 7
+    _check_counts(ov)
+    ov.removexattr(big.ino, b"user.a")
+    assert ov.used_bytes == len(b"user.r") + 7
+    d = ov.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
+    ov.setxattr(d.ino, b"user.d", b"d" * 50)
+    _check_counts(ov)
+    ov.quota_bytes = ov.used_bytes + 60
+    with pytest.raises(OSError) as e:
+        ov.setxattr(d.ino, b"user.e", b"e" * 60)
+    assert e.value.errno == errno.EDQUOT and b"user.e" not in d.xattrs
+    ov.setxattr(d.ino, b"user.e", b"e" * 54)       # exactly to the cap
+    assert ov.used_bytes == ov.quota_bytes
+    ov.rmdir(ROOT_INO, b"d")
+    _check_counts(ov)
+    checkpoint_overlay(ov, origin="checkpoint")
+    _check_counts(ov)
+
+
 def test_caps_refuse_in_the_overlay(env: Env) -> None:
     ov = env.mount()
     ov.quota_bytes, ov.quota_inodes = 2 * CS, 2
@@ -188,6 +217,35 @@ def test_caps_refuse_in_the_overlay(env: Env) -> None:
     with pytest.raises(OSError) as e:
         ov.mkdir(ROOT_INO, b"c", 0o755, 0, 0)
     assert e.value.errno == errno.EDQUOT
+
+
+@needs_mount
+def test_extended_attributes_count_against_the_byte_quota(mounter: fh.Mounter,
+                                                          fuse_store: Path,
+                                                          lower_ref: str) -> None:
+    """The upper holds xattr names and values as it holds content: they count, and a set
+    that would pass the cap fails with EDQUOT (400 values of 60,000 bytes went into a full
+    10 MiB quota before)."""
+    m = mounter.rw(lower_ref, extra=["--quota-bytes", "1M"]).mnt
+    (m / "f").write_text("x")
+    value = b"v" * 60_000
+    with pytest.raises(OSError) as e:
+        for i in range(40):
+            os.setxattr(m / "f", f"user.k{i}", value)
+    assert e.value.errno == errno.EDQUOT
+    assert i == MIB // (60_000 + len("user.k0")) and len(os.listxattr(m / "f")) == i
+    with pytest.raises(OSError) as e:  # on a directory and on the root as well
+        os.setxattr(m, "user.big", value)
+    assert e.value.errno == errno.EDQUOT
+    q = json.loads(cli(fuse_store, "status", str(m), "--json").stdout)["quota"]
+    assert MIB - 60_000 < q["bytes_used"] <= MIB
+    os.removexattr(m / "f", "user.k0")   # room again after a removal
+    os.setxattr(m, "user.small", b"s" * 1000)
+    os.unlink(m / "f")
+    os.mkdir(m / "d")
+    os.setxattr(m / "d", "user.big", value)
+    q = json.loads(cli(fuse_store, "status", str(m), "--json").stdout)["quota"]
+    assert q["bytes_used"] == len("user.small") + 1000 + len("user.big") + 60_000
 
 
 @needs_mount
