@@ -741,7 +741,7 @@ def main(argv: list[str]) -> int:
                    "--json", str(j["steps"])], 300, lambda r: load_json(j["steps"])),
         ("sparse", [*bench, str(HERE / "bench_sparse.py"), "--runs", "1" if q else "3",
                     "--json", str(j["sparse"])], 300, lambda r: load_json(j["sparse"])),
-        ("write", [*bench, str(HERE / "bench_write.py"), "--runs", "1" if q else "5",
+        ("write", [*bench, str(HERE / "bench_write.py"), "--runs", "1" if q else "11",
                    *(["--baseline", ROUND_BASELINE] if has_commit(ROUND_BASELINE) else []),
                    "--mib", "64" if q else "256"], 300, lambda r: None),
         ("exclude", [*bench, str(HERE / "bench_exclude.py"), "--kept",
@@ -754,7 +754,7 @@ def main(argv: list[str]) -> int:
     # (name, option, its value here, its default alone) for the report's note
     fewer = {"remote": ("--runs", 1 if q else REMOTE_RUNS, 5),
              "steps": ("--runs", 1 if q else 5, 5),
-             "write": ("--runs", 1 if q else 5, 5)}
+             "write": ("--runs", 1 if q else 11, 11)}
     only = set(args.only.split(",")) if args.only else None
     results: dict[str, Result] = {}
     t0 = time.perf_counter()
