@@ -124,7 +124,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
                                          wait_writers=args.wait_writers, paths=args.paths)
     text = r["ref"] + (f" (was {r['pre_restore']})" if r.get("pre_restore") else "")
     out = {"ref": r["ref"], "pre_restore": r.get("pre_restore"), "changes": r["changes"],
-           "detached": r.get("detached", 0), "elapsed_ms": r["elapsed_ms"]}
+           "detached": r["detached"], "elapsed_ms": r["elapsed_ms"]}
     if args.paths is not None:
         out["source"], out["paths"] = r.get("source"), r.get("paths")
         text += f"\n{', '.join(r.get('paths') or [])} from {r.get('source')}"

@@ -549,6 +549,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     reply = _ask(args, args.id, req)
     out = {"id": args.id, "ref": reply.get("ref") or ref, "pre_restore": reply.get("pre_restore"),
            "elapsed_ms": round((time.monotonic() - t0) * 1000, 3)}
+    if "detached" in reply:  # a FUSE session: the inodes the restore detached
+        out["detached"] = reply["detached"]
     if args.paths is not None:
         out["source"], out["paths"] = ref, reply.get("paths")
     emit(args, out, str(out["ref"]))

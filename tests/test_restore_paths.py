@@ -245,3 +245,39 @@ def test_session_restore_path_on_the_command_line(tmp_path: Path, fuse: bool) ->
         assert bad.returncode == 10 and json.loads(bad.stdout)["kind"] == "path_escape"
     finally:
         cli(st, "session", "shutdown", s["id"], "--force", check=False)
+
+
+def test_a_session_roots_restore_reply_counts_what_it_detached(tmp_path: Path) -> None:
+    """``restore ROOT --path`` and ``session restore --path`` of a FUSE session answer how
+    many inodes they detached, as ``status`` counts them (the session's reply lacked the
+    count, which ``restore ROOT`` then printed as 0 where status said 2)."""
+    if not fuse_available():
+        pytest.skip("no FUSE here")
+    st = tmp_path / "store"
+    build_project(tmp_path / "p")
+    seed = json.loads(cli(st, "snapshot", str(tmp_path / "p"), "--json").stdout)["ref"]
+    s = json.loads(cli(st, "session", "new", "--seed", seed, "--base", str(tmp_path / "ws"),
+                       "--json").stdout)
+
+    def detached() -> int:
+        out = json.loads(cli(st, "status", str(root), "--json").stdout)["detached_inodes"]
+        assert isinstance(out, int)
+        return out
+
+    try:
+        root = Path(s["root"])
+        held = [root / "src" / "pkg" / "mod.py", root / "src" / "pkg" / "__init__.py"]
+        for p in held:
+            p.write_text("live\n")
+        with open(held[0], "r+"), open(held[1], "r+"):
+            r = json.loads(cli(st, "restore", str(root), seed, "--path", "src/pkg",
+                               "--json").stdout)
+            assert r["changes"] == 2 and r["detached"] == 2 == detached()
+            for p in held:
+                p.write_text("live again\n")
+            with open(held[0], "r+"), open(held[1], "r+"):
+                r = json.loads(cli(st, "session", "restore", s["id"], seed, "--path",
+                                   "src/pkg", "--json").stdout)
+                assert r["detached"] == 2 and detached() == 4
+    finally:
+        cli(st, "session", "shutdown", s["id"], "--force", check=False)

@@ -98,8 +98,10 @@ class FuseHost(Host):
         if op == "restore":
             t0 = time.perf_counter()
             out = Host.dispatch(self, req)
+            # the daemon's counts, as ``rewindfs restore MNT`` prints them for any mount
             out.update(elapsed_ms=round((time.perf_counter() - t0) * 1000, 3),
-                       changes=mount.last.get("changes"))
+                       changes=mount.last.get("changes"), detached=mount.last.get("detached"),
+                       invalidated=mount.last.get("invalidated"))
             return out
         if op == "diff":
             live = mount.live
