@@ -829,31 +829,31 @@ _ERRORS: dict[str, Callable[[dict[str, Any]], Exception]] = {
 
 
 class NotLiveError(Exception):
-    """No live session mount answers at this mount point or state directory."""
+    """No live session mount answers at this mount point or state directory; ``fix``: how
+    to recover, where that is known (a dead mount its daemon left)."""
 
     exit_code = 9
 
-    def __init__(self, where: str, why: str) -> None:
+    def __init__(self, where: str, why: str, fix: str | None = None) -> None:
         self.where = where
-        super().__init__(f"{where}: {why}")
+        self.fix = fix
+        super().__init__(f"{where}: {why}" + (f"; to recover, {fix}" if fix else ""))
 
 
 def find_socket(mount_or_state: str) -> str:
     """The control socket of the session mount that holds ``mount_or_state``: a mount point,
     any path inside a mount, or a state directory. Raises NotLiveError."""
-    from .mounts import read_record
+    from .mounts import recorded_mount
 
     path = os.path.abspath(mount_or_state)
     state = None
     # The nearest mount point at or above ``path`` that a daemon recorded: a path inside a
     # mount (``.`` from a subdirectory) finds its mount. State directories never lie inside
     # a mount, so only without any record is ``path`` taken for one.
-    probe, rec = path, read_record(path)
-    while rec is None and probe != os.path.dirname(probe):
-        probe = os.path.dirname(probe)
-        rec = read_record(probe)
-    if rec is not None:
-        path = probe
+    found = recorded_mount(path)
+    rec: dict[str, Any] | None = None
+    if found is not None:
+        path, rec = found
         if rec.get("state"):
             state = str(rec["state"])
     elif os.path.exists(os.path.join(path, CONTROL_FILE)):

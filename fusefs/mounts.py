@@ -10,6 +10,7 @@ Light on imports: the CLI uses it without loading FUSE.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -375,6 +376,31 @@ def still_mounted(mountpoint: str, mid: int) -> bool:
 
 def is_mounted(mountpoint: str) -> bool:
     return bool(_mounts_at(mountpoint))
+
+
+def dead(mountpoint: str) -> bool:
+    """True if the file system mounted at ``mountpoint`` no longer answers (ENOTCONN: its
+    FUSE daemon is gone). A stat cannot tell: the kernel may answer it from the attributes
+    it cached for the root while the daemon lived; statfs always asks the daemon."""
+    try:
+        os.statvfs(mountpoint)
+    except OSError as e:
+        return e.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    return False
+
+
+def recorded_mount(path: str) -> tuple[str, dict[str, Any]] | None:
+    """The mount point at or above ``path`` (absolute or relative) whose daemon left a
+    record, nearest first, and that record; None when no mount there has one. A record
+    outlives a killed daemon (``alive`` tells)."""
+    probe = os.path.abspath(path)
+    while True:
+        rec = read_record(probe)
+        if rec is not None:
+            return probe, rec
+        if probe == os.path.dirname(probe):
+            return None
+        probe = os.path.dirname(probe)
 
 
 def processes_using(path: str, *, exclude: tuple[int, ...] = ()) -> list[tuple[int, str]]:

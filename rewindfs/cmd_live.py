@@ -79,13 +79,17 @@ def register(sub: Any) -> None:
 
 class _Live:
     """The control client of the mount at ``mnt``; a daemon that does not answer (gone,
-    or its socket stale) is NotLiveError (exit 9), not a bare OSError."""
+    or its socket stale) is NotLiveError (exit 9), not a bare OSError. Where the daemon is
+    gone and left its mount dead, the error says so and how to recover (its ``fix``)."""
 
-    def __init__(self, mnt: str) -> None:
-        from fusefs.control import Client
+    def __init__(self, mnt: str, store: str) -> None:
+        from fusefs.control import Client, NotLiveError
 
-        self.mnt = mnt
-        self.client = Client.for_mount(mnt)
+        self.mnt, self.store = mnt, store
+        try:
+            self.client = Client.for_mount(mnt)
+        except NotLiveError as e:
+            raise dead_mount_error(mnt, store) or e from None
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self.client, name)
@@ -96,17 +100,77 @@ class _Live:
             try:
                 return fn(*args, **kw)
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
-                raise NotLiveError(self.mnt, f"its daemon does not answer ({e})") from None
+                raise dead_mount_error(self.mnt, self.store) or NotLiveError(
+                    self.mnt, f"its daemon does not answer ({e})") from None
 
         return call
 
 
-def _client(mnt: str) -> Any:
-    return _Live(mnt)
+def _client(mnt: str, store: str) -> Any:
+    return _Live(mnt, store)
+
+
+def dead_mount_error(path: str, store: str) -> Exception | None:
+    """For ``path`` at or inside a rewindfs mount whose daemon is gone (the mount answers
+    ENOTCONN): a NotLiveError naming the mount and, as its ``fix``, the commands that
+    recover it (for a session, ``session resume``; for a plain mount, ``umount`` then
+    ``mount`` again on the same state directory); else None. ``store``: the CLI's store,
+    left out of the commands when theirs is the same."""
+    import shlex
+
+    from fusefs.control import NotLiveError
+    from fusefs.mounts import alive, dead, fstype, recorded_mount
+
+    found = recorded_mount(path)
+    if found is None:   # no record (another runtime directory, say): the mount itself
+        mnt = os.path.abspath(path)
+        while fstype(mnt) is None and mnt != os.path.dirname(mnt):
+            mnt = os.path.dirname(mnt)
+        found = (mnt, {})
+    mnt, rec = found
+    pid = rec.get("pid")
+    if fstype(mnt) != "fuse.rewindfs" or not dead(mnt) or (
+            isinstance(pid, int) and alive(pid, rec.get("started"))):
+        return None
+    from fusefs.session.fusetree import ROOTS
+    from fusefs.session.registry import RECORD
+
+    state = str(rec.get("state") or "")
+    session = bool(state) and os.path.exists(os.path.join(state, RECORD))
+    shared = bool(state) and os.path.basename(os.path.dirname(state)) == ROOTS
+    # A session's state lies at <store>/sessions/<id>, a shared root's at
+    # <store>/sessions/roots/<key>; a plain mount's record names its store.
+    theirs = str(rec.get("store") or "") or (
+        os.path.dirname(os.path.dirname(state)) if session else
+        os.path.dirname(os.path.dirname(os.path.dirname(state))) if shared else "")
+    opt = (f"--store {shlex.quote(theirs)} " if theirs and os.path.realpath(theirs)
+           != os.path.realpath(store) else "")
+    q = shlex.quote(mnt)
+    unmount = f"`rewindfs umount {q}` (or `fusermount3 -u {q}`) detaches it"
+    kept = "what its upper layer kept (every change fsynced before the daemon died)"
+    if session:
+        fix = (f"`rewindfs {opt}session resume {os.path.basename(state)}` detaches the dead "
+               f"mount and mounts the session again with {kept}")
+    elif shared:
+        fix = (f"`rewindfs {opt}session resume ID` of one of its sessions (`rewindfs "
+               f"{opt}session list`) detaches the dead mount and mounts the root again with "
+               f"{kept}")
+    elif state:
+        fix = (f"{unmount}; then `rewindfs {opt}mount {q} --state {shlex.quote(state)}` "
+               f"serves it again with {kept}")
+    elif rec.get("ref"):
+        fix = f"{unmount}; `rewindfs {opt}mount --ro {rec['ref']} {q}` serves it again"
+    else:
+        fix = unmount
+    who = f" (pid {pid})" if isinstance(pid, int) else ""
+    return NotLiveError(mnt, f"its daemon{who} is gone and the mount is dead (every access "
+                             "fails with ENOTCONN, 'Transport endpoint is not connected')",
+                        fix)
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    r = _client(args.mountpoint).checkpoint(label=args.label, timeout_s=args.timeout)
+    r = _client(args.mountpoint, args.store).checkpoint(label=args.label,
+                                                        timeout_s=args.timeout)
     emit(args, {"ref": r["ref"], "elapsed_ms": r["elapsed_ms"], "unchanged": r["unchanged"],
                 "packs": r["packs"], "bytes": r["bytes"]}, r["ref"])
     return 0
@@ -120,8 +184,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
     # mount's own store, so it works from inside the mount, where ./agent-data/store is not
     # the store.
     ref: Ref | str = Ref.parse(args.ref) if args.ref.startswith("v1:") else args.ref
-    r = _client(args.mountpoint).restore(ref, discard=args.discard, timeout=args.timeout,
-                                         wait_writers=args.wait_writers, paths=args.paths)
+    r = _client(args.mountpoint, args.store).restore(
+        ref, discard=args.discard, timeout=args.timeout, wait_writers=args.wait_writers,
+        paths=args.paths)
     text = r["ref"] + (f" (was {r['pre_restore']})" if r.get("pre_restore") else "")
     out = {"ref": r["ref"], "pre_restore": r.get("pre_restore"), "changes": r["changes"],
            "detached": r["detached"], "elapsed_ms": r["elapsed_ms"]}
@@ -142,7 +207,7 @@ def _quota_text(q: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    r = _client(args.mountpoint).status()
+    r = _client(args.mountpoint, args.store).status()
     r.pop("ok", None)
     text = "\n".join([
         f"ref:       {r['ref']}",
@@ -220,7 +285,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.b is None:
         from rewindfs.cmd_store import text_path
 
-        r = _client(args.a).diff(unified=args.unified)
+        r = _client(args.a, args.store).diff(unified=args.unified)
         text = r.get("text") if args.unified else "\n".join(
             f"{_STATUS_CHAR.get(c['status'], '?')}\t{text_path(c['path'])}"
             for c in r["changes"])

@@ -13,7 +13,6 @@ FUSE modules are imported inside handlers.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import select
 import subprocess
@@ -108,7 +107,7 @@ def _checked_targets(args: argparse.Namespace) -> tuple[str | None, str]:
     RefNotFoundError, UsageError, MountError (a mount there, dead or alive; not a
     directory)."""
     from fusefs.errors import MountError
-    from fusefs.mounts import is_mounted
+    from fusefs.mounts import dead, is_mounted
 
     ref, mnt = _parse_targets(args)
     if ref is not None:
@@ -125,7 +124,7 @@ def _checked_targets(args: argparse.Namespace) -> tuple[str | None, str]:
 
             Ref.parse(ref)  # InvalidRefError (exit 3) before anything starts
     if is_mounted(mnt):
-        if _dead(mnt):  # its daemon was killed
+        if dead(mnt):  # its daemon was killed
             raise MountError(mnt, "a dead mount is left there (its daemon is gone); run "
                                   "`rewindfs umount` on it first")
         raise MountError(mnt, "something is already mounted there")
@@ -207,17 +206,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
     emit(args, {"mountpoint": mnt, "pid": proc.pid, "ref": ref, "state": state,
                 "log": log_path}, f"mounted at {mnt} (pid {proc.pid})")
     return 0
-
-
-def _dead(mnt: str) -> bool:
-    """True if the file system mounted at ``mnt`` no longer answers (ENOTCONN: its FUSE
-    daemon is gone). A stat cannot tell: the kernel may answer it from the attributes it
-    cached for the root while the daemon lived; statfs always asks the daemon."""
-    try:
-        os.statvfs(mnt)
-    except OSError as e:
-        return e.errno in (errno.ENOTCONN, errno.ECONNABORTED)
-    return False
 
 
 def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:

@@ -684,18 +684,12 @@ def clear_dead_mounts(path: str) -> None:
 def _served(path: str) -> bool:
     """True unless the rewindfs mount at ``path`` has lost its daemon: its mount record
     names a process that is gone, or (no record) the mount answers ENOTCONN."""
-    import errno
-
-    from fusefs.mounts import alive, read_record
+    from fusefs.mounts import alive, dead, read_record
 
     rec = read_record(path)
     if rec is not None and isinstance(rec.get("pid"), int):
         return alive(rec["pid"], rec.get("started"))
-    try:
-        os.statvfs(path)  # never answered from the kernel's caches
-    except OSError as e:
-        return e.errno not in (errno.ENOTCONN, errno.ECONNABORTED)
-    return True
+    return not dead(path)
 
 
 def _lazy_unmount(path: str) -> None:
