@@ -178,12 +178,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     from store.ref import Ref
+    from store.resolve import ref_form
 
-    # A full Ref is checked here (InvalidRefError, exit 3, before the daemon is asked); any
-    # other text (a prefix, @label, @-N on a session) is resolved by the daemon against the
-    # mount's own store, so it works from inside the mount, where ./agent-data/store is not
-    # the store.
-    ref: Ref | str = Ref.parse(args.ref) if args.ref.startswith("v1:") else args.ref
+    # The text's form is checked here (InvalidRefError, exit 3, before the daemon is asked);
+    # a prefix, @label or @-N on a session is resolved by the daemon against the mount's own
+    # store, so it works from inside the mount, where ./agent-data/store is not the store.
+    form = ref_form(args.ref)
+    ref: Ref | str = form if isinstance(form, Ref) else args.ref
     r = _client(args.mountpoint, args.store).restore(
         ref, discard=args.discard, timeout=args.timeout, wait_writers=args.wait_writers,
         paths=args.paths)

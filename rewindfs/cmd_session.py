@@ -557,6 +557,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _label_of(e: Any, labels: dict[Any, str]) -> dict[str, str]:
+    """``{"label": ...}`` for a checkpoint whose Ref the snapshot list labels, else ``{}``."""
+    label = labels.get(e.ref) if e.event == "WorkspaceCheckpointed" else None
+    return {"label": label} if label else {}
+
+
 def cmd_log(args: argparse.Namespace) -> int:
     from fusefs.session.journal import STEP, Journal, event_dict, restore_detail, step_dict
     from rewindfs.cmd_live import step_lines
@@ -567,13 +573,15 @@ def cmd_log(args: argparse.Namespace) -> int:
     journal = Journal(store, args.id)
     events = journal.events()
     steps: dict[int, dict[str, Any]] = {}
+    labels = {s.ref: s.label for s in store.list_snapshots() if s.label}
     for e in events:
         if e.event == STEP:
             steps[e.seq] = step_dict(e, journal.record(e.seq))
             if not args.changes:
                 del steps[e.seq]["changes"]
     if getattr(args, "json", False):
-        emit(args, [steps.get(e.seq) or dict(event_dict(e), **restore_detail(store, e))
+        emit(args, [steps.get(e.seq) or dict(event_dict(e), **restore_detail(store, e),
+                                             **_label_of(e, labels))
                     for e in events])
         return 0
     for e in events:
@@ -590,7 +598,8 @@ def cmd_log(args: argparse.Namespace) -> int:
             what = "restore --path"
         print(f"{e.seq:>4}  {when}  {what:<26} epoch {e.epoch}  {e.ref}"
               + (f"  {', '.join(detail.get('paths') or [])} from {detail.get('source')}"
-                 if detail else ""))
+                 if detail else "")
+              + "".join(f"  {v!r}" for v in _label_of(e, labels).values()))
         if st is not None and args.changes:
             for line in step_lines(st["changes"]):
                 print("      " + line)

@@ -124,11 +124,11 @@ def parse_ref(args: argparse.Namespace, text: str, session: str | None = None) -
     or with ``session`` also ``@-N`` (``store.resolve``). InvalidRefError (exit 3)
     otherwise. The store is opened only when ``text`` is not a full Ref."""
     from store.ref import Ref
+    from store.resolve import ref_form, resolve_ref
 
-    if text.startswith("v1:blake3:") and len(text) == 74:
-        return Ref.parse(text)
-    from store.resolve import resolve_ref
-
+    form = ref_form(text)
+    if isinstance(form, Ref):
+        return form
     return resolve_ref(open_store(args), text, session)
 
 

@@ -4,17 +4,21 @@
 the session API or the MCP tools accept a Ref, ``resolve_ref`` also accepts:
 
 - a unique prefix of at least 8 hex digits (``26b779fd``, or ``v1:blake3:26b779fd``), among
-  the Refs the store knows: its snapshot list and every session journal;
+  the Refs the store knows: its snapshot list and every session journal; prefixes and full
+  Refs are read in either case (``26B779FD``);
 - ``@label``: the newest snapshot listed with that label; with a session, the newest one
   whose Ref is in that session's journal;
 - ``@-N`` (N >= 1, only with a session): the Nth checkpoint back in the session's journal,
   ``@-1`` being its newest ``WorkspaceCheckpointed`` event (pre_restore, seed and fork
   checkpoints count; restores do not).
 
-Anything else, an unknown or ambiguous prefix, an unknown label or a step past the journal's
-start is ``InvalidRefError`` (CLI exit 3) whose reason names the candidates. Resolution
-never checks that the Ref's trees are present; callers that need them ask the store
-(``Store.root_tree``: RefNotFoundError). Nothing here imports FUSE.
+Anything else, a prefix under 8 digits, an unknown or ambiguous prefix, an unknown label or a
+step past the journal's start is ``InvalidRefError`` (CLI exit 3) whose reason names the
+candidates (at most ``SHOWN``; for a label, those of the session when there is one) and how
+to list them. ``ref_form`` is the one reading of the text's form, for callers that check it
+before they open a store. Resolution never checks that the Ref's trees are present; callers
+that need them ask the store (``Store.root_tree``: RefNotFoundError). Nothing here imports
+FUSE.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ from .objects import JournalEvent, SnapshotInfo
 from .ref import Ref
 
 MIN_PREFIX = 8
-_PREFIX_RE = re.compile(r"(?:v1:blake3:)?([0-9a-f]{8,64})")
+SHOWN = 5
+"""Candidates an error names at most (prefixes, labels)."""
+_FULL = "v1:blake3:"
+_HEX_RE = re.compile(r"(?:v1:blake3:)?([0-9a-f]+)", re.IGNORECASE)
 _BACK_RE = re.compile(r"@-([0-9]+)")
 _CHECKPOINTED = "WorkspaceCheckpointed"
-_SHOWN = 5  # candidates named in an error
+_FORMS = "want v1:blake3:<64 hex digits>, a prefix of 8 or more of them, @label or @-N"
 
 
 class RefSource(Protocol):
@@ -44,54 +51,94 @@ class RefSource(Protocol):
 
 
 def looks_like_ref(text: str) -> bool:
-    """True if ``text`` has one of the forms ``resolve_ref`` reads (a Ref, a hex prefix,
-    ``@...``), so that a caller taking "a Ref or a directory/session id" can tell them apart."""
-    return text.startswith(("v1:", "@")) or _PREFIX_RE.fullmatch(text) is not None
+    """True if ``text`` has one of the forms ``resolve_ref`` reads (a Ref, a hex prefix of
+    8 or more digits, ``@...``), so that a caller taking "a Ref or a directory/session id"
+    can tell them apart."""
+    if text[:3].lower() == "v1:" or text.startswith("@"):
+        return True
+    m = _HEX_RE.fullmatch(text)
+    return m is not None and len(m.group(1)) >= MIN_PREFIX
+
+
+def ref_form(text: object) -> Ref | str | None:
+    """What form ``text`` has: the Ref it spells out in full (``v1:blake3:`` and 64 hex
+    digits, either case), or the lower-case hex digits of a prefix (8 to 64 of them, with or
+    without ``v1:blake3:``; the store tells which Ref they name), or None for ``@label`` and
+    ``@-N``. Raises InvalidRefError(text, reason) for text of no form, a prefix under
+    ``MIN_PREFIX`` digits included."""
+    if isinstance(text, Ref):
+        return text
+    if not isinstance(text, str):
+        raise InvalidRefError(text, "a Ref is a str")
+    if text.startswith("@"):
+        return None
+    m = _HEX_RE.fullmatch(text)
+    if m is None:
+        if text[:3].lower() == "v1:":
+            return Ref.parse(text)  # the parser's own reason (algorithm, digits, ...)
+        raise InvalidRefError(text, _FORMS)
+    digits = m.group(1).lower()
+    if len(digits) < MIN_PREFIX:
+        raise InvalidRefError(text, f"a prefix needs at least {MIN_PREFIX} hex digits, this "
+                                    f"has {len(digits)}")
+    if len(digits) > 64:
+        raise InvalidRefError(text, f"{len(digits)} hex digits, a Ref has 64")
+    if len(digits) == 64 and len(text) > 64:  # v1:blake3: and every digit: a full Ref
+        return Ref.parse(_FULL + digits)
+    return digits
 
 
 def resolve_ref(store: RefSource, text: object, session: str | None = None) -> Ref:
     """The Ref that ``text`` names (see the module doc); ``session`` is the session id that
     scopes ``@label`` and enables ``@-N``. Raises InvalidRefError(text, reason)."""
-    if isinstance(text, Ref):
-        return text
-    if not isinstance(text, str):
-        raise InvalidRefError(text, "a Ref is a str")
-    if text.startswith("v1:blake3:") and len(text) == len("v1:blake3:") + 64:
-        return Ref.parse(text)
+    form = ref_form(text)
+    if isinstance(form, Ref):
+        return form
+    assert isinstance(text, str)
+    if form is not None:
+        return _prefix(store, text, form)
     if text.startswith("@-"):
         return _back(store, text, session)
-    if text.startswith("@"):
-        return _label(store, text, session)
-    m = _PREFIX_RE.fullmatch(text)
-    if m is None:
-        return Ref.parse(text)  # the parser's own reason (version, length, case, ...)
-    return _prefix(store, text, m.group(1))
+    return _label(store, text, session)
+
+
+def _some(names: list[str]) -> str:
+    """At most SHOWN of ``names``, and how many more there are."""
+    more = len(names) - SHOWN
+    return ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
 def _prefix(store: RefSource, text: str, hexpart: str) -> Ref:
     known = {str(s.ref) for s in store.list_snapshots()} | {str(r) for r in store.journal_refs()}
-    hits = sorted(r for r in known if r[len("v1:blake3:"):].startswith(hexpart))
+    hits = sorted(r for r in known if r[len(_FULL):].startswith(hexpart))
     if len(hits) == 1:
         return Ref.parse(hits[0])
     if not hits:
         raise InvalidRefError(text, f"no snapshot or journal Ref starts with {hexpart}")
     raise InvalidRefError(text, f"prefix {hexpart} is ambiguous ({len(hits)} Refs): "
-                                + ", ".join(hits[:_SHOWN]) + (" ..." if len(hits) > _SHOWN else ""))
+                                + _some(hits) + "; give more digits")
 
 
 def _label(store: RefSource, text: str, session: str | None) -> Ref:
     label = text[1:]
     if not label:
         raise InvalidRefError(text, "'@' needs a label (or '-N' with a session)")
-    rows = [s for s in store.list_snapshots() if s.label == label]
+    listed = store.list_snapshots()
     if session is not None:
         mine = {e.ref for e in store.journal(session)}
-        rows = [s for s in rows if s.ref in mine]
+        listed = [s for s in listed if s.ref in mine]
+    rows = [s for s in listed if s.label == label]
     if not rows:
-        where = f"session {session}" if session is not None else "the snapshot list"
-        labels = sorted({s.label for s in store.list_snapshots() if s.label})
+        # the labels this scope has, newest first (the session's only: others are not its)
+        labels = list(dict.fromkeys(s.label for s in sorted(
+            listed, key=lambda s: (s.time_ns, str(s.ref)), reverse=True) if s.label))
+        if session is not None:
+            where, how = f"session {session}", "the session's log lists them"
+        else:
+            where, how = "the snapshot list", "`rewindfs list` lists them"
         raise InvalidRefError(text, f"no snapshot labelled {label!r} in {where}"
-                                    + (f" (labels: {', '.join(labels[:_SHOWN])})" if labels else ""))
+                                    + (f" (its labels, newest first: {_some(labels)}; {how})"
+                                       if labels else " (it has no labels)"))
     return max(rows, key=lambda s: (s.time_ns, str(s.ref))).ref
 
 

@@ -73,8 +73,51 @@ def test_labels_pick_the_newest_and_sessions_scope_them(store: Store, tmp_path: 
     store.append_journal("sess", "WorkspaceCheckpointed", old, trigger="manual",
                          consistency="quiescent")
     assert resolve_ref(store, "@green", session="sess") == old
-    with pytest.raises(InvalidRefError, match="labels: green"):
+    with pytest.raises(InvalidRefError, match="labels, newest first: green;"):
         resolve_ref(store, "@red")
+
+
+def test_prefixes_are_read_in_either_case_and_short_ones_say_why(store: Store,
+                                                                 tmp_path: Path) -> None:
+    """README's forms in upper case resolve; a prefix of 7 digits, or text of no form, is
+    refused for what it is (both were 'unknown version (want v1:)')."""
+    r = snapshot(store, tree(tmp_path / "a", "a\n"))
+    digest = str(r).removeprefix("v1:blake3:")
+    assert resolve_ref(store, digest[:8].upper()) == r
+    assert resolve_ref(store, "V1:BLAKE3:" + digest[:12].upper()) == r
+    assert resolve_ref(store, "v1:blake3:" + digest.upper()) == r
+    assert resolve_ref(store, digest.upper()) == r
+    with pytest.raises(InvalidRefError) as ei:
+        resolve_ref(store, digest[:7].upper())
+    assert ei.value.reason == "a prefix needs at least 8 hex digits, this has 7"
+    with pytest.raises(InvalidRefError) as ei:
+        resolve_ref(store, "release-1")
+    assert "@label" in ei.value.reason and "version" not in ei.value.reason
+    with pytest.raises(InvalidRefError, match="unknown algorithm"):
+        resolve_ref(store, "v1:sha1:" + digest)
+
+
+def test_an_unknown_label_names_a_few_labels_of_its_scope(store: Store, tmp_path: Path) -> None:
+    """With a session, only that session's labels (another session's are not its); without,
+    at most SHOWN of the store's, newest first, and where to list them all."""
+    refs = [snapshot(store, tree(tmp_path / f"t{i}", f"{i}\n"), label=f"other-{i}")
+            for i in range(8)]
+    mine = snapshot(store, tree(tmp_path / "mine", "m\n"), label="mine")
+    store.append_journal("sess", "WorkspaceCheckpointed", mine, trigger="manual",
+                         consistency="quiescent")
+    store.append_journal("else", "WorkspaceCheckpointed", refs[0], trigger="manual",
+                         consistency="quiescent")
+    with pytest.raises(InvalidRefError) as ei:
+        resolve_ref(store, "@nope", session="sess")
+    assert ei.value.reason == ("no snapshot labelled 'nope' in session sess (its labels, "
+                               "newest first: mine; the session's log lists them)")
+    with pytest.raises(InvalidRefError) as ei:
+        resolve_ref(store, "@nope")
+    assert ei.value.reason == (
+        "no snapshot labelled 'nope' in the snapshot list (its labels, newest first: mine, "
+        "other-7, other-6, other-5, other-4 and 4 more; `rewindfs list` lists them)")
+    with pytest.raises(InvalidRefError, match="it has no labels"):
+        resolve_ref(store, "@nope", session="no-such-session")
 
 
 def test_steps_back_count_checkpoints_of_the_session(store: Store, tmp_path: Path) -> None:
@@ -105,6 +148,9 @@ def test_the_cli_takes_prefixes_and_labels(tmp_path: Path) -> None:
                          "release", "--json").stdout)["ref"]
     short = ref.removeprefix("v1:blake3:")[:8]
     assert run(st, "cat", short, "f.txt").stdout == "hello\n"
+    assert run(st, "cat", short.upper(), "f.txt").stdout == "hello\n"
+    seven = run(st, "ls", short[:7], "--json")
+    assert seven.returncode == 3 and "at least 8 hex" in json.loads(seven.stdout)["reason"]
     out = run(st, "materialize", "@release", str(tmp_path / "out"), "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ref"] == ref
@@ -125,8 +171,13 @@ def test_session_commands_take_steps_back_and_prefixes(tmp_path: Path) -> None:
         root = Path(s["root"])
         assert (root / "f.txt").read_text() == "seed\n"
         (root / "f.txt").write_text("changed\n")
-        ck = run(st, "session", "checkpoint", s["id"], "--json")
+        ck = run(st, "session", "checkpoint", s["id"], "--label", "edited", "--json")
         assert ck.returncode == 0, ck.stderr
+        log = json.loads(run(st, "log", s["id"], "--json").stdout)
+        assert [e.get("label") for e in log] == [None, "edited"]
+        assert run(st, "log", s["id"]).stdout.splitlines()[-1].endswith("  'edited'")
+        bad = run(st, "session", "restore", s["id"], "@nope")
+        assert bad.returncode == 3 and "its labels, newest first: edited;" in bad.stderr
         r = run(st, "session", "restore", s["id"], "@-2", "--json")  # @-1 is the checkpoint
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["ref"] == seed
