@@ -19,15 +19,8 @@ import os
 from typing import Any
 
 from rewindfs.cli import add_json, emit, open_store
-
-_STATUS_CHAR = {"added": "A", "removed": "D", "modified": "M", "type_changed": "T"}
-
-
-def step_lines(changes: list[dict[str, Any]]) -> list[str]:
-    """One ``<status letter>\t<path>`` line per change (the format of ``diff MNT``)."""
-    from rewindfs.cmd_store import text_path
-
-    return [f"{_STATUS_CHAR.get(c['status'], '?')}\t{text_path(c['path'])}" for c in changes]
+from rewindfs.cmd_store import change_lines
+from store.pathtext import text_paths
 
 
 def seconds(text: str) -> float:
@@ -193,7 +186,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
            "detached": r["detached"], "elapsed_ms": r["elapsed_ms"]}
     if args.paths is not None:
         out["source"], out["paths"] = r.get("source"), r.get("paths")
-        text += f"\n{', '.join(r.get('paths') or [])} from {r.get('source')}"
+        text += f"\n{text_paths(r.get('paths') or [])} from {r.get('source')}"
     emit(args, out, text)
     return 0
 
@@ -272,7 +265,7 @@ def _diff_step(args: argparse.Namespace) -> int:
     except KeyError as e:
         raise SessionError(str(e.args[0])) from None
     emit(args, {"id": args.a, "step": st["step"], "seq": st["seq"], "label": st["label"],
-                "ref": st["ref"], "changes": st["changes"]}, "\n".join(step_lines(st["changes"])))
+                "ref": st["ref"], "changes": st["changes"]}, "\n".join(change_lines(st["changes"])))
     return 0
 
 
@@ -284,12 +277,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if getattr(args, "step", None) is not None:
         return _diff_step(args)
     if args.b is None:
-        from rewindfs.cmd_store import text_path
-
         r = _client(args.a, args.store).diff(unified=args.unified)
-        text = r.get("text") if args.unified else "\n".join(
-            f"{_STATUS_CHAR.get(c['status'], '?')}\t{text_path(c['path'])}"
-            for c in r["changes"])
+        text = r.get("text") if args.unified else "\n".join(change_lines(r["changes"]))
         emit(args, {"a": r["base"], "b": r["ref"], "changes": r["changes"],
                     **({"text": r["text"]} if args.unified else {})}, text or "")
         return 0

@@ -525,7 +525,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_step(args: argparse.Namespace) -> int:
     from fusefs.session.errors import SessionError
-    from rewindfs.cmd_live import step_lines
+    from rewindfs.cmd_store import change_lines
 
     step = _ask(args, args.id, {"op": "step_done", "label": args.label}).get("step")
     if step is None:
@@ -533,7 +533,7 @@ def cmd_step(args: argparse.Namespace) -> int:
                            "no dirty set to take it from)")
     emit(args, dict(step, id=args.id),
          "\n".join([f"step {step['step']} (seq {step['seq']}): "
-                    f"{len(step['changes'])} path(s)"] + step_lines(step["changes"])))
+                    f"{len(step['changes'])} path(s)"] + change_lines(step["changes"])))
     return 0
 
 
@@ -565,8 +565,9 @@ def _label_of(e: Any, labels: dict[Any, str]) -> dict[str, str]:
 
 def cmd_log(args: argparse.Namespace) -> int:
     from fusefs.session.journal import STEP, Journal, event_dict, restore_detail, step_dict
-    from rewindfs.cmd_live import step_lines
+    from rewindfs.cmd_store import change_lines
     from store.objects import Store
+    from store.pathtext import text_paths
 
     _registry(args).load(args.id)  # SessionNotFoundError for an unknown id
     store = Store(args.store)
@@ -597,10 +598,10 @@ def cmd_log(args: argparse.Namespace) -> int:
         if detail:
             what = "restore --path"
         print(f"{e.seq:>4}  {when}  {what:<26} epoch {e.epoch}  {e.ref}"
-              + (f"  {', '.join(detail.get('paths') or [])} from {detail.get('source')}"
+              + (f"  {text_paths(detail.get('paths') or [])} from {detail.get('source')}"
                  if detail else "")
               + "".join(f"  {v!r}" for v in _label_of(e, labels).values()))
         if st is not None and args.changes:
-            for line in step_lines(st["changes"]):
+            for line in change_lines(st["changes"]):
                 print("      " + line)
     return 0

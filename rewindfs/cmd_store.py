@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rewindfs.cli import add_json, emit, open_store
+from store.pathtext import text_path
 
 EXIT_NOT_FOUND = 4
 EXIT_INTEGRITY = 5
@@ -385,39 +386,13 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 
 _STATUS_CHAR = {"added": "A", "removed": "D", "modified": "M", "type_changed": "T"}
-_C_ESCAPES = {0x0A: "\\n", 0x09: "\\t", 0x0D: "\\r", 0x22: '\\"', 0x5C: "\\\\"}
 
 
-def text_path(path: str) -> str:
-    """``path`` (decoded with surrogateescape) for one line of text output: as it is when it
-    is printable, else C-quoted as git does (``"a\\nb"``, other control bytes and bytes that
-    are not UTF-8 as ``\\ooo`` octal), so a name holding a newline cannot forge a line."""
-    if path.isprintable() and not path.startswith('"'):
-        return path
-    raw = os.fsencode(path)
-    out = []
-    i = 0
-    while i < len(raw):
-        b = raw[i]
-        if b in _C_ESCAPES:
-            out.append(_C_ESCAPES[b])
-        elif b < 0x20 or b == 0x7F:
-            out.append(f"\\{b:03o}")
-        elif b < 0x80:
-            out.append(chr(b))
-        else:  # keep a valid UTF-8 sequence, escape a stray byte
-            n = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 0
-            try:
-                ch = raw[i:i + n].decode() if n else ""
-            except UnicodeDecodeError:
-                ch = ""
-            if ch and ch.isprintable():
-                out.append(ch)
-                i += n
-                continue
-            out.append(f"\\{b:03o}")
-        i += 1
-    return '"' + "".join(out) + '"'
+def change_lines(changes: list[dict[str, Any]]) -> list[str]:
+    """One ``<status letter>\t<path>`` line per change (``{"path", "status"}``; the format
+    of every ``diff``, ``log --changes`` and ``session step``), the path as ``text_path``
+    quotes it."""
+    return [f"{_STATUS_CHAR.get(c['status'], '?')}\t{text_path(c['path'])}" for c in changes]
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -439,8 +414,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         row["old_kind"] = c.old.kind.name.lower() if c.old is not None else None
         row["new_kind"] = c.new.kind.name.lower() if c.new is not None else None
         rows.append(row)
-    text = "\n".join(f"{_STATUS_CHAR.get(r['status'], '?')}\t{text_path(r['path'])}"
-                     for r in rows)
+    text = "\n".join(change_lines(rows))
     emit(args, {"a": str(a), "b": str(b), "changes": rows, "elapsed_ms": ms}, text)
     return 0
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rewindfs.cmd_store import text_path
+from store.pathtext import text_path
 
 
 def _cli(store: Path, *args: str) -> subprocess.CompletedProcess[bytes]:

@@ -277,3 +277,37 @@ def test_a_step_record_lost_to_a_power_loss_loses_no_change(sessions: Sessions) 
     assert paths(third) == {"b.txt": "modified", "c.txt": "added"}
     assert third["step"] == 3 and third["seq"] > second["seq"]
     assert paths(steps(sessions, sid)[-1]) == {"b.txt": "modified", "c.txt": "added"}
+
+
+def test_hostile_names_are_quoted_in_every_listing_of_changes(sessions: Sessions) -> None:
+    """A name holding a newline and a tab is one quoted line (``store.pathtext``) in the MCP
+    ``changes`` and ``diff`` answers and in the CLI's step, log and path-restore text (the
+    MCP answers and the restore lines printed it raw: a forged ``D keep.txt`` line)."""
+    sid, root = new_fuse(sessions, {"keep.txt": "k\n"})
+    evil = "x\nD\tkeep.txt"
+    quoted = '"x\\nD\\tkeep.txt"'
+    (root / evil).write_text("evil\n")
+    assert sessions.cli("session", "step", sid).stdout.splitlines()[1:] == [f"A\t{quoted}"]
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "rewindfs", "--store", str(sessions.store), "mcp", "--session", sid],
+        cwd=str(REPO))
+    answers: dict[str, str] = {}
+
+    async def agent() -> None:
+        async with Client(params, read_timeout_seconds=120) as client:
+            answers["changes"] = text(await client.call_tool("changes", {"step": 1}))
+            answers["diff"] = text(await client.call_tool("diff", {}))
+
+    anyio.run(agent)
+    assert answers["changes"].splitlines()[1:] == [f"added        {quoted}"]
+    assert answers["diff"].splitlines()[1:] == [f"added        {quoted}"]
+    seed = json.loads(sessions.cli("log", sid, "--json").stdout)[0]["ref"]
+    out = sessions.cli("session", "restore", sid, seed, "--path", evil).stdout
+    assert not (root / evil).exists() and out.count("\n") == 1
+    log = sessions.cli("log", sid).stdout.splitlines()
+    assert log[-1].endswith(f"  {quoted} from {seed}")
+    assert sum("keep.txt" in line for line in log) == 1
+    (root / evil).write_text("again\n")
+    out = sessions.cli("restore", str(root), seed, "--path", evil).stdout
+    assert out.splitlines()[1:] == [f"{quoted} from {seed}"]

@@ -38,6 +38,7 @@ from fusefs.session.registry import Registry, SessionRecord
 from store.diff import Change, diff_trees
 from store.objects import Store
 from store.pathpolicy import PathPolicy
+from store.pathtext import text_path, text_paths
 from store.ref import ObjectId, Ref
 from store.resolve import resolve_ref
 from store.snapshot import compute_ref
@@ -209,7 +210,7 @@ class SessionToolBinding:
         reply = self._ask(req)
         pre = reply.get("pre_restore")
         if paths is not None:
-            target = f"{', '.join(reply.get('paths') or paths)} from {target}"
+            target = f"{text_paths(reply.get('paths') or paths)} from {target}"
         if pre:
             return M.SESSION_RESTORED_UNDO.format(ref=target, pre=pre)
         return M.SESSION_RESTORED.format(ref=target)
@@ -350,7 +351,7 @@ class SessionToolBinding:
             lines.append(M.STEP_HEAD.format(step=st["step"], label=label, count=n,
                                             s="" if n == 1 else "s"))
             for c in st["changes"][:M.SESSION_DIFF_MAX]:
-                path = c["path"] + ("/" if c.get("kind") == "dir" else "")
+                path = text_path(c["path"] + ("/" if c.get("kind") == "dir" else ""))
                 lines.append(M.SESSION_DIFF_LINE.format(status=c["status"], path=path))
             if n > M.SESSION_DIFF_MAX:
                 lines.append(M.SESSION_DIFF_CAPPED.format(shown=M.SESSION_DIFF_MAX, total=n))
@@ -413,7 +414,7 @@ def render_changes(changes: list[Change], a: str, b: str) -> str:
         entry = c.new if c.new is not None else c.old
         if entry is not None and entry.kind is Kind.DIR:
             path += "/"
-        lines.append(M.SESSION_DIFF_LINE.format(status=c.status, path=path))
+        lines.append(M.SESSION_DIFF_LINE.format(status=c.status, path=text_path(path)))
     if n > M.SESSION_DIFF_MAX:
         lines.append(M.SESSION_DIFF_CAPPED.format(shown=M.SESSION_DIFF_MAX, total=n))
     return "\n".join(lines)
