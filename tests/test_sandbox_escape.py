@@ -15,12 +15,14 @@ and are skipped when the tests themselves do not run as root.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import json
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,7 @@ from tools.sandbox import SandboxPolicy
 REPO = Path(__file__).resolve().parent.parent
 NOBODY = 65534
 IS_ROOT = os.geteuid() == 0
+CLONE_NEWNS = 0x00020000
 SECRET_NAME = "AWS_SECRET_ACCESS_KEY"
 SECRET = f"escape-suite-secret-{uuid.uuid4().hex}"
 
@@ -66,6 +69,9 @@ class Arena:
     base: Path
     root: Path = field(init=False)
     host: Path = field(init=False)
+    tun: Path | None = None
+    """A tun device node the server sees at /dev/net/tun (bound there in a private mount
+    namespace of its child; the host's node is untouched); uid 65534 only."""
 
     def __post_init__(self) -> None:
         self.root = self.base / "root"
@@ -79,7 +85,15 @@ class Arena:
     def inside(self, command: str, timeout: float = 60, **policy: object) -> dict:
         """Run ``command`` through the Bash tool as the server would, as ``uid`` (uid 65534:
         in a forked child, with this process's probes of the machine forgotten), with a
-        secret in the server's environment; the result's text and data as a dict."""
+        secret in the server's environment; the result's text and data as a dict, which
+        must be a confined run."""
+        out = self.attempt(command, timeout, **policy)
+        assert out["ok"] and out["data"]["confined"] is True, out
+        return out
+
+    def attempt(self, command: str, timeout: float = 60, **policy: object) -> dict:
+        """``inside`` without its check: the Bash tool's answer as a dict (ok, text,
+        data), a refusal included."""
         out_path = self.base / f"result-{uuid.uuid4().hex}.json"
 
         def serve() -> int:
@@ -94,8 +108,10 @@ class Arena:
         os.environ[SECRET_NAME] = SECRET
         try:
             if self.uid == NOBODY and os.geteuid() == 0:
-                assert treegen.as_nobody(serve) == 0
+                assert treegen.as_nobody(serve, None if self.tun is None else (
+                    lambda: bind_in_private_namespace(self.tun, sandbox.TUN))) == 0
             else:
+                assert self.tun is None, "a tun node of its own needs uid 65534 under root"
                 serve()
         finally:
             del os.environ[SECRET_NAME]
@@ -103,7 +119,6 @@ class Arena:
             sandbox.pids_cgroup_parent.cache_clear()
         out: dict = json.loads(out_path.read_text())
         out_path.unlink()
-        assert out["ok"] and out["data"]["confined"] is True, out
         return out
 
     def outside(self, command: str, as_root: bool = False, old_sandbox: bool = False
@@ -412,7 +427,7 @@ def test_loopback_tcp_listener_is_unreachable(arena: Arena) -> None:
         assert "CONNECTED" not in arena.inside(cmd)["text"]
         assert "CONNECTED" in arena.outside(cmd)
         # Nor with networking allowed: the user-mode network keeps the host's loopback out.
-        if can_network(arena.uid):
+        if can_network(arena.uid) or own_tun(arena, 0o666):
             for host in ("127.0.0.1", sandbox.SLIRP_HOST):
                 cmd_n = f"exec 3<>/dev/tcp/{host}/{port} && echo CONNECTED"
                 assert "CONNECTED" not in arena.inside(cmd_n, network=True)["text"]
@@ -421,9 +436,33 @@ def test_loopback_tcp_listener_is_unreachable(arena: Arena) -> None:
 def can_network(uid: int) -> bool:
     """Whether slirp4netns can give ``uid``'s sandbox a network here (it needs the tun
     device, which some containers keep to root)."""
-    if shutil.which("slirp4netns") is None or not os.path.exists("/dev/net/tun"):
+    if shutil.which("slirp4netns") is None or not os.path.exists(sandbox.TUN):
         return False
-    return uid == 0 or os.stat("/dev/net/tun").st_mode & 0o006 == 0o006
+    return uid == 0 or os.stat(sandbox.TUN).st_mode & 0o006 == 0o006
+
+
+def bind_in_private_namespace(node: Path, target: str) -> None:
+    """In this (forked, single-threaded) process: a mount namespace of its own, where
+    ``node`` is bound over ``target``; the host's mounts are untouched."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+    subprocess.run(["mount", "--bind", str(node), target], check=True)
+
+
+def own_tun(arena: Arena, mode: int) -> bool:
+    """Give uid 65534's server a tun device node of ``mode`` (as the host's: char 10:200)
+    at /dev/net/tun; False where that cannot be done here (not root, no tun device, no
+    slirp4netns)."""
+    if not (IS_ROOT and arena.uid == NOBODY and shutil.which("slirp4netns")
+            and os.path.exists(sandbox.TUN)):
+        return False
+    node = arena.base / "tun"
+    os.mknod(node, stat.S_IFCHR | 0o600, os.stat(sandbox.TUN).st_rdev)
+    os.chmod(node, mode)
+    arena.tun = node
+    return True
 
 
 def host_address() -> str | None:
@@ -434,7 +473,10 @@ def host_address() -> str | None:
 
 
 def test_network_is_off_by_default_and_opt_in_goes_through_user_mode(arena: Arena) -> None:
-    if not can_network(arena.uid):
+    # For uid 65534 where the host keeps its tun device to root: a node open to it. (As a
+    # user other than root, bubblewrap nests the command's user namespace in the one that
+    # owns its network namespace, which slirp4netns must join instead.)
+    if not can_network(arena.uid) and not own_tun(arena, 0o666):
         pytest.skip("slirp4netns cannot run for this user here (no tun device)")
     addr = host_address()
     if addr is None:
@@ -450,6 +492,19 @@ def test_network_is_off_by_default_and_opt_in_goes_through_user_mode(arena: Aren
         loop = f"exec 3<>/dev/tcp/{sandbox.SLIRP_HOST}/{port} && echo CONNECTED"
         assert "CONNECTED" not in arena.inside(loop, network=True)["text"]
         assert "CONNECTED" in arena.inside(loop, network=True, host_loopback=True)["text"]
+
+
+def test_network_refused_naming_a_tun_device_this_user_cannot_open(arena: Arena) -> None:
+    """A tun device of mode 0600 (root's alone, as some containers keep it): Bash with
+    networking refuses before anything starts, naming the device (kind ``network``)."""
+    if not own_tun(arena, 0o600):
+        pytest.skip("needs root, a tun device and slirp4netns, for uid 65534")
+    marker = arena.root / "ran"
+    r = arena.attempt(f"touch {marker}", network=True)
+    assert not r["ok"] and r["data"]["kind"] == "network", r
+    assert sandbox.TUN in r["text"] and "Permission denied" in r["text"], r
+    assert not marker.exists()
+    assert arena.inside(f"touch {marker}")["data"]["exit_code"] == 0  # no network: runs
 
 
 ABSTRACT = ("python3 -c 'import socket, sys; s = socket.socket(socket.AF_UNIX); "

@@ -32,6 +32,7 @@ GOLDEN = {
     'BASH_JOB_UNKNOWN': 'no background command {id!r} (known: {ids})',
     'BASH_KILLED': '[killed by signal {signal}]',
     'BASH_MAX_TIMEOUT_S': 600,
+    'BASH_NO_NETWORK': "refused: the sandbox's network cannot be set up here ({reason}); the operator may fix that (`rewindfs doctor` says how) or run `rewindfs mcp` without --network",
     'BASH_NO_NEW_OUTPUT': '(no new output)',
     'BASH_NO_OUTPUT': '(no output)',
     'BASH_NO_SANDBOX': 'refused: no sandbox can be built here ({reason}); the operator may run `rewindfs mcp` with --unsafe-no-sandbox to allow unconfined commands',

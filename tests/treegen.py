@@ -395,12 +395,15 @@ def rel_path(root: Path, rel: bytes) -> bytes:
     return os.fsencode(root) + b"/" + rel
 
 
-def as_nobody(fn) -> int:  # type: ignore[no-untyped-def]
-    """Run ``fn()`` in a forked child with uid/gid 65534; return its exit status."""
+def as_nobody(fn, before=None) -> int:  # type: ignore[no-untyped-def]
+    """Run ``fn()`` in a forked child with uid/gid 65534; return its exit status.
+    ``before()``, if given, runs in the child first, still as this user."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         code = 99
         try:
+            if before is not None:
+                before()
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)

@@ -105,7 +105,7 @@ def _start_shell(ctx: ToolContext, script: str, cwd: str,
     """Start ``script`` in ``cwd`` (canonical, inside the root), stdout and stderr into one
     pipe: the one place Bash asks tools.sandbox for a shell. ``pass_fds`` are inherited by
     the shell. The session's path policy (hide, protect) covers the paths matching now
-    (tools.policyview). Raises SandboxUnavailable, OSError."""
+    (tools.policyview). Raises SandboxUnavailable, NetworkUnavailable, OSError."""
     hidden = [os.path.realpath(h) for h in ctx.binding.hidden_paths()]
     view = policy_view(ctx.root)
     try:
@@ -174,6 +174,21 @@ def run_bash(ctx: ToolContext, command: str, timeout: float = M.BASH_DEFAULT_TIM
         os.close(side_r)
 
 
+_START_ERRORS = (sandbox.SandboxUnavailable, sandbox.NetworkUnavailable, OSError)
+
+
+def _not_started(e: Exception) -> ToolResult:
+    """The answer for a command that did not start (``e`` one of ``_START_ERRORS``):
+    kind ``sandbox`` (no sandbox here), ``network`` (no network for it here) or
+    ``start``."""
+    if isinstance(e, sandbox.SandboxUnavailable):
+        return error(NAME, M.BASH_NO_SANDBOX.format(reason=e.reason), kind="sandbox")
+    if isinstance(e, sandbox.NetworkUnavailable):
+        return error(NAME, M.BASH_NO_NETWORK.format(reason=e.reason), kind="network")
+    assert isinstance(e, OSError)
+    return error(NAME, M.BASH_START_FAILED.format(reason=e.strerror or e), kind="start")
+
+
 def _start_background(ctx: ToolContext, command: str) -> ToolResult:
     if ctx.jobs.running_count() >= MAX_JOBS:
         return error(NAME, M.BASH_TOO_MANY_JOBS.format(maximum=MAX_JOBS), kind="jobs")
@@ -181,10 +196,8 @@ def _start_background(ctx: ToolContext, command: str) -> ToolResult:
     try:
         job = ctx.jobs.start(command, lambda: _start_shell(ctx, command, cwd),
                              background_writer(ctx.binding))
-    except sandbox.SandboxUnavailable as e:
-        return error(NAME, M.BASH_NO_SANDBOX.format(reason=e.reason), kind="sandbox")
-    except OSError as e:
-        return error(NAME, M.BASH_START_FAILED.format(reason=e.strerror or e), kind="start")
+    except _START_ERRORS as e:
+        return _not_started(e)
     except PermitError as e:
         return error(NAME, M.PERMIT_FAILED.format(reason=e), kind="permit")
     parts = [M.BASH_STARTED.format(id=job.id)]
@@ -209,12 +222,8 @@ def _run_foreground(ctx: ToolContext, command: str, cwd: str, timeout: float, si
                 return error(NAME, M.PERMIT_FAILED.format(reason=e), kind="permit")
             try:
                 run = _start_shell(ctx, script, cwd, (side_w,))
-            except sandbox.SandboxUnavailable as e:
-                return error(NAME, M.BASH_NO_SANDBOX.format(reason=e.reason),
-                             kind="sandbox")
-            except OSError as e:
-                return error(NAME, M.BASH_START_FAILED.format(reason=e.strerror or e),
-                             kind="start")
+            except _START_ERRORS as e:
+                return _not_started(e)
         finally:
             os.close(side_w)
         held.callback(run.close)

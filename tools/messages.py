@@ -125,6 +125,9 @@ BASH_POLICY_UNENFORCED = ("[note: unconfined, so the session's hidden and protec
                           "were not enforced for this command]")
 BASH_NO_SANDBOX = ("refused: no sandbox can be built here ({reason}); the operator may run "
                    "`rewindfs mcp` with --unsafe-no-sandbox to allow unconfined commands")
+BASH_NO_NETWORK = ("refused: the sandbox's network cannot be set up here ({reason}); the "
+                   "operator may fix that (`rewindfs doctor` says how) or run `rewindfs mcp` "
+                   "without --network")
 BASH_BAD_TIMEOUT = "timeout must be between 1 and {maximum} seconds (got {value})"
 BASH_EMPTY = "command must not be empty"
 BASH_START_FAILED = "could not start the command: {reason}"

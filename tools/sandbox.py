@@ -19,7 +19,9 @@ make one, since the sandbox's uid is the server's; else RLIMIT_NPROC, counted in
 sandbox's own user namespace), address space and file size (RLIMIT_AS, RLIMIT_FSIZE).
 Networking is off (an empty network namespace with only its own loopback); with
 ``SandboxPolicy.network`` slirp4netns gives the namespace outbound access in user mode,
-with the host's loopback unreachable unless ``SandboxPolicy.host_loopback``.
+with the host's loopback unreachable unless ``SandboxPolicy.host_loopback``; it needs
+``/dev/net/tun`` open to this user (:func:`network_unavailable_reason`, else
+NetworkUnavailable before anything starts).
 
 The session's path policy (tools.policyview) covers paths inside the root with mounts
 made before bwrap starts, in a user and mount namespace of the process that becomes bwrap
@@ -39,6 +41,7 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import functools
 import glob
 import json
@@ -69,6 +72,16 @@ SLIRP_HOST = "10.0.2.2"      # slirp4netns's address for the host (its loopback,
 class SandboxUnavailable(Exception):
     """No sandbox can be built here and the operator did not allow running unconfined;
     ``reason`` names the cause (e.g. bubblewrap missing, user namespaces disabled)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class NetworkUnavailable(Exception):
+    """The policy allows networking, but slirp4netns cannot give the sandbox a network
+    here; ``reason`` names the cause (slirp4netns missing, /dev/net/tun not open to this
+    user)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -440,6 +453,32 @@ def unavailable_reason() -> str | None:
     if shutil.which("prlimit") is None:
         return "prlimit (util-linux) is not installed"
     return _probe_sandbox(bw)
+
+
+TUN = "/dev/net/tun"
+NS_GET_USERNS = 0xB701   # ioctl on a namespace: a descriptor of the user namespace owning it
+
+
+def network_unavailable_reason() -> str | None:
+    """None when slirp4netns can give a sandbox of this user a network here; else why not
+    (one sentence). slirp4netns makes its tap device through /dev/net/tun as this user:
+    the device must open read-write for it (Debian's mode is 0666; some containers keep
+    it 0600 to root)."""
+    if shutil.which("slirp4netns") is None:
+        return "slirp4netns is not installed"
+    try:
+        os.close(os.open(TUN, os.O_RDWR | os.O_CLOEXEC))
+    except FileNotFoundError:
+        return f"{TUN} does not exist (the tun module is not loaded)"
+    except OSError as e:
+        try:
+            st = os.stat(TUN)
+            mode = f"mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}"
+        except OSError:
+            mode = "its mode unknown"
+        return (f"this user (uid {os.getuid()}) cannot open {TUN} ({os.strerror(e.errno or 0)}; "
+                f"{mode}), which slirp4netns needs")
+    return None
 
 
 @functools.lru_cache(maxsize=4)
@@ -914,19 +953,29 @@ def _start_network(pid: int, policy: SandboxPolicy) -> subprocess.Popen[bytes]:
     access in user mode; returns once it is configured."""
     slirp = shutil.which("slirp4netns")
     if slirp is None:
-        raise SandboxUnavailable("networking was allowed but slirp4netns is not installed")
+        raise NetworkUnavailable("slirp4netns is not installed")
+    # slirp4netns joins the user namespace that owns the sandbox's network namespace. That
+    # is not always the command's own: bubblewrap run by a user other than root makes the
+    # namespaces in one user namespace and then the command's, nested in it, where that
+    # network namespace cannot be entered (setns: EPERM).
+    net_fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        userns_fd = fcntl.ioctl(net_fd, NS_GET_USERNS)
+    finally:
+        os.close(net_fd)
     ready_r, ready_w = os.pipe()
     argv = [slirp, "--configure", "--mtu=65520", f"--ready-fd={ready_w}",
-            f"--userns-path=/proc/{pid}/ns/user"]
+            f"--userns-path=/proc/self/fd/{userns_fd}"]
     if not policy.host_loopback:
         argv.append("--disable-host-loopback")
     argv += [str(pid), "tap0"]
     try:
         net = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, pass_fds=(ready_w,),
+                               stderr=subprocess.PIPE, pass_fds=(ready_w, userns_fd),
                                start_new_session=True)
     finally:
         os.close(ready_w)
+        os.close(userns_fd)
     try:
         ok = select.select([ready_r], [], [], _SYNC_TIMEOUT_S)[0] and os.read(ready_r, 1)
     finally:
@@ -971,6 +1020,10 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
                                 env=sandbox_env(policy, confined=False),
                                 pass_fds=tuple(pass_fds), **popen_kw)
         return ShellRun(proc, confined=False)
+    if policy.network:
+        why = network_unavailable_reason()
+        if why is not None:
+            raise NetworkUnavailable(why)
     bw = shutil.which("bwrap")
     assert bw is not None
     cg_parent = pids_cgroup_parent()
