@@ -2,13 +2,15 @@
 
 Each check looks, never changes anything, and reports ``ok``, ``warn`` (works, but something a
 user may want is missing) or ``fail`` (a part of rewindfs cannot work here), with the cause
-and the command that fixes it. Checks: the FUSE device and ``fusermount3``; the runtime
-directory (owner and mode); ``user_allow_other`` for ``--allow-other``; bubblewrap and user
-namespaces for the Bash sandbox; ripgrep for Grep; free space where the store and session
-states live; the FUSE binding in use; for the local directory of a shared store
-(``store.json``), that its bucket answers with this environment's credentials and that its
-PostgreSQL catalog answers with a schema this program reads (read only: nothing is created
-or migrated). Exit 0 without a ``fail``, else 1. ``--json`` prints
+and the command that fixes it, in the form that works on this machine (``as_root``: as is
+for root, else through sudo, else su; packages through the package manager on PATH).
+Checks: the FUSE device and ``fusermount3``; the runtime directory (owner and mode);
+``user_allow_other`` for ``--allow-other``; bubblewrap and user namespaces for the Bash
+sandbox, slirp4netns and /dev/net/tun for its ``--network``; ripgrep for Grep; free space
+where the store and session states live; the FUSE binding in use; for the local directory
+of a shared store (``store.json``), that its bucket answers with this environment's
+credentials and that its PostgreSQL catalog answers with a schema this program reads (read
+only: nothing is created or migrated). Exit 0 without a ``fail``, else 1. ``--json`` prints
 ``{"ok": bool, "checks": [{"name", "status", "detail", "fix"}]}``.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -43,8 +46,33 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_doctor)
 
 
-def _sudo() -> str:
-    return "" if os.getuid() == 0 else "sudo "
+def as_root(command: str) -> str:
+    """``command`` (shell text) as this user can run it as root on this machine: as is for
+    root, through sudo where it is installed, else through su (root's password), else
+    marked "as root:" (neither is installed)."""
+    if os.getuid() == 0:
+        return command
+    shell = any(c in command for c in "|>&;")
+    if shutil.which("sudo"):
+        return f"sudo sh -c {shlex.quote(command)}" if shell else f"sudo {command}"
+    if shutil.which("su"):
+        return f"su -c {shlex.quote(command)}"
+    return f"as root: {command}"
+
+
+_INSTALL = (("apt-get", "apt-get install"), ("dnf", "dnf install"), ("yum", "yum install"),
+            ("zypper", "zypper install"), ("apk", "apk add"), ("pacman", "pacman -S"))
+"""Package managers by the program that names them, and their install command (fuse3,
+bubblewrap, ripgrep and slirp4netns are the packages' names in each)."""
+
+
+def install(package: str) -> str:
+    """The command that installs ``package`` with this machine's package manager, as
+    root (``as_root``)."""
+    for prog, cmd in _INSTALL:
+        if shutil.which(prog):
+            return as_root(f"{cmd} {package}")
+    return f"install the {package} package (no known package manager is on PATH)"
 
 
 def check_fuse() -> list[Check]:
@@ -52,7 +80,7 @@ def check_fuse() -> list[Check]:
     if not os.path.exists("/dev/fuse"):
         out.append(Check("fuse_device", "fail", "/dev/fuse does not exist (sessions fall back "
                          "to plain directories; mount is unavailable)",
-                         f"{_sudo()}modprobe fuse (in a container: run it with "
+                         as_root("modprobe fuse") + " (in a container: run it with "
                          "--device /dev/fuse)"))
     else:
         try:
@@ -62,14 +90,14 @@ def check_fuse() -> list[Check]:
             out.append(Check("fuse_device", "fail", f"/dev/fuse cannot be opened: "
                              f"{os.strerror(e.errno or 0)} (sessions fall back to plain "
                              "directories; mount is unavailable)",
-                             f"{_sudo()}chmod 0666 /dev/fuse"))
+                             as_root("chmod 0666 /dev/fuse")))
     fm = shutil.which("fusermount3")
     if fm is None:
         out.append(Check("fusermount3", "fail", "fusermount3 is not on PATH",
-                         f"{_sudo()}apt-get install fuse3"))
+                         install("fuse3")))
     elif os.getuid() != 0 and not os.stat(fm).st_mode & 0o4000:
         out.append(Check("fusermount3", "fail", f"{fm} is not setuid root, so a non-root "
-                         "user cannot mount", f"{_sudo()}chmod u+s {fm}"))
+                         "user cannot mount", as_root(f"chmod u+s {fm}")))
     else:
         out.append(Check("fusermount3", "ok", fm))
     return out
@@ -105,7 +133,7 @@ def _check_runtime_base() -> Check:
     if st.st_uid != os.getuid():
         return Check("runtime_dir", "fail", f"{d} belongs to uid {st.st_uid}, not to you "
                      f"(uid {os.getuid()})",
-                     f"export XDG_RUNTIME_DIR=$(mktemp -d)  (or {_sudo()}rm -r {d})")
+                     f"export XDG_RUNTIME_DIR=$(mktemp -d)  (or {as_root(f'rm -r {d}')})")
     loose = [p for p in (d, os.path.join(d, "mounts"))
              if os.path.isdir(p) and os.lstat(p).st_mode & 0o077]
     if loose:
@@ -129,7 +157,7 @@ def check_allow_other(wanted: bool) -> Check:
     return Check("user_allow_other", "fail" if wanted else "warn",
                  "/etc/fuse.conf lacks user_allow_other: --allow-other mounts are refused "
                  "for non-root users",
-                 f"echo user_allow_other | {_sudo()}tee -a /etc/fuse.conf")
+                 as_root("echo user_allow_other >> /etc/fuse.conf"))
 
 
 def check_sandbox() -> Check:
@@ -143,20 +171,39 @@ def check_sandbox() -> Check:
     if "REWINDFS_NO_SANDBOX" in reason:
         fix = "unset REWINDFS_NO_SANDBOX"
     elif "bwrap" in reason and "not installed" in reason:
-        fix = f"{_sudo()}apt-get install bubblewrap"
+        fix = install("bubblewrap")
     elif "namespaces" in reason:
-        fix = (f"{_sudo()}sysctl -w kernel.unprivileged_userns_clone=1 "
-               "user.max_user_namespaces=15000")
+        fix = as_root("sysctl -w kernel.unprivileged_userns_clone=1 "
+                      "user.max_user_namespaces=15000")
     else:
         fix = "bash scripts/setup.sh"
     return Check("bash_sandbox", "fail", detail, fix)
+
+
+def check_sandbox_network() -> Check:
+    """Whether ``rewindfs mcp --network`` can give the Bash sandbox a network here (a
+    warning: only that option needs it)."""
+    from tools import sandbox
+
+    reason = sandbox.network_unavailable_reason()
+    if reason is None:
+        return Check("sandbox_network", "ok", "slirp4netns can give the Bash sandbox a "
+                                              "network (rewindfs mcp --network)")
+    if "slirp4netns is not installed" in reason:
+        fix = install("slirp4netns")
+    elif "does not exist" in reason:
+        fix = as_root("modprobe tun")
+    else:
+        fix = as_root(f"chmod 0666 {sandbox.TUN}") + " (its usual mode)"
+    return Check("sandbox_network", "warn", f"{reason}: with rewindfs mcp --network, Bash "
+                 "refuses every command", fix)
 
 
 def check_ripgrep() -> Check:
     rg = shutil.which("rg")
     if rg is None:
         return Check("ripgrep", "fail", "rg is not installed: the Grep tool cannot run",
-                     f"{_sudo()}apt-get install ripgrep")
+                     install("ripgrep"))
     return Check("ripgrep", "ok", rg)
 
 
@@ -248,7 +295,8 @@ def run_checks(store: str, allow_other: bool = False) -> list[Check]:
         ("fuse_device", check_fuse), ("fuse_binding", check_binding),
         ("runtime_dir", check_runtime_dir),
         ("user_allow_other", lambda: check_allow_other(allow_other)),
-        ("bash_sandbox", check_sandbox), ("ripgrep", check_ripgrep),
+        ("bash_sandbox", check_sandbox), ("sandbox_network", check_sandbox_network),
+        ("ripgrep", check_ripgrep),
         ("store_space", lambda: check_space("store_space", store)),
         ("state_space", lambda: check_space("state_space", os.path.join(store, "sessions"))),
         ("shared_store", lambda: check_shared_store(store))]

@@ -14,7 +14,14 @@ for p in "${apt_pkgs[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   sudo_cmd=""
-  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  if [ "$(id -u)" -ne 0 ]; then
+    if ! command -v sudo >/dev/null; then
+      echo "setup: these Debian packages are missing: ${missing[*]}; there is no sudo here:" \
+           "install them as root (apt-get install ${missing[*]}), then run this again" >&2
+      exit 1
+    fi
+    sudo_cmd="sudo"
+  fi
   echo "setup: installing Debian packages: ${missing[*]}"
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null

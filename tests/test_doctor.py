@@ -9,6 +9,7 @@ import ctypes
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -70,10 +71,12 @@ def test_a_runtime_dir_of_another_user_fails(tmp_path: Path) -> None:
     assert code == 1 and c["status"] == "fail" and "XDG_RUNTIME_DIR" in c["fix"]
 
 
-def _doctor_as_nobody_with(conf: Path, run: Path, store: Path, out: Path) -> int:
+def _doctor_as_nobody_with(conf: Path, run: Path, store: Path, out: Path,
+                           path: str | None = None) -> int:
     """In a forked child: a private mount namespace whose /etc/fuse.conf is ``conf``, then
-    uid/gid 65534 and ``rewindfs doctor --allow-other --json`` (output to ``out``). The
-    venv's interpreter lives under /root, which uid 65534 cannot exec, hence the fork."""
+    uid/gid 65534 and ``rewindfs doctor --allow-other --json`` (output to ``out``; ``path``:
+    its PATH). The venv's interpreter lives under /root, which uid 65534 cannot exec, hence
+    the fork."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         code = 99
@@ -88,6 +91,8 @@ def _doctor_as_nobody_with(conf: Path, run: Path, store: Path, out: Path) -> int
             os.setgid(65534)
             os.setuid(65534)
             os.environ["XDG_RUNTIME_DIR"] = str(run)
+            if path is not None:
+                os.environ["PATH"] = path
             sys.stdout = os.fdopen(fd, "w")  # pytest's capture replaced sys.stdout
             from rewindfs.cli import main
 
@@ -127,3 +132,110 @@ def _allow_other_case(tmp_path: Path, conf: str, status: str) -> None:
     assert c["status"] == status, doc
     if status == "fail":
         assert code == 1 and "user_allow_other" in c["fix"] and "fuse.conf" in c["fix"]
+
+
+def bin_dir(at: Path, names: tuple[str, ...]) -> str:
+    """A directory holding only programs named ``names`` (each /bin/true: doctor only looks
+    them up), to be the whole PATH of a doctor run."""
+    at.mkdir(mode=0o755)
+    for n in names:
+        (at / n).symlink_to("/bin/true")
+    return str(at)
+
+
+AS_ROOT_FORMS = [
+    (("sudo", "su", "apt-get"), "sudo sh -c 'echo user_allow_other >> /etc/fuse.conf'",
+     "sudo apt-get install {}"),
+    (("su", "dnf"), "su -c 'echo user_allow_other >> /etc/fuse.conf'",
+     "su -c 'dnf install {}'"),
+    ((), "as root: echo user_allow_other >> /etc/fuse.conf",
+     "install the {} package (no known package manager is on PATH)"),
+]
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root for a mount namespace and uid 65534")
+@pytest.mark.parametrize("programs,conf_fix,install_fix", AS_ROOT_FORMS)
+def test_fix_lines_for_a_user_take_the_way_to_root_this_machine_has(
+        programs: tuple[str, ...], conf_fix: str, install_fix: str) -> None:
+    """As uid 65534, the fix lines go through sudo only where sudo is installed, else su,
+    else say "as root"; packages come from the package manager on PATH."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))  # reachable by 65534
+    try:
+        os.chmod(tmp_path, 0o755)
+        (tmp_path / "fuse.conf").write_text("# nothing\n")
+        for d in ("run", "store"):
+            (tmp_path / d).mkdir(mode=0o700)
+            os.chown(tmp_path / d, 65534, 65534)
+        out = tmp_path / "out.json"
+        code = _doctor_as_nobody_with(tmp_path / "fuse.conf", tmp_path / "run",
+                                      tmp_path / "store", out,
+                                      bin_dir(tmp_path / "bin", programs))
+        checks = by_name(json.loads(out.read_text()))
+    finally:
+        shutil.rmtree(tmp_path)
+    assert code == 1
+    assert checks["user_allow_other"]["fix"] == conf_fix
+    for name, package in (("ripgrep", "ripgrep"), ("fusermount3", "fuse3"),
+                          ("bash_sandbox", "bubblewrap"), ("sandbox_network", "slirp4netns")):
+        assert checks[name]["fix"] == install_fix.format(package), (name, checks[name])
+    if "sudo" not in programs:
+        assert not any("sudo" in c["fix"] for c in checks.values()), checks
+
+
+def test_root_is_never_told_sudo(tmp_path: Path) -> None:
+    if not ROOT:
+        pytest.skip("needs root")
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    env_path = bin_dir(tmp_path / "bin", ("sudo", "apt-get"))
+    env = {k: v for k, v in os.environ.items() if k != "REWINDFS_STORE"}
+    p = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(tmp_path / "store"),
+                        "doctor", "--json"], capture_output=True, text=True, cwd=REPO,
+                       env=dict(env, XDG_RUNTIME_DIR=str(run), PATH=env_path), timeout=120)
+    checks = by_name(json.loads(p.stdout))
+    assert checks["ripgrep"]["fix"] == "apt-get install ripgrep"
+    assert not any("sudo" in c["fix"] for c in checks.values()), checks
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root for a mount namespace and uid 65534")
+def test_a_tun_device_closed_to_the_user_is_a_warning_with_its_fix() -> None:
+    """/dev/net/tun 0600 (root's alone), as uid 65534: sandbox_network warns, naming the
+    device, and the fix opens it (here, without sudo on PATH, through su)."""
+    if not os.path.exists("/dev/net/tun"):
+        pytest.skip("no tun device")
+    tmp_path = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))
+    try:
+        os.chmod(tmp_path, 0o755)
+        node = tmp_path / "tun"
+        os.mknod(node, stat.S_IFCHR | 0o600, os.stat("/dev/net/tun").st_rdev)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child: /dev/net/tun is ``node`` in its namespace
+            code = 99
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.unshare(CLONE_NEWNS) == 0:
+                    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+                    subprocess.run(["mount", "--bind", str(node), "/dev/net/tun"], check=True)
+                    code = _doctor_as_nobody_for_tun(tmp_path)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) in (0, 1)
+        c = by_name(json.loads((tmp_path / "out.json").read_text()))["sandbox_network"]
+    finally:
+        shutil.rmtree(tmp_path)
+    assert c["status"] == "warn" and "/dev/net/tun" in c["detail"], c
+    assert "Permission denied" in c["detail"] and "mode 0600" in c["detail"], c
+    assert c["fix"] == "su -c 'chmod 0666 /dev/net/tun' (its usual mode)", c
+
+
+def _doctor_as_nobody_for_tun(tmp_path: Path) -> int:
+    """doctor as uid 65534 with PATH holding slirp4netns and su (and not sudo), its JSON
+    into ``tmp_path``/out.json; its exit status."""
+    (tmp_path / "fuse.conf").write_text("user_allow_other\n")
+    for d in ("run", "store"):
+        (tmp_path / d).mkdir(mode=0o700)
+        os.chown(tmp_path / d, 65534, 65534)
+    return _doctor_as_nobody_with(tmp_path / "fuse.conf", tmp_path / "run", tmp_path / "store",
+                                  tmp_path / "out.json",
+                                  bin_dir(tmp_path / "bin", ("su", "slirp4netns")))
