@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from store.pathpolicy import PathPolicy
 
@@ -82,6 +82,19 @@ def path_policy(binding: object) -> PathPolicy:
     if isinstance(binding, HasPathPolicy):
         return binding.path_policy()
     return PathPolicy()
+
+
+@runtime_checkable
+class KeepsCovers(Protocol):
+    """Optional: a place kept with the session for what the path policy covered at the
+    last scan (``tools.paths.Covered.record``: a JSON-able dict), so that tools started
+    again (an MCP server restart) cover the same objects, also those a command moved to
+    names no pattern matches. ``load_covers``: the record last saved, None when there is
+    none or it cannot be read; ``save_covers`` replaces it (OSError when it cannot)."""
+
+    def load_covers(self) -> dict[str, Any] | None: ...
+
+    def save_covers(self, record: dict[str, Any]) -> None: ...
 
 
 @runtime_checkable

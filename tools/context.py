@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import blake3
 
-from tools.binding import SessionBinding, path_policy
+from tools.binding import KeepsCovers, SessionBinding, path_policy
 from tools.paths import Root
 from tools.sandbox import SandboxPolicy
 
@@ -66,6 +66,12 @@ class ToolContext:
         self.binding = binding
         self.sandbox = sandbox if sandbox is not None else SandboxPolicy()
         self.root = Root(binding.root, path_policy(binding))
+        if isinstance(binding, KeepsCovers) and (self.root.policy.hide
+                                                 or self.root.policy.protect):
+            saved = binding.load_covers()
+            if saved is not None:
+                self.root.covered.load(saved, self.root.real)
+            self.root.keep = binding.save_covers
         self._reads: dict[str, Seen] = {}
         self._lock = threading.Lock()
         self.cwd = "."

@@ -20,8 +20,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from store.pathpolicy import PathPolicy
 from tools import messages as M
@@ -81,6 +82,43 @@ class Covered:
     def hides(self, st: os.stat_result) -> bool:
         return st.st_dev == self.dev and st.st_ino in self.hidden
 
+    def record(self, root_id: tuple[int, int], hidden_paths: Sequence[str],
+               protected_paths: Sequence[str]) -> dict[str, Any]:
+        """What to keep with the session (``tools.binding.KeepsCovers``): the root's
+        identity (st_dev, st_ino), the inode numbers, and the workspace paths the scan
+        covered (its matches, and covered objects under names no pattern matches)."""
+        return {"root": list(root_id), "hidden": sorted(self.hidden),
+                "protected": sorted(self.protected), "hidden_paths": list(hidden_paths),
+                "protected_paths": list(protected_paths)}
+
+    def load(self, rec: dict[str, Any], real: str) -> None:
+        """Start from a saved ``record`` of the tree at ``real``: its inode numbers when
+        the root is the same object (same st_dev and st_ino: the same mount), else
+        (a new mount of the session: other numbers) the objects now at its paths, found
+        without following a link in the last component. A record that does not parse
+        adds nothing."""
+        try:
+            top = os.stat(real)
+            hidden: set[int] = set()
+            protected: set[int] = set()
+            if rec.get("root") == [top.st_dev, top.st_ino]:
+                hidden.update(int(i) for i in rec.get("hidden", ()))
+                protected.update(int(i) for i in rec.get("protected", ()))
+            else:
+                for key, into in (("hidden_paths", hidden), ("protected_paths", protected)):
+                    for rel in rec.get(key, ()):
+                        try:
+                            st = os.lstat(os.path.join(real, str(rel)))
+                        except (OSError, ValueError):
+                            continue
+                        if st.st_dev == top.st_dev and not stat.S_ISLNK(st.st_mode):
+                            into.add(st.st_ino)
+        except (OSError, TypeError, ValueError, AttributeError):
+            return
+        self.hidden = frozenset(hidden)
+        self.protected = frozenset(protected)
+        self.dev = top.st_dev
+
     def protects(self, st: os.stat_result) -> bool:
         return st.st_dev == self.dev and st.st_ino in self.protected
 
@@ -97,6 +135,10 @@ class Root:
         self.policy = policy if policy is not None else PathPolicy()
         self.covered = Covered()
         self.scans: object = None  # tools.policyview's cache of directory listings
+        # Where a scan keeps what it covered (``tools.binding.KeepsCovers.save_covers``),
+        # and the key of what was kept last (saved again only when it changes).
+        self.keep: Callable[[dict[str, Any]], None] | None = None
+        self.kept: object = None
 
     def hides(self, rel: str, is_dir: bool = False) -> bool:
         """True when the agent must not see workspace path ``rel`` (by the policy's

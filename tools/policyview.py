@@ -173,7 +173,24 @@ def scan(root: Root, want_view: bool = False) -> PolicyView:
         covered.dev = w.dev
         covered.scanned_ns = started
         cache.dirs = w.seen
+        if root.keep is not None:
+            _keep(root, view)
     return view
+
+
+def _keep(root: Root, view: PolicyView) -> None:
+    """Save what this scan covered with the session when it differs from what was saved
+    last; a failure to save keeps the old record (the patterns still apply)."""
+    covered = root.covered
+    key = (view.root_id, covered.hidden, covered.protected, tuple(view.hidden),
+           tuple(view.protected))
+    if key == root.kept or root.keep is None:
+        return
+    try:
+        root.keep(covered.record(view.root_id, view.hidden, view.protected))
+    except OSError:
+        return
+    root.kept = key
 
 
 class _Walk:

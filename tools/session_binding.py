@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import stat
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ from tools.binding import PermitError
 from tools.paths import PathError
 from tools.walk import list_dir, open_subdir
 
+COVERS_FILE = "covers.json"  # in a session's state directory: what its path policy covered
 STATE_DIR_NAME = "sessions"  # the session state base under the store (fusefs.session.config)
 _STATUS_TIMEOUT_S = 30.0
 
@@ -175,6 +177,25 @@ class SessionToolBinding:
             if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in kept):
                 kept.append(p)
         return kept
+
+    def load_covers(self) -> dict[str, Any] | None:
+        """What the path policy covered at the tools' last scan of this session
+        (``tools.binding.KeepsCovers``), from its state directory; None when nothing was
+        saved or the file cannot be read."""
+        try:
+            with open(os.path.join(self.record.state_dir, COVERS_FILE), "rb") as f:
+                got = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return got if isinstance(got, dict) else None
+
+    def save_covers(self, record: dict[str, Any]) -> None:
+        """Replace the saved record (written whole, then renamed over the old one)."""
+        path = os.path.join(self.record.state_dir, COVERS_FILE)
+        tmp = f"{path}.{os.getpid()}.{threading.get_native_id()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, separators=(",", ":"))
+        os.replace(tmp, path)
 
     # -- session calls, answered as text for a model ---------------------------------------
 
