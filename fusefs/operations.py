@@ -140,6 +140,10 @@ class Operations(pyfuse3.Operations):
     inode_in_requests = True
     # ... and a write its FUSE_WRITE_* flags, once ``init_flags`` is set (no-open mode).
     write_flags_in_requests = True
+    # With the patched binding, a worker that answered a request reads the next one at
+    # once when the kernel has queued it, without a round through the event loop; after
+    # this many in a row it waits once, so that timers and worker threads' results run.
+    eager_requests = 32
 
     def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S,
                  gate: Gate | None = None, upper_lock: trio.Lock | None = None,

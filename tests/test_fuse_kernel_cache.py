@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import fusehelpers as fh
@@ -306,3 +308,54 @@ def test_no_open_mode_clears_setuid_bits_itself_without_a_getattr_per_chown(
     client(m).checkpoint()
     mounter.remount(d)
     assert modes() == want
+
+
+# Asks the mount for a user attribute that does not exist, as fast as it can, until a file
+# outside the mount appears: every call is a GETXATTR the kernel cannot answer itself.
+_GETXATTR_STREAM = """
+import errno, os, sys
+path, stop, n = sys.argv[1], sys.argv[2], 0
+while n % 64 or not os.path.exists(stop):
+    try:
+        os.getxattr(path, "user.absent")
+    except OSError as e:
+        if e.errno != errno.ENODATA:
+            sys.exit(f"getxattr: {e}")
+    n += 1
+print(n)
+"""
+
+
+def test_a_stream_of_requests_leaves_fsync_and_checkpoints_served(
+        mounter: fh.Mounter, lower_ref: str, tmp_path: Path) -> None:
+    """The binding reads queued requests without a round through the event loop
+    (``eager_requests``), but a steady stream of them from three processes still lets the
+    daemon's other work run: an fsync finishes in its worker thread and is durable, a
+    checkpoint and status are answered, and every request of the stream is answered
+    right."""
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    (m / "target").write_bytes(b"t")
+    stop = tmp_path / "stop"
+    streams = [subprocess.Popen([sys.executable, "-c", _GETXATTR_STREAM, str(m / "target"),
+                                 str(stop)], stdout=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    try:
+        before = requests(m).get("getxattr", 0)
+        with open(m / "synced.bin", "wb") as f:
+            f.write(b"durable" * 1000)
+            f.flush()
+            os.fsync(f.fileno())
+        ref = client(m).checkpoint(label="under load")["ref"]
+        during = requests(m).get("getxattr", 0)
+        assert during > before  # the stream flowed meanwhile
+    finally:
+        stop.touch()
+        outs = [p.communicate(timeout=60) for p in streams]
+    assert [p.returncode for p in streams] == [0, 0, 0], outs
+    assert all(int(out) > 0 for out, _ in outs)
+    d = mounter.remount(d)
+    assert (d.mnt / "synced.bin").read_bytes() == b"durable" * 1000
+    (d.mnt / "synced.bin").write_bytes(b"changed")
+    client(d.mnt).restore(ref)
+    assert (d.mnt / "synced.bin").read_bytes() == b"durable" * 1000
