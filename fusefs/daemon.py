@@ -300,7 +300,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     import trio
 
     from . import binding
-    from .operations import Operations
+    from .operations import Operations, tune_gc
 
     cfg.mountpoint = os.path.abspath(cfg.mountpoint)
     try:
@@ -429,6 +429,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     code = 0
     loop_error: BaseException | None = None
     try:
+        tune_gc()
         trio.run(main)
     except BaseException as e:  # the loop itself failed: persist what we can, then leave
         loop_error = e

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import gc
 import logging
 import os
 import time
@@ -60,6 +61,20 @@ SEQ_SLACK = 1 << 20  # a read this close to the previous one's end counts as seq
 PREFETCH = 3  # chunks loaded ahead of a sequential reader, in parallel worker threads
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+# The cyclic collector's thresholds in a daemon (``tune_gc``): Python's default collects the
+# young generation every 700 allocations, and a listing of a huge directory allocates a node,
+# a set and a dict per entry, most of which live on.
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def tune_gc() -> None:
+    """Before a daemon's event loop starts: what is alive now (modules, the overlay as
+    loaded) leaves the cyclic collector's view (``gc.freeze``; reference counting still
+    frees it), and collections run at ``GC_THRESHOLDS``. The first ``ls -l`` of 100,000
+    lower entries spent an eighth of its time in the collector before."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 # What ``opendir`` answers with the patched binding (``fusefs.binding``): the kernel keeps
 # the listing until the directory changes through the mount, or a restore invalidates it.

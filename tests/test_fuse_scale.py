@@ -1,6 +1,7 @@
 """Work whose cost must not grow with the tree: renaming a lower directory with 20,000
 descendants writes O(1) rows to the upper layer (CONTRACT 2.2), and ``rm -rf`` of large
-lower and upper directories finishes in one pass (stable readdir cookies).
+lower and upper directories finishes in one pass (stable readdir cookies), and ``ls -l`` of
+a wide lower directory, the first after the mount, lists what was snapshotted.
 """
 
 from __future__ import annotations
@@ -91,6 +92,37 @@ def test_rm_rf_of_wide_lower_and_upper_dirs_in_one_pass(big_lower: tuple[Path, s
         m.remount(d)
         assert not os.path.lexists(wide)
         assert len(os.listdir(d.mnt / "big")) == DIRS - 2
+        failed = False
+    finally:
+        m.teardown(failed)
+
+
+def test_ls_l_of_a_wide_lower_dir_first_after_mount_matches_its_source(
+        big_lower: tuple[Path, str], tmp_path: Path) -> None:
+    """The daemon's first listing with attributes (READDIRPLUS) of 3,000 lower entries,
+    served with the collector tuned for it (``fusefs.operations.tune_gc``), gives what
+    ``ls -l`` gives on the snapshotted tree; so does a second one from the kernel's
+    caches, and one after a remount."""
+    store, ref = big_lower
+    src = store.parent / "src"
+
+    def ls_l(d: Path) -> list[str]:
+        r = subprocess.run(["ls", "-ln", "--time-style=+%s", str(d)], capture_output=True,
+                           text=True, env=dict(os.environ, LC_ALL="C"))
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    want = ls_l(src / "wide")
+    assert len(want) == 3001  # "total" and 3,000 entries
+    m = fh.Mounter(tmp_path / "mounts", store)
+    m.base.mkdir()
+    failed = True
+    try:
+        d = m.rw(ref)
+        assert ls_l(d.mnt / "wide") == want
+        assert ls_l(d.mnt / "wide") == want
+        d = m.remount(d)
+        assert ls_l(d.mnt / "wide") == want
         failed = False
     finally:
         m.teardown(failed)

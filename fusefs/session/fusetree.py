@@ -401,7 +401,7 @@ class FuseMount:
         from fusefs import binding
         from fusefs.control import Live
         from fusefs.mounts import mount_id, remove_record, start_time, still_mounted, write_record
-        from fusefs.operations import Operations
+        from fusefs.operations import Operations, tune_gc
 
         with self._lock:
             if self._stop_requested:
@@ -476,6 +476,7 @@ class FuseMount:
 
         code = 0
         try:
+            tune_gc()
             trio.run(main)
         except BaseException as e:  # the loop failed: persist what we can, then unmount
             log.error("serving loop ended: %s", describe(e), exc_info=e)
