@@ -6,7 +6,8 @@ rows of the tables run_all writes between the perf markers (``run_all.CITED``: a
 heading, its rows' first cells), as ``"label"``. These tests render the tables of a saved
 run (``tests/data/run_all/results.json``, the results of a real ``run_all.py --quick``, its
 stderr left out; the steps entry from a later ``--only steps --quick``, once bench_steps.py
-measured the transport alone) with ``run_all.py --from-results`` into a copy of
+measured the transport alone; the tools entry from ``bench_tools.py --runs 1 --json`` run as
+run_all runs it, over a mount of its tree, once it had the bwrap-binds row) with ``run_all.py --from-results`` into a copy of
 the README, measuring nothing, and check that every cited row is in it, that the prose
 names every cited row, and that a run whose results lack a cited row exits 1 naming it;
 and that no paragraph of the README that speaks of the benchmarks states a measured figure
@@ -154,3 +155,24 @@ def test_the_paragraphs_on_benchmarks_state_no_measured_figure(run_all: ModuleTy
         stated = set(FIGURE.findall(p)) - NOT_MEASURED
         assert not stated, (f"{sorted(stated)}: a figure of a separate run; cite the row of "
                             f"run_all's table instead (run_all.CITED): {' '.join(p.split())}")
+
+
+POSITIONAL = re.compile(r"\bthe rows? (?:after|before|above|below)\b"
+                        r"|\bthe (?:next|previous|last|first) row\b")
+
+
+def test_every_row_the_prose_names_is_cited(run_all: ModuleType, tmp_path: Path) -> None:
+    """A row of run_all's tables that the prose names (as "label") is in ``CITED``, so a
+    run that lacks it fails; and the prose never points at a row by its place ("the row
+    after it"), which no check can follow."""
+    p, text = render(tmp_path, json.loads(RESULTS.read_text()))
+    assert p.returncode == 0, p.stderr
+    prose, block = split_readme(text, run_all)
+    prose = re.sub(r"^```.*?^```", "", prose, flags=re.M | re.S)
+    flat = re.sub(r"`[^`]*`", "", " ".join(prose.split()))     # code spans quote too
+    every_row = set().union(*run_all.table_rows(block).values())
+    named = {q for q in re.findall(r'"([^"]+)"', flat) if q in every_row}
+    cited = {label for _, labels in run_all.CITED.values() for label in labels}
+    assert named, "the prose names rows of the tables"
+    assert named <= cited, sorted(named - cited)
+    assert not POSITIONAL.search(flat), POSITIONAL.search(flat)

@@ -36,7 +36,11 @@ so):
 - ``bench_scan.py``: no-open mode's scan of /proc for open writers, with a holder of 200
   threads and 1,000 descriptors and without, against the scan of ``SCAN_BASELINE``.
 
-``--quick`` uses the smallest sizes and one run each (a smoke run, 5 to 10 minutes);
+``--quick`` is a smoke run (5 to 10 minutes): one run of each benchmark except
+``bench_exclude.py`` (5 runs, at the same kept-file counts: it takes seconds),
+``bench_scan.py`` (3 runs) and the Bash rows of ``bench_tools.py`` (at least 20 calls each);
+fewer sessions (20 FUSE, 2 fallback) and steps (10), 64 MiB FUSE writes, and never the
+200,000-file checkpoint tree;
 ``--only NAME,...`` runs some of them (the others are reported as not run).
 ``--wait-load L`` waits (up to 10 minutes) until the 1-minute load average is below L
 before starting; the load averages before and after each benchmark are part of the report.
@@ -106,7 +110,8 @@ FUSE_LABELS = {
 
 CITED: dict[str, tuple[str, tuple[str, ...]]] = {
     "Agent tools": ("tools", ("Bash true (MCP stdio)",
-                              "Bash true, 100 hidden + 100 protected")),
+                              "Bash true, 100 hidden + 100 protected",
+                              "Bash true, same policy, bwrap binds")),
     "Shared store": ("remote", ("first snapshot (s)", "unchanged re-snapshot (s)",
                                 "materialize (s)", "checkpoint, 10 changes (ms)",
                                 "cold read 256 MiB (MiB/s)", "warm re-read 256 MiB (MiB/s)")),
@@ -682,7 +687,8 @@ def splice_readme(readme: Path, summ: str) -> bool:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="smallest sizes, one run each (a smoke run)")
+                    help="a smoke run: one run of each benchmark (exclude 5, scan 3, "
+                         "Bash calls at least 20), fewer sessions and steps, smaller writes")
     ap.add_argument("--wait-load", type=float, metavar="L",
                     help="wait (at most 10 minutes) for a 1-minute load average below L")
     ap.add_argument("--big", action="store_true",
