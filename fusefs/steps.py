@@ -5,8 +5,9 @@ A *step* is one unit of agent work (a tool call, or whatever the caller marks wi
 (the upper's dirty set) with the changes it saw at the previous step, path by path, and
 reports the paths whose state differs, each with its status relative to the previous step:
 ``added``, ``removed``, ``modified`` or ``type_changed`` (the vocabulary of
-``store.diff``). Writes made outside any tool call (a dev server, a build) are attributed
-to the first step that sees them; nothing is dropped.
+``store.diff``). A step holds what was applied between the previous step and itself,
+whoever wrote it: a write made outside any tool call (a dev server, a build) is in the
+first step closed after it; nothing is dropped.
 
 Fingerprints. A path's state is its *fingerprint*: (status against the lower, kind, size,
 mtime_ns, ctime_ns) for files, symlinks and special files, and (status, kind, mode, uid,

@@ -311,3 +311,49 @@ def test_hostile_names_are_quoted_in_every_listing_of_changes(sessions: Sessions
     (root / evil).write_text("again\n")
     out = sessions.cli("restore", str(root), seed, "--path", evil).stdout
     assert out.splitlines()[1:] == [f"{quoted} from {seed}"]
+
+
+def test_a_background_write_goes_to_the_next_step_closed_after_it(sessions: Sessions) -> None:
+    """The rule README states: a step holds what changed between the previous step's end and
+    its own; read-only calls (ReadFile, Glob, Grep, BashOutput) close none, and what a
+    background command writes after its Bash call returned is in a later step."""
+    sid, root = new_fuse(sessions, {"a.txt": "a\n"})
+    writer = subprocess.Popen([sys.executable, "-c", WRITER], cwd=root, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert writer.stdin is not None and writer.stdout is not None
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "rewindfs", "--store", str(sessions.store), "mcp", "--session", sid],
+        cwd=str(REPO))
+
+    def background(name: str) -> None:
+        assert writer.stdin is not None and writer.stdout is not None
+        writer.stdin.write(name + "\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "done\n"
+
+    async def agent() -> None:
+        async with Client(params, read_timeout_seconds=120) as client:
+            await anyio.to_thread.run_sync(background, "server.log")
+            for call, args in (("ReadFile", {"path": "a.txt"}), ("Glob", {"pattern": "*"}),
+                               ("Grep", {"pattern": "a"})):
+                assert not (await client.call_tool(call, args)).is_error
+            assert not (await client.call_tool("WriteFile", {"path": "t.txt",
+                                                             "content": "t\n"})).is_error
+            r = await client.call_tool("Bash", {
+                "command": "while [ ! -e go ]; do sleep 0.05; done; echo j > job.txt",
+                "run_in_background": True})
+            assert not r.is_error, text(r)
+            job = r.structured_content["bash_id"]  # type: ignore[index]
+            (root / "go").write_text("")
+            done = await client.call_tool("BashOutput", {"bash_id": job, "wait": 60})
+            assert done.structured_content["status"] == "exited", text(done)  # type: ignore
+            assert not (await client.call_tool("Bash", {"command": "true"})).is_error
+
+    try:
+        anyio.run(agent)
+    finally:
+        writer.stdin.close()
+        writer.wait(30)
+    assert [paths(st) for st in steps(sessions, sid)] == [
+        {"server.log": "added", "t.txt": "added"}, {}, {"go": "added", "job.txt": "added"}]
