@@ -220,8 +220,10 @@ class Overlay:
         self._dirty_dent: set[tuple[int, bytes]] = set()
         self._dirty_xattr: set[int] = set()
         self._dirty_data: set[int] = set()
-        # What the batches since the last step touched, kept only once a step log
-        # (fusefs/steps.py) started them: inodes and (directory inode, name) dentries.
+        # What changed since the last step, kept only once a step log (fusefs/steps.py)
+        # started them: inodes (rows or xattrs) and (directory inode, name) dentries,
+        # recorded with the batch's own marks (``_changed``...), so a step looks at the
+        # changes since the previous step, not at everything since the last batch.
         self.step_inos: set[int] | None = None
         self.step_dents: set[tuple[int, bytes]] = set()
         self._unlink_after: list[str] = []
@@ -583,7 +585,7 @@ class Overlay:
         if n.origin is not None and self.by_origin.get(n.origin) == n.ino:
             del self.by_origin[n.origin]
         self._close_fd(n)
-        self._dirty_ino.add(n.ino)
+        self._changed(n.ino)
         self._dirty_xattr.discard(n.ino)
         self._dirty_data.discard(n.ino)
         if n.has_data and self.upper is not None:
@@ -703,9 +705,9 @@ class Overlay:
             p = self.nodes.get(n.parent) if n.nlink > 0 else None
             while p is not None and not p.upper:
                 self._row(p)
-                self._dirty_ino.add(p.ino)
+                self._changed(p.ino)
                 p = self.nodes.get(p.parent)
-        self._dirty_ino.add(n.ino)
+        self._changed(n.ino)
 
     def _row(self, n: Node) -> None:
         if not n.upper:
@@ -722,7 +724,7 @@ class Overlay:
         if n.origin is not None:
             self.by_origin[n.origin] = n.ino
         if n.xattrs:
-            self._dirty_xattr.add(n.ino)
+            self._changed_xattrs(n.ino)
 
     @staticmethod
     def _check_length(name: bytes) -> None:
@@ -742,9 +744,28 @@ class Overlay:
         self.next_cookie = c + 1
         return c
 
+    def _changed(self, ino: int) -> None:
+        """Inode ``ino`` changed (or went): its row goes in the next batch and the open
+        step looks at it."""
+        self._dirty_ino.add(ino)
+        if self.step_inos is not None:
+            self.step_inos.add(ino)
+
+    def _changed_name(self, parent: int, name: bytes) -> None:
+        """The dentry ``name`` of directory ``parent`` changed (``_changed``)."""
+        self._dirty_dent.add((parent, name))
+        if self.step_inos is not None:
+            self.step_dents.add((parent, name))
+
+    def _changed_xattrs(self, ino: int) -> None:
+        """The extended attributes of inode ``ino`` changed (``_changed``)."""
+        self._dirty_xattr.add(ino)
+        if self.step_inos is not None:
+            self.step_inos.add(ino)
+
     def _touch(self, n: Node, now: int) -> None:
         n.mtime_ns = n.ctime_ns = now
-        self._dirty_ino.add(n.ino)
+        self._changed(n.ino)
 
     def _set_name(self, d: Node, name: bytes, n: Node, now: int) -> None:
         """Make ``name`` in ``d`` an upper dentry for ``n`` (a fresh cookie)."""
@@ -753,7 +774,7 @@ class Overlay:
         assert ents is not None
         ents.pop(name, None)
         ents[name] = (n.ino, self._cookie())
-        self._dirty_dent.add((d.ino, name))
+        self._changed_name(d.ino, name)
         self._touch(d, now)
 
     def _clear_name(self, d: Node, name: bytes, now: int) -> bool:
@@ -764,7 +785,7 @@ class Overlay:
         v = ents.pop(name, None)
         if self._lower_entry(d, name) is not None:
             ents[name] = (0, 0)
-        self._dirty_dent.add((d.ino, name))
+        self._changed_name(d.ino, name)
         self._touch(d, now)
         return v is None
 
@@ -808,7 +829,7 @@ class Overlay:
         elif kind is Kind.FILE:
             self._go_inline(n)
         self.nodes[ino] = n
-        self._dirty_ino.add(ino)
+        self._changed(ino)
         return n
 
     def _make(self, parent: int, name: bytes, kind: Kind, mode: int, uid: int, gid: int,
@@ -1214,7 +1235,7 @@ class Overlay:
         n.xattrs[name] = bytes(value)
         self.used_bytes += grow
         n.ctime_ns = self.clock()
-        self._dirty_xattr.add(n.ino)
+        self._changed_xattrs(n.ino)
 
     def removexattr(self, ino: int, name: bytes) -> None:
         self._mut()
@@ -1224,7 +1245,7 @@ class Overlay:
         self._copy_up(n)
         self.used_bytes -= len(name) + len(n.xattrs.pop(name))
         n.ctime_ns = self.clock()
-        self._dirty_xattr.add(n.ino)
+        self._changed_xattrs(n.ino)
 
     # -- files ---------------------------------------------------------------------------
 
@@ -1685,10 +1706,6 @@ class Overlay:
         self._held_changed = False
         b.unlink_after = self._unlink_after
         self._unlink_after = []
-        if self.step_inos is not None:
-            self.step_inos |= self._dirty_ino
-            self.step_inos |= self._dirty_xattr
-            self.step_dents |= self._dirty_dent
         self._dirty_ino = set()
         self._dirty_dent = set()
         self._dirty_xattr = set()

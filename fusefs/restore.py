@@ -582,7 +582,7 @@ def split_cross(ov: Overlay, freeze: Rebase | None) -> list[tuple[int, bytes]]:
         n.origin = None
         n.nlink = max(1, n.nlink - n.lower_links)
         n.lower_links = 0
-        ov._dirty_ino.add(ino)  # written even if the swap then fails: a valid split
+        ov._changed(ino)  # written even if the swap then fails: a valid split
         out.extend(names)
     return out
 

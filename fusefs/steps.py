@@ -324,11 +324,11 @@ class StepTracker:
 
     The first step after a start, a resume or a reset walks the dirty set
     (``fingerprints``) and learns where each node is named (``Index``); later steps look
-    only at what the upper's batches touched since (``Overlay.step_inos``/``step_dents``,
-    filled at each batch commit, not per request), so a step costs O(changes since the
-    previous step). A shape the incremental step does not follow (a directory moved or
-    removed, a file replaced by a directory or back, hard links) makes that step walk
-    the dirty set again."""
+    only at what changed since (``Overlay.step_inos``/``step_dents``, marked with each
+    change, whether or not a batch was committed since), so a step costs O(changes since
+    the previous step), however long ago the commit loop last took a batch. A shape the
+    incremental step does not follow (a directory moved or removed, a file replaced by a
+    directory or back, hard links) makes that step walk the dirty set again."""
 
     def __init__(self, ov: Overlay) -> None:
         self.ov = ov
@@ -336,13 +336,11 @@ class StepTracker:
         self.carry: dict[str, str] = {}
         self._index: Index | None = None
         self.walks = 0  # steps that walked the whole dirty set (for tests and benchmarks)
+        self.looked = 0  # paths the last incremental step looked at (for tests)
 
     def _touched(self) -> tuple[set[int], set[tuple[int, bytes]]]:
-        ov = self.ov
-        inos = set(ov.step_inos or ())
-        inos |= ov._dirty_ino
-        inos |= ov._dirty_xattr
-        return inos, ov.step_dents | ov._dirty_dent
+        ov = self.ov  # read before ``_begin`` starts new sets
+        return ov.step_inos or set(), ov.step_dents
 
     def _walk(self) -> dict[str, Fingerprint]:
         index = Index()
@@ -403,6 +401,7 @@ class StepTracker:
             if len(later) == len(todo):
                 raise _Full
             todo = later
+        self.looked = len(keys)
         return cur, keys
 
     def current(self) -> tuple[dict[str, Fingerprint], set[str] | None]:
@@ -416,7 +415,7 @@ class StepTracker:
         return self._walk(), None
 
     def _begin(self) -> None:
-        """Start collecting what the batches touch from now (a step's baseline)."""
+        """Start collecting what changes from now (a step's baseline)."""
         ov = self.ov
         ov.step_inos = set()
         ov.step_dents = set()

@@ -150,6 +150,38 @@ def test_incremental_steps_report_what_a_full_walk_reports(ov: Overlay, seed: in
     assert tracker.walks < 25  # most steps were incremental
 
 
+
+def _rewrite(ov: Overlay, path: bytes, data: bytes) -> None:
+    fh = ov.open(ov.resolve(path).ino, os.O_RDWR)
+    ov.write(fh, 0, data)
+    ov.release(fh)
+
+
+def test_a_step_looks_only_at_what_changed_since_the_previous_step(ov: Overlay) -> None:
+    # The commit loop takes a batch once a second: steps in between must not look again
+    # at every change since the last batch (a step's cost grew with the time since it).
+    tracker = StepTracker(ov)
+    files = [b"d%d/f%d.txt" % (d, f) for d in range(4) for f in range(5)]
+    for p in files:
+        _rewrite(ov, p, b"changed")
+    assert len(tracker.step()["changes"]) == len(files)  # no batch committed yet
+    assert tracker.walks == 1
+    for k in range(3):  # one more change per step, still no batch
+        _rewrite(ov, files[k], b"again %d" % k)
+        got = tracker.step()["changes"]
+        assert got == [{"path": os.fsdecode(files[k]), "status": "modified", "kind": "file"}]
+        assert tracker.looked == 1
+    _rewrite(ov, files[0], b"and again")  # an inode already in the uncommitted batch
+    ov.setxattr(ov.resolve(files[1]).ino, b"user.k", b"v", 0)
+    got = {c["path"] for c in tracker.step()["changes"]}
+    assert got == {os.fsdecode(files[0]), os.fsdecode(files[1])}
+    assert tracker.looked == 2
+    ov.commit()
+    assert tracker.step()["changes"] == []
+    assert tracker.looked == 0
+    assert tracker.walks == 1
+    assert tracker.prev == fingerprints(ov)
+
 def test_the_fast_walk_agrees_with_the_diff_of_a_checkpoint_preview(ov: Overlay) -> None:
     rnd = random.Random(7)
     for k in range(40):
