@@ -49,7 +49,7 @@ patch_file=scripts/pyfuse3/kernel-cache.patch
 want="pyfuse3 $pyfuse3_version $(sha256sum "$patch_file" | cut -d' ' -f1)"
 pstamp=.venv/.pyfuse3-patched
 if [ "${REWINDFS_STOCK_PYFUSE3:-0}" != 1 ] && [ "$(cat "$pstamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: building pyfuse3 $pyfuse3_version with $patch_file (a minute or two)"
+  echo "setup: building pyfuse3 $pyfuse3_version with $patch_file (half a minute on 2 cores)"
   build=$(mktemp -d)
   trap 'rm -rf "$build"' EXIT
   .venv/bin/python -m pip download -q --no-deps --no-binary :all: \
