@@ -23,6 +23,8 @@ from test_tools_session import Sessions, outside_tmp_sessions
 from fusefs.session.fallback import fuse_available
 from tools import sandbox
 from tools.bash import run_bash
+from store.pathpolicy import PathPolicy
+from tools.binding import DirBinding
 from tools.context import ToolContext
 from tools.paths import Covered
 from tools.readfile import read_file
@@ -196,3 +198,19 @@ def test_a_record_of_another_mount_covers_the_objects_at_its_paths(tmp_path: Pat
     covered.load(rec, str(tmp_path))
     assert covered.hides((tmp_path / "other").stat())
     assert not covered.hides((tmp_path / "moved").stat())
+
+
+@needs_sandbox
+@pytest.mark.xfail(strict=True, reason="issue 14: identities are inode numbers; a file "
+                   "renamed over a covered object's new name is a new object")
+def test_a_replaced_file_under_a_name_no_pattern_matches_stays_hidden(tmp_path: Path) -> None:
+    """``mv secretsdir moved`` by a command; the user then saves ``moved/key`` (a new file
+    renamed over it): the next call must still not read it."""
+    root = tmp_path / "root"
+    (root / "secretsdir").mkdir(parents=True)
+    (root / "secretsdir" / "key").write_text(SECRET + "\n")
+    ctx = ToolContext(DirBinding(root, policy=PathPolicy(hide=("secretsdir/key",))))
+    assert "moved" in run_bash(ctx, "mv secretsdir moved && echo moved").text
+    _replace(root / "moved" / "key", NEW_SECRET + "\n")
+    b = run_bash(ctx, "cat moved/key; echo rc=$?")
+    assert NEW_SECRET not in b.text and "rc=1" in b.text, b.text
