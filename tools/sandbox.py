@@ -25,7 +25,7 @@ NetworkUnavailable before anything starts).
 
 The session's path policy (tools.policyview) covers paths inside the root with mounts
 made before bwrap starts, in a user and mount namespace of the process that becomes bwrap
-(:func:`_cover_step`; bwrap's recursive bind of the root carries them in, locked), or,
+(:class:`_CoverStep`; bwrap's recursive bind of the root carries them in, locked), or,
 where the kernel does not allow that, with bwrap's own binds.
 
 Where such a sandbox cannot be built, :func:`unavailable_reason` names the cause and the
@@ -232,8 +232,9 @@ def _data_fd(data: bytes, name: str) -> int:
 # namespace) gets them locked: the command can neither unmount one nor make it writable,
 # even with the capabilities seccomp and --cap-drop already deny it.
 _CLONE_NEWNS = 0x00020000
-_SYS = {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-        "openat2": 437, "mount_setattr": 442}   # one numbering on every architecture
+# System call numbers: one numbering on every architecture.
+_NR_OPEN_TREE, _NR_MOVE_MOUNT, _NR_FSOPEN, _NR_FSCONFIG, _NR_FSMOUNT = 428, 429, 430, 431, 432
+_NR_OPENAT2, _NR_MOUNT_SETATTR = 437, 442
 _OPEN_TREE_CLONE = 1
 _AT_EMPTY_PATH = 0x1000
 _AT_RECURSIVE = 0x8000
@@ -271,16 +272,22 @@ class CoverSet:
 
 
 class _MountApi:
-    """The kernel calls the cover step makes, through ctypes (resolved once, in the
-    parent: the child between fork and exec only calls them)."""
+    """The kernel calls the cover step makes, through ctypes, resolved once in the parent:
+    ``sys(nr, a1, ..., a5)`` is syscall(2) with six longs (a negative result sets errno),
+    and every argument the child passes is an int computed before the fork (addresses of
+    buffers this object or the step's plan keeps alive), so that the loop between fork and
+    exec converts nothing and touches few of the parent's pages (each one it writes is a
+    copy-on-write fault of the server's memory)."""
 
     def __init__(self) -> None:
         import ctypes
 
         self.c = ctypes
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.syscall = self.libc.syscall
-        self.unshare = self.libc.unshare
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.unshare = libc.unshare
+        long = ctypes.c_long
+        self.sys = ctypes.CFUNCTYPE(long, long, long, long, long, long, long,
+                                    use_errno=True)(("syscall", libc))
 
         class MountAttr(ctypes.Structure):
             _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
@@ -290,27 +297,30 @@ class _MountApi:
             _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
                         ("resolve", ctypes.c_uint64)]
 
-        self.hidden_attr = MountAttr(_MOUNT_RDONLY | _MOUNT_NOSUID | _MOUNT_NODEV
-                                     | _MOUNT_NOEXEC, 0, 0, 0)
-        self.protect_attr = MountAttr(_MOUNT_RDONLY | _MOUNT_NOSUID | _MOUNT_NODEV, 0, 0, 0)
-        self.how = OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
-                           _RESOLVE_BENEATH_NO_LINKS)
+        self._keep: list[Any] = []
+        self.hidden_attr = self._struct(MountAttr(_MOUNT_RDONLY | _MOUNT_NOSUID
+                                                  | _MOUNT_NODEV | _MOUNT_NOEXEC, 0, 0, 0))
+        self.protect_attr = self._struct(MountAttr(_MOUNT_RDONLY | _MOUNT_NOSUID
+                                                   | _MOUNT_NODEV, 0, 0, 0))
+        self.how = self._struct(OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
+                                        _RESOLVE_BENEATH_NO_LINKS))
+        self.empty_path = self.string(b"")
+        self.tmpfs, self.mode, self.zero = (self.string(s) for s in (b"tmpfs", b"mode", b"0"))
 
-    def call(self, name: str, *args: Any) -> int:
-        c = self.c
-        # syscall(2) reads every argument as a long: ints are passed as such
-        conv = [c.c_long(a) if isinstance(a, int) else a for a in args]
-        r = int(self.syscall(c.c_long(_SYS[name]), *conv))
-        if r < 0:
-            e = c.get_errno()
-            raise OSError(e, f"{name}: {os.strerror(e)}")
-        return r
+    def _struct(self, obj: Any) -> tuple[int, int]:
+        self._keep.append(obj)
+        return self.c.addressof(obj), self.c.sizeof(obj)
 
-    def ref(self, obj: Any) -> Any:
-        return self.c.byref(obj)
+    def string(self, data: bytes, keep: list[Any] | None = None) -> int:
+        """The address of a NUL-terminated copy of ``data``, kept alive in ``keep`` (by
+        default: as long as this object)."""
+        buf = self.c.create_string_buffer(data)
+        (self._keep if keep is None else keep).append(buf)
+        return self.c.addressof(buf)
 
-    def size(self, obj: Any) -> int:
-        return self.c.sizeof(obj)
+    def fail(self, name: str) -> OSError:
+        e = self.c.get_errno()
+        return OSError(e, f"{name}: {os.strerror(e)}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -333,69 +343,86 @@ def _enter_namespace(api: _MountApi, uid: int, gid: int) -> None:
             os.close(fd)
 
 
-def _make_cover(api: _MountApi, top: int, empty: int, c: Cover) -> None:
-    """Mount ``c`` over its object, found below ``top`` without following any link and
-    checked to be the object the scan saw (OSError ESTALE otherwise)."""
-    dst = api.call("openat2", top, c.rel, api.ref(api.how), api.size(api.how))
+def _make_cover(api: _MountApi, top: int, empty: int, rel: int, c: Cover) -> None:
+    """Mount ``c`` (its path at address ``rel``) over its object, found below ``top``
+    without following any link and checked to be the object the scan saw (OSError ESTALE
+    otherwise)."""
+    sys_, e = api.sys, api.empty_path
+    dst = sys_(_NR_OPENAT2, top, rel, *api.how, 0)
+    if dst < 0:
+        raise api.fail("openat2")
     try:
         st = os.fstat(dst)
-        if (st.st_dev, st.st_ino) != (c.dev, c.ino) or stat.S_ISLNK(st.st_mode) \
+        if st.st_ino != c.ino or st.st_dev != c.dev or stat.S_ISLNK(st.st_mode) \
                 or stat.S_ISDIR(st.st_mode) != c.is_dir:
             raise OSError(errno.ESTALE, "a covered path changed while the command started")
         if c.hide and c.is_dir:
-            fs = api.call("fsopen", b"tmpfs", 1)   # FSOPEN_CLOEXEC
+            fs = sys_(_NR_FSOPEN, api.tmpfs, 1, 0, 0, 0)   # FSOPEN_CLOEXEC
+            if fs < 0:
+                raise api.fail("fsopen")
             try:
-                api.call("fsconfig", fs, _FSCONFIG_SET_STRING, b"mode", b"0", 0)
-                api.call("fsconfig", fs, _FSCONFIG_CMD_CREATE, None, None, 0)
-                m = api.call("fsmount", fs, 1, _MOUNT_RDONLY | _MOUNT_NOSUID | _MOUNT_NODEV
-                             | _MOUNT_NOEXEC)   # FSMOUNT_CLOEXEC
+                if sys_(_NR_FSCONFIG, fs, _FSCONFIG_SET_STRING, api.mode, api.zero, 0) < 0 \
+                        or sys_(_NR_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, 0, 0, 0) < 0:
+                    raise api.fail("fsconfig")
+                m = sys_(_NR_FSMOUNT, fs, 1, _MOUNT_RDONLY | _MOUNT_NOSUID | _MOUNT_NODEV
+                         | _MOUNT_NOEXEC, 0, 0)   # FSMOUNT_CLOEXEC
+                if m < 0:
+                    raise api.fail("fsmount")
             finally:
                 os.close(fs)
         else:
             src, attr = (empty, api.hidden_attr) if c.hide else (dst, api.protect_attr)
-            m = api.call("open_tree", src, b"", _OPEN_TREE_CLONE | os.O_CLOEXEC
-                         | _AT_EMPTY_PATH | _AT_RECURSIVE)
-            try:
-                api.call("mount_setattr", m, b"", _AT_EMPTY_PATH | _AT_RECURSIVE,
-                         api.ref(attr), api.size(attr))
-            except BaseException:
+            # A directory's clone takes the mounts below it along; nothing is below a file,
+            # and a recursive clone of one still walks every mount of the file system's
+            # mount (each cover made so far: O(n^2) for n covers).
+            m = sys_(_NR_OPEN_TREE, src, e, _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH
+                     | (_AT_RECURSIVE if c.is_dir else 0), 0, 0)
+            if m < 0:
+                raise api.fail("open_tree")
+            if sys_(_NR_MOUNT_SETATTR, m, e, _AT_EMPTY_PATH | _AT_RECURSIVE, *attr) < 0:
+                err = api.fail("mount_setattr")
                 os.close(m)
-                raise
+                raise err
         try:
-            api.call("move_mount", m, b"", dst, b"", _MOVE_MOUNT_EMPTY)
+            if sys_(_NR_MOVE_MOUNT, m, e, dst, e, _MOVE_MOUNT_EMPTY) < 0:
+                raise api.fail("move_mount")
         finally:
             os.close(m)
     finally:
         os.close(dst)
 
 
-def _cover_step(root: str, cs: CoverSet) -> Any:
+class _CoverStep:
     """The function the process that becomes bwrap runs between fork and exec
     (``preexec_fn``): a namespace of its own (:func:`_enter_namespace`), then every cover
     in turn; each path is resolved through the covers made before it, so one below a
     protected directory lands in the read-only view of it. Anything failing raises, and
-    then nothing is executed."""
-    api = _mount_api()
-    uid, gid = os.getuid(), os.getgid()
-    order = cs.covers
-    root_b = os.fsencode(root)
-    empty_b = os.fsencode(cs.empty)
+    then nothing is executed. Each cover's path is copied into a C buffer here, before
+    the fork (kept by this object)."""
 
-    def step() -> None:
-        _enter_namespace(api, uid, gid)
-        top = os.open(root_b, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    def __init__(self, root: str, cs: CoverSet) -> None:
+        self.api = _mount_api()
+        self.uid, self.gid = os.getuid(), os.getgid()
+        self.cs = cs
+        self._buffers: list[Any] = []
+        self.order = [(self.api.string(c.rel, self._buffers), c) for c in cs.covers]
+        self.root_b = os.fsencode(root)
+        self.empty_b = os.fsencode(cs.empty)
+
+    def __call__(self) -> None:
+        api = self.api
+        _enter_namespace(api, self.uid, self.gid)
+        top = os.open(self.root_b, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         st = os.fstat(top)
-        if (st.st_dev, st.st_ino) != (cs.root_dev, cs.root_ino):
+        if (st.st_dev, st.st_ino) != (self.cs.root_dev, self.cs.root_ino):
             raise OSError(errno.ESTALE, "the workspace root changed")
-        empty = os.open(empty_b, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-        for c in order:
-            _make_cover(api, top, empty, c)
-
-    return step
+        empty = os.open(self.empty_b, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        for rel, c in self.order:
+            _make_cover(api, top, empty, rel, c)
 
 
 def covers_before_bwrap() -> bool:
-    """Whether the path policy's covers are made before bwrap here (:func:`_cover_step`)
+    """Whether the path policy's covers are made before bwrap here (:class:`_CoverStep`)
     rather than by bwrap arguments: where :func:`premount_available`, unless
     ``REWINDFS_BWRAP_COVERS=1`` asks for bwrap's own binds (for tests of that path)."""
     if os.environ.get("REWINDFS_BWRAP_COVERS") == "1" or unavailable_reason() is not None:
@@ -406,7 +433,7 @@ def covers_before_bwrap() -> bool:
 
 @functools.lru_cache(maxsize=4)
 def premount_available(bw: str) -> bool:
-    """Whether covers can be made before bwrap here (:func:`_cover_step`): an unprivileged
+    """Whether covers can be made before bwrap here (:class:`_CoverStep`): an unprivileged
     user namespace with mount rights (some systems confine those to bwrap), the mount API
     (Linux 5.12), and bwrap working nested inside that namespace. Probed once per bwrap
     path with a real cover of each kind in a scratch directory."""
@@ -432,7 +459,7 @@ def premount_available(bw: str) -> bool:
         try:
             r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, timeout=_PROBE_TIMEOUT_S,
-                               pass_fds=(fd,), preexec_fn=_cover_step(d, cs))
+                               pass_fds=(fd,), preexec_fn=_CoverStep(d, cs))
         except (OSError, subprocess.SubprocessError):
             return False
         finally:
@@ -1009,7 +1036,7 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
     ``policy.unsafe_no_sandbox``, else raises SandboxUnavailable naming the cause. Raises
     OSError when the command cannot be started. ``view``: further bwrap arguments
     (:func:`confined_shell`; descriptors they name go in ``pass_fds``). ``covers``: the
-    path policy's covers, made before bwrap starts (:func:`_cover_step`; only where
+    path policy's covers, made before bwrap starts (:class:`_CoverStep`; only where
     :func:`premount_available`); a cover that cannot be made (its object changed since the
     scan) is an OSError and nothing runs."""
     reason = unavailable_reason()
@@ -1064,7 +1091,7 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
                               block_fd, net_fds, resolv_fd, view)
         env = sandbox_env(policy)
 
-        pre = _cover_step(root, covers) if covers is not None and covers.covers else None
+        pre = _CoverStep(root, covers) if covers is not None and covers.covers else None
 
         def popen() -> subprocess.Popen[bytes]:
             try:
