@@ -339,3 +339,48 @@ def test_a_cover_on_a_changed_object_runs_nothing(tmp_path: Path) -> None:
     out, _ = run.proc.communicate(timeout=60)
     run.close()
     assert SECRET.encode() not in out and (root / "ran").exists(), out
+
+
+@needs_sandbox
+@pytest.mark.parametrize("source", ["clone of a detached cover", "each from the empty file"])
+def test_hidden_file_covers_of_either_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             source: str) -> None:
+    """Hidden files are covered with clones of one detached read-only empty file where the
+    kernel clones detached mounts, else each with its own clone of the empty file: both
+    give every hidden file an unreadable, unwritable, empty, mode-0000 object, on many
+    files at once, and a protected file beside them stays readable but not writable."""
+    if not sandbox.covers_before_bwrap():
+        pytest.skip("covers cannot be made before bwrap here")
+    import subprocess
+
+    if source == "each from the empty file":
+        monkeypatch.setattr(sandbox, "_hidden_source", lambda api, empty: (empty, False))
+    root = tmp_path / "root"
+    root.mkdir()
+    covers = []
+    for i in range(20):
+        (root / f"{i}.env").write_text(SECRET + "\n")
+        st = os.lstat(root / f"{i}.env")
+        covers.append(sandbox.Cover(f"{i}.env".encode(), True, False, st.st_dev, st.st_ino))
+    (root / "deps.lock").write_text("pinned\n")
+    st = os.lstat(root / "deps.lock")
+    covers.append(sandbox.Cover(b"deps.lock", False, False, st.st_dev, st.st_ino))
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    empty.chmod(0)
+    top = os.stat(root)
+    cs = sandbox.CoverSet(tuple(covers), top.st_dev, top.st_ino, str(empty))
+    script = ("for i in $(seq 0 19); do cat $i.env; echo x >> $i.env && echo wrote$i; "
+              "chmod 644 $i.env && echo changed$i; "
+              "stat -c '%a %s' $i.env; done; cat deps.lock; echo y >> deps.lock && echo wl")
+    run = sandbox.start_shell(sandbox.SandboxPolicy(), str(root), str(root), [], script,
+                              covers=cs, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = run.proc.communicate(timeout=60)
+    run.close()
+    text = out.decode()
+    assert "hunter2" not in text and "wrote" not in text and "wl" not in text, text
+    assert "changed" not in text and "Read-only file system" in text, text
+    assert text.count("0 0\n") == 20 and "pinned" in text, text
+    for i in range(20):
+        assert (root / f"{i}.env").read_text() == SECRET + "\n"
+    assert (root / "deps.lock").read_text() == "pinned\n"

@@ -343,10 +343,46 @@ def _enter_namespace(api: _MountApi, uid: int, gid: int) -> None:
             os.close(fd)
 
 
-def _make_cover(api: _MountApi, top: int, empty: int, rel: int, c: Cover) -> None:
+def _clone(api: _MountApi, fd: int, recursive: bool = False) -> int:
+    """A detached clone of the mount at ``fd`` (open_tree OPEN_TREE_CLONE)."""
+    m = api.sys(_NR_OPEN_TREE, fd, api.empty_path, _OPEN_TREE_CLONE | os.O_CLOEXEC
+                | _AT_EMPTY_PATH | (_AT_RECURSIVE if recursive else 0), 0, 0)
+    if m < 0:
+        raise api.fail("open_tree")
+    return m
+
+
+def _set_attr(api: _MountApi, m: int, attr: tuple[int, int]) -> None:
+    """``attr`` (address, size of a mount_attr) on the detached mount ``m`` and below it;
+    ``m`` is closed if that fails."""
+    if api.sys(_NR_MOUNT_SETATTR, m, api.empty_path, _AT_EMPTY_PATH | _AT_RECURSIVE,
+               *attr) < 0:
+        err = api.fail("mount_setattr")
+        os.close(m)
+        raise err
+
+
+def _hidden_source(api: _MountApi, empty: int) -> tuple[int, bool]:
+    """What hidden files are covered with: (a detached read-only clone of the empty file,
+    True) where the kernel clones a detached mount (Linux 6.15), so that each cover is one
+    clone of it; else (``empty``, False): each cover clones the empty file's own mount and
+    sets its attributes."""
+    m = _clone(api, empty)
+    _set_attr(api, m, api.hidden_attr)
+    probe = api.sys(_NR_OPEN_TREE, m, api.empty_path, _OPEN_TREE_CLONE | os.O_CLOEXEC
+                    | _AT_EMPTY_PATH, 0, 0)
+    if probe < 0:
+        os.close(m)
+        return empty, False
+    os.close(probe)
+    return m, True
+
+
+def _make_cover(api: _MountApi, top: int, hidden: tuple[int, bool], rel: int,
+                c: Cover) -> None:
     """Mount ``c`` (its path at address ``rel``) over its object, found below ``top``
     without following any link and checked to be the object the scan saw (OSError ESTALE
-    otherwise)."""
+    otherwise). ``hidden``: from :func:`_hidden_source`."""
     sys_, e = api.sys, api.empty_path
     dst = sys_(_NR_OPENAT2, top, rel, *api.how, 0)
     if dst < 0:
@@ -370,19 +406,16 @@ def _make_cover(api: _MountApi, top: int, empty: int, rel: int, c: Cover) -> Non
                     raise api.fail("fsmount")
             finally:
                 os.close(fs)
+        elif c.hide:
+            m = _clone(api, hidden[0])
+            if not hidden[1]:
+                _set_attr(api, m, api.hidden_attr)
         else:
-            src, attr = (empty, api.hidden_attr) if c.hide else (dst, api.protect_attr)
             # A directory's clone takes the mounts below it along; nothing is below a file,
             # and a recursive clone of one still walks every mount of the file system's
             # mount (each cover made so far: O(n^2) for n covers).
-            m = sys_(_NR_OPEN_TREE, src, e, _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH
-                     | (_AT_RECURSIVE if c.is_dir else 0), 0, 0)
-            if m < 0:
-                raise api.fail("open_tree")
-            if sys_(_NR_MOUNT_SETATTR, m, e, _AT_EMPTY_PATH | _AT_RECURSIVE, *attr) < 0:
-                err = api.fail("mount_setattr")
-                os.close(m)
-                raise err
+            m = _clone(api, dst, recursive=c.is_dir)
+            _set_attr(api, m, api.protect_attr)
         try:
             if sys_(_NR_MOVE_MOUNT, m, e, dst, e, _MOVE_MOUNT_EMPTY) < 0:
                 raise api.fail("move_mount")
@@ -417,8 +450,9 @@ class _CoverStep:
         if (st.st_dev, st.st_ino) != (self.cs.root_dev, self.cs.root_ino):
             raise OSError(errno.ESTALE, "the workspace root changed")
         empty = os.open(self.empty_b, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        hidden = _hidden_source(api, empty)
         for rel, c in self.order:
-            _make_cover(api, top, empty, rel, c)
+            _make_cover(api, top, hidden, rel, c)
 
 
 def covers_before_bwrap() -> bool:
