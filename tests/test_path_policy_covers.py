@@ -21,9 +21,9 @@ import pytest
 from test_tools_session import Sessions, outside_tmp_sessions
 
 from fusefs.session.fallback import fuse_available
+from store.pathpolicy import PathPolicy
 from tools import sandbox
 from tools.bash import run_bash
-from store.pathpolicy import PathPolicy
 from tools.binding import DirBinding
 from tools.context import ToolContext
 from tools.paths import Covered
