@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from store.errors import ObjectNotFoundError
+from store.errors import ObjectNotFoundError, StoreError
 from store.objects import Store
 from store.pack import Location, unit_size
 from store.ref import ObjectId, Ref
@@ -54,6 +54,13 @@ class Lower:
         # Where chunks are stored (read_object re-locates one that GC moved meanwhile).
         self._locs: dict[bytes, Location] = {}
         self._pages: dict[bytes, int | None] = {}  # chunk id -> data pages (None: unknown)
+        # On a shared store, where every object of the snapshot lies is copied to this host
+        # now, so that reading it needs no catalog (one that became unreachable). A walk
+        # that fails leaves each read to look its objects up and raise its own error.
+        try:
+            store.locate_tree(ref.tree_id)
+        except StoreError:
+            pass
 
     @property
     def root_tree(self) -> ObjectId:

@@ -140,6 +140,13 @@ def location(row: Any) -> Location:
                     int(row[6]), int(row[7]))
 
 
+def object_row(r: Location) -> tuple[Any, ...]:
+    """The ``objects`` row ``(id, kind, pack, rec_offset, rec_length, codec, inner_offset,
+    raw_length)`` of ``r``: the inverse of ``location``."""
+    return (bytes(r.oid), int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
+            r.inner_offset, r.raw_length)
+
+
 def decide_acquire(row: tuple[str, int, int] | None, holder: str, now: int,
                    holder_is_dead: Callable[[str], bool], name: str) -> int:
     """The epoch ``holder`` gets for ``name`` given its current row ``(holder, epoch,
@@ -269,8 +276,7 @@ class SQLiteCatalog:
             c.executemany(
                 "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
                 "inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(r.oid, int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
-                  r.inner_offset, r.raw_length) for r in rows])
+                [object_row(r) for r in rows])
             c.executemany("INSERT OR IGNORE INTO packs(key, size, objects) VALUES (?, ?, ?)",
                           packs)
 
@@ -493,8 +499,7 @@ class SQLiteCatalog:
                 n += c.executemany(
                     "INSERT OR IGNORE INTO objects(id, kind, pack, rec_offset, rec_length, "
                     "codec, inner_offset, raw_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(r.oid, int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
-                      r.inner_offset, r.raw_length) for r in rows]).rowcount
+                    [object_row(r) for r in rows]).rowcount
             c.executemany("INSERT INTO snapshots(ref, time_ns, origin, label, key) "
                           "VALUES (?, ?, ?, ?, ?)", snapshots)
             c.executemany("INSERT OR IGNORE INTO journal(session, seq, time_ns, epoch, event, "

@@ -32,7 +32,14 @@ from typing import Any
 
 from . import chunker, schema
 from .backend import BlobBackend, LocalDirBackend, check_key
-from .catalog import Catalog, SQLiteCatalog, sqlite_full, write_transaction
+from .catalog import (
+    Catalog,
+    SQLiteCatalog,
+    location,
+    object_row,
+    sqlite_full,
+    write_transaction,
+)
 from .errors import (
     BlobNotFoundError,
     FencedError,
@@ -232,32 +239,113 @@ class Store:
 
     # -- reading ---------------------------------------------------------------------
 
+    def _rows_in(self, sql: str, ids: list[bytes]) -> list[Any]:
+        """The rows of this host's index that ``sql`` (ending ``WHERE id IN``) selects for
+        ``ids``, one query per 500 ids."""
+        out: list[Any] = []
+        c = self.conn
+        for i in range(0, len(ids), 500):
+            batch = ids[i:i + 500]
+            out.extend(c.execute(sql + " (" + ",".join("?" * len(batch)) + ")",
+                                 batch).fetchall())
+        return out
+
     def chunk_pages(self, ids: list[bytes]) -> dict[bytes, int]:
         """The data pages (``chunker.data_pages``) this host recorded for each chunk of
         ``ids`` that it wrote or put again (``chunk_pages``, a cache); ids without a row
         are left out (one query per 500 ids)."""
-        out: dict[bytes, int] = {}
-        c = self.conn
-        for i in range(0, len(ids), 500):
-            batch = ids[i:i + 500]
-            out.update(c.execute("SELECT id, pages FROM chunk_pages WHERE id IN (" +
-                                 ",".join("?" * len(batch)) + ")", batch).fetchall())
-        return out
+        return dict(self._rows_in("SELECT id, pages FROM chunk_pages WHERE id IN", ids))
 
     def has(self, oid: ObjectId) -> bool:
         return self.catalog.has(oid)
 
-    def locate(self, oid: ObjectId) -> Location:
-        """Return where ``oid`` is stored. Raises ObjectNotFoundError."""
+    def locate(self, oid: ObjectId, *, fresh: bool = False) -> Location:
+        """Return where ``oid`` is stored. Raises ObjectNotFoundError, and on a shared
+        catalog its CatalogError. On a shared catalog this host's copy of the catalog's rows
+        (``located``, see store/schema.py) answers first, and a row the catalog gives is
+        copied into it; ``fresh`` asks the catalog itself (the copy led to a missing
+        pack)."""
+        shared = self.catalog.shared
+        if shared and not fresh:
+            got = self._located([bytes(oid)])
+            if got:
+                return got[oid]
         loc = self.catalog.locate(oid)
         if loc is None:
             raise ObjectNotFoundError(oid.hex())
+        if shared:
+            self._remember([loc])
         return loc
 
     def locate_many(self, oids: Iterable[ObjectId]) -> dict[bytes, Location]:
         """Where each of ``oids`` is stored, by id, in one query per 500 ids; ids that are
-        not indexed are left out. Raises IntegrityError for a row of unknown kind or codec."""
-        return self.catalog.locate_many(list(dict.fromkeys(oids)))
+        not indexed are left out. Raises IntegrityError for a row of unknown kind or codec.
+        On a shared catalog only the ids this host has no ``located`` row for are asked
+        (as ``locate``)."""
+        ids: list[bytes] = list(dict.fromkeys(oids))
+        if not self.catalog.shared:
+            return self.catalog.locate_many(ids)
+        out = self._located(ids)
+        missing = [i for i in ids if i not in out]
+        if missing:
+            found = self.catalog.locate_many(missing)
+            self._remember(found.values())
+            out.update(found)
+        return out
+
+    def _located(self, ids: list[bytes]) -> dict[bytes, Location]:
+        rows = self._rows_in("SELECT id, kind, pack, rec_offset, rec_length, codec, "
+                             "inner_offset, raw_length FROM located WHERE id IN", ids)
+        return {bytes(r[0]): location(r) for r in rows}
+
+    def _remember(self, locs: Iterable[Location]) -> None:
+        """Copy catalog rows into ``located``. Only a cache: a local index that cannot take
+        them (full disk, locked) leaves the read to the catalog next time."""
+        rows = [object_row(loc) for loc in locs]
+        if not rows:
+            return
+        try:
+            with write_transaction(self.conn, self.index_path) as c:
+                c.executemany("INSERT OR REPLACE INTO located(id, kind, pack, rec_offset, "
+                              "rec_length, codec, inner_offset, raw_length) "
+                              "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        except (StoreError, sqlite3.Error):
+            pass
+
+    def locate_tree(self, tree_id: ObjectId) -> None:
+        """On a shared catalog, copy into this host's ``located`` the catalog rows of every
+        object reachable from tree ``tree_id`` (one catalog query per 500 objects without a
+        copy, one read per tree not walked before; trees in ``located_trees`` are not
+        walked again), so that reading that snapshot needs no catalog. A no-op on an
+        embedded catalog. Raises CatalogError, ObjectNotFoundError, IntegrityError."""
+        if not self.catalog.shared:
+            return
+        seen: set[bytes] = set()
+        walked: list[bytes] = []
+        level: list[bytes] = [tree_id]
+        while level:
+            level = [t for t in dict.fromkeys(level) if t not in seen]
+            seen.update(level)
+            done = {bytes(r[0]) for r in self._rows_in(
+                "SELECT id FROM located_trees WHERE id IN", level)}
+            level = [t for t in level if t not in done]
+            locs = self.locate_many(ObjectId(t) for t in level)
+            below: list[bytes] = []
+            chunks: list[ObjectId] = []
+            for t in level:
+                for e in self.get_tree(ObjectId(t), locs.get(t)).entries:
+                    if e.tree_id is not None:
+                        below.append(e.tree_id)
+                    chunks.extend(cid for cid, _ in e.chunks.runs())
+            self.locate_many(chunks)
+            walked.extend(level)
+            level = below
+        try:
+            with write_transaction(self.conn, self.index_path) as c:
+                c.executemany("INSERT OR IGNORE INTO located_trees(id) VALUES (?)",
+                              [(t,) for t in walked])
+        except (StoreError, sqlite3.Error):
+            pass
 
     def _record(self, loc: Location) -> bytes:
         key = (loc.pack, loc.rec_offset)
@@ -295,7 +383,7 @@ class Store:
             plain = self._record(loc)
         except IntegrityError:
             # GC may have repacked the object between locate and read: look it up once more.
-            again = self.locate(oid)
+            again = self.locate(oid, fresh=True)
             if again == loc:
                 raise
             loc, plain = again, self._record(again)
@@ -368,7 +456,7 @@ class Store:
         try:
             return self._frames(loc, first, last)
         except IntegrityError:
-            again = self.locate(oid)  # repacked by GC meanwhile?
+            again = self.locate(oid, fresh=True)  # repacked by GC meanwhile?
             if again == loc:
                 with self._cache_lock:
                     self._tables.pop((loc.pack, loc.rec_offset), None)

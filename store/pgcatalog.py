@@ -46,6 +46,7 @@ from .catalog import (
     Summary,
     decide_acquire,
     location,
+    object_row,
 )
 from .errors import CatalogError, FencedError, LeaseLostError, StoreError, WriterPinLostError
 from .pack import Location
@@ -88,11 +89,6 @@ _INSERT_OBJECT = ("INSERT INTO objects(id, kind, pack, rec_offset, rec_length, c
                   "inner_offset, raw_length) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
                   "ON CONFLICT (id) DO NOTHING")
 """One object index row; an id already indexed (another writer's copy) is kept."""
-
-
-def _object_row(r: Location) -> tuple[Any, ...]:
-    return (bytes(r.oid), int(r.kind), r.pack, r.rec_offset, r.rec_length, int(r.codec),
-            r.inner_offset, r.raw_length)
 
 
 class PostgresCatalog:
@@ -284,7 +280,7 @@ class PostgresCatalog:
                     "SELECT 1 FROM writer_pins WHERE holder=%s FOR UPDATE",
                     (pin,)).fetchone() is None:
                 raise WriterPinLostError(pin)
-            cur.executemany(_INSERT_OBJECT, [_object_row(r) for r in rows])
+            cur.executemany(_INSERT_OBJECT, [object_row(r) for r in rows])
             cur.executemany("INSERT INTO packs(key, size, objects, indexed_ns) "
                             "VALUES (%s, %s, %s, %s) ON CONFLICT (key) DO NOTHING",
                             [(*p, now) for p in packs])
@@ -611,7 +607,7 @@ class PostgresCatalog:
                 cur.execute("INSERT INTO packs(key, size, objects) VALUES (%s, %s, %s)",
                             (key, size, len(rows)))
                 before = cur.execute("SELECT COUNT(*) FROM objects").fetchone()[0]
-                cur.executemany(_INSERT_OBJECT, [_object_row(r) for r in rows])
+                cur.executemany(_INSERT_OBJECT, [object_row(r) for r in rows])
                 n += int(cur.execute("SELECT COUNT(*) FROM objects").fetchone()[0]) - int(before)
             cur.executemany("INSERT INTO snapshots(ref, time_ns, origin, label, key) "
                             "VALUES (%s, %s, %s, %s, %s)", snapshots)

@@ -11,7 +11,8 @@ On a shared store (store/config.py) the catalog tables (``objects``, ``packs``,
 ``sessions``, ``leases``, ``config``) live in the PostgreSQL catalog instead
 (store/pgcatalog.py, its own versioned migrations), read and written only through
 store/catalog.py; this host's file keeps ``files_cache``, ``dirs_cache`` and ``chunk_pages``, trusted against
-the catalog's object index. The PostgreSQL catalog also has ``writer_pins`` and
+the catalog's object index, and ``located``/``located_trees``, its cache of the catalog's
+``objects`` rows (what a mounted snapshot reads while the catalog is unreachable). The PostgreSQL catalog also has ``writer_pins`` and
 ``packs.indexed_ns``, the cross-host GC protocol's rows (store/sharedgc.py: what they mean,
 and the protocol's crash windows), and the session registry's records are written by the
 session processes (fusefs/session/moves.py).
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # table -> (column -> comment). The comments are the documentation of the schema.
 TABLES: dict[str, dict[str, str]] = {
@@ -131,6 +132,24 @@ TABLES: dict[str, dict[str, str]] = {
                  "(store.chunker.data_pages): what st_blocks counts of it, as a file "
                  "system with holes counts allocated pages.",
     },
+    "located": {
+        "id": "32-byte id of an object (primary key), shared stores only: a copy of the "
+              "catalog's ``objects`` row, taken at the host's first look-up or when a mount "
+              "walked a snapshot (``Store.locate_tree``). Packs are immutable and named by "
+              "digest and every read is verified, so a row is at worst stale (its pack "
+              "deleted by a GC): the read then asks the catalog again and replaces it.",
+        "kind": "as in objects.",
+        "pack": "as in objects.",
+        "rec_offset": "as in objects.",
+        "rec_length": "as in objects.",
+        "codec": "as in objects.",
+        "inner_offset": "as in objects.",
+        "raw_length": "as in objects.",
+    },
+    "located_trees": {
+        "id": "32-byte id of a tree every object below which (itself included) has a "
+              "``located`` row: a later walk does not descend into it (primary key).",
+    },
     "config": {
         "key": "setting name (primary key): schema_version, unverified_rebuild, ...",
         "value": "setting value as text.",
@@ -191,6 +210,12 @@ def create(conn: sqlite3.Connection) -> None:
                  "tree_id BLOB, trusted_before_ns INTEGER) WITHOUT ROWID")
     conn.execute("CREATE TABLE IF NOT EXISTS chunk_pages (id BLOB PRIMARY KEY NOT NULL, "
                  "pages INTEGER NOT NULL) WITHOUT ROWID")
+    conn.execute("CREATE TABLE IF NOT EXISTS located (id BLOB PRIMARY KEY NOT NULL, "
+                 "kind INTEGER NOT NULL, pack TEXT NOT NULL, rec_offset INTEGER NOT NULL, "
+                 "rec_length INTEGER NOT NULL, codec INTEGER NOT NULL, "
+                 "inner_offset INTEGER NOT NULL, raw_length INTEGER NOT NULL) WITHOUT ROWID")
+    conn.execute("CREATE TABLE IF NOT EXISTS located_trees (id BLOB PRIMARY KEY NOT NULL) "
+                 "WITHOUT ROWID")
     db.table("config").create({"key": str, "value": str}, pk="key", if_not_exists=True)
     db.table("leases").create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
                         pk="name", if_not_exists=True)

@@ -355,8 +355,8 @@ def test_reader_whose_object_is_repacked_mid_read_gets_the_bytes(tmp_path: objec
     class GCBetweenLocateAndRead(Store):
         collected = False
 
-        def locate(self, oid: ObjectId):  # type: ignore[no-untyped-def]
-            loc = super().locate(oid)
+        def locate(self, oid: ObjectId, *, fresh: bool = False):  # type: ignore[no-untyped-def]
+            loc = super().locate(oid, fresh=fresh)
             if not self.collected:
                 self.collected = True
                 assert gc(s).packs_repacked == 1

@@ -242,3 +242,37 @@ def test_the_catalog_reconnects_at_once_after_a_long_outage(own_postgres: object
         assert cat.config_value("k") == "after"
     finally:
         cat.close()
+
+
+def test_a_mounted_snapshot_reads_without_the_catalog(fuse_store: Path, lower_ref: str,
+                                                      tmp_path: Path,
+                                                      own_postgres: object) -> None:
+    """A read-only mount on a host that had read nothing of the snapshot: with PostgreSQL
+    stopped, every directory and file of it still reads (their locations were copied to the
+    host when it mounted), while a command that needs the catalog fails naming it."""
+    import json
+
+    cfg = json.loads((fuse_store / "store.json").read_text())
+    host_b = tmp_path / "host-b"
+    configure(str(host_b), SharedConfig(cfg["blobs"], cfg["catalog"], cfg["s3_endpoint"],
+                                        str(tmp_path / "cache-b")))
+    mnt = tmp_path / "ro-b"
+    mnt.mkdir()
+    cli(host_b, "mount", "--ro", lower_ref, str(mnt))
+    try:
+        src = tmp_path / "lower-src"
+        own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+        try:
+            for p in src.rglob("*"):
+                q = mnt / p.relative_to(src)
+                if p.is_dir() and not p.is_symlink():
+                    assert sorted(os.listdir(q)) == sorted(os.listdir(p)), p
+                elif p.is_file() and not p.is_symlink():
+                    assert q.read_bytes() == p.read_bytes(), p
+            r = cli(host_b, "list", check=False)
+            assert r.returncode != 0
+            assert "catalog" in r.stderr and "postgresql://" in r.stderr, r.stderr
+        finally:
+            own_postgres.start()  # type: ignore[attr-defined]
+    finally:
+        cli(host_b, "umount", str(mnt))
