@@ -23,7 +23,9 @@ come from the standard AWS environment and files, a PostgreSQL password from lib
 
 Environment (read by the CLI, rewindfs/cli.py): ``REWINDFS_STORE`` (a directory or an
 ``s3://`` URL), ``REWINDFS_S3_ENDPOINT``, ``REWINDFS_CATALOG``, ``REWINDFS_LOCAL``,
-``REWINDFS_CACHE_BYTES``, ``REWINDFS_HOST_ID``. Default local directory of a URL store:
+``REWINDFS_CACHE_BYTES``, ``REWINDFS_HOST_ID``, and the S3 client's bounds
+``REWINDFS_S3_ATTEMPTS``, ``REWINDFS_S3_CONNECT_TIMEOUT``, ``REWINDFS_S3_READ_TIMEOUT``
+(store/s3.py, read here). Default local directory of a URL store:
 ``$XDG_STATE_HOME/rewindfs`` (``~/.local/state/rewindfs``); default cache
 ``$XDG_CACHE_HOME/rewindfs`` (``~/.cache/rewindfs``), 10 GiB.
 """
@@ -154,10 +156,14 @@ def open_parts(root: str, cfg: SharedConfig) -> tuple[Any, Any]:
     cannot be reached, CatalogError if the catalog cannot."""
     from .blobcache import CachedBackend
     from .pgcatalog import PostgresCatalog
-    from .s3 import S3Backend, parse_s3_url
+    from .s3 import S3Backend, parse_s3_url, timeouts
 
     bucket, prefix = parse_s3_url(cfg.blobs)
-    s3 = S3Backend(bucket, prefix, endpoint_url=cfg.s3_endpoint)
+    try:
+        bounds = timeouts()
+    except ValueError as e:
+        raise StoreConfigError(str(e)) from None
+    s3 = S3Backend(bucket, prefix, endpoint_url=cfg.s3_endpoint, **bounds)
     s3.check()
     cache_dir = os.path.join(cfg.cache or default_cache_dir(), _cache_name(cfg.blobs))
     return CachedBackend(s3, cache_dir, cfg.cache_bytes), PostgresCatalog(cfg.catalog)

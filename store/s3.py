@@ -39,6 +39,12 @@ from typing import Any
 from .backend import check_key
 from .errors import BackendError, BlobConflictError, BlobNotFoundError
 
+DEFAULT_ATTEMPTS = 3
+DEFAULT_CONNECT_TIMEOUT = 3.0
+DEFAULT_READ_TIMEOUT = 10.0
+TIMEOUT_ENV = {"max_attempts": "REWINDFS_S3_ATTEMPTS",
+               "connect_timeout": "REWINDFS_S3_CONNECT_TIMEOUT",
+               "read_timeout": "REWINDFS_S3_READ_TIMEOUT"}
 MULTIPART_THRESHOLD = 16 << 20
 PART_SIZE = 8 << 20
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -58,18 +64,47 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+def timeouts() -> dict[str, Any]:
+    """``S3Backend``'s ``max_attempts``, ``connect_timeout`` and ``read_timeout`` as the
+    environment sets them (``TIMEOUT_ENV``: attempts a whole number from 1, seconds above
+    0), each unset one left out. Raises ValueError naming a variable with another value."""
+    import math
+    import os
+
+    out: dict[str, Any] = {}
+    for name, var in TIMEOUT_ENV.items():
+        text = os.environ.get(var)
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        whole = name != "max_attempts" or value.is_integer()
+        if not (value > 0 and math.isfinite(value) and whole):
+            raise ValueError(f"{var}={text!r}: not " + (
+                "a whole number from 1" if name == "max_attempts" else "seconds above 0"))
+        out[name] = int(value) if name == "max_attempts" else value
+    return out
+
+
 class S3Backend:
     """Blobs in ``bucket`` under ``prefix`` on an S3-compatible server (see module docstring).
 
     ``endpoint_url`` is for servers other than AWS (SeaweedFS, MinIO: path-style addressing
-    is used then); ``max_attempts`` bounds botocore's retries of one request;
-    ``connect_timeout``/``read_timeout`` are seconds. Thread-safe (one botocore client,
-    which is).
+    is used then); ``max_attempts`` bounds botocore's attempts at one request (the first
+    and its retries); ``connect_timeout``/``read_timeout`` are seconds, each attempt's time
+    to connect and its longest silence while reading. A server that accepts connections
+    and never answers so fails one request after about ``max_attempts * read_timeout``
+    seconds plus botocore's backoff between attempts (random, at most 1, 2, 4, ... s);
+    ``timeouts()`` gives the defaults from the environment. Thread-safe (one botocore
+    client, which is).
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
-                 region: str | None = None, max_attempts: int = 5,
-                 connect_timeout: float = 5.0, read_timeout: float = 30.0) -> None:
+                 region: str | None = None, max_attempts: int = DEFAULT_ATTEMPTS,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -77,6 +112,8 @@ class S3Backend:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
+        self.bounds = (f"{max_attempts} attempts, each {connect_timeout:g} s to connect and "
+                       f"{read_timeout:g} s of silence while reading")
         cfg = Config(retries={"mode": "standard", "max_attempts": max_attempts},
                      connect_timeout=connect_timeout, read_timeout=read_timeout,
                      max_pool_connections=32,
@@ -100,8 +137,11 @@ class S3Backend:
     def _fail(self, op: str, key: str, e: Exception) -> BackendError:
         code = _code(e)
         where = f"s3://{self.bucket}/{self.prefix + '/' if self.prefix else ''}{key}"
+        # No answer at all (timeouts, refused connections): say what was waited for.
+        waited = "" if code else (f" (gave up after {self.bounds}; to change: "
+                                  f"{', '.join(TIMEOUT_ENV.values())})")
         return BackendError(f"cannot {op} {where}: {code or type(e).__name__}: "
-                            f"{_message(e)}")
+                            f"{_message(e)}{waited}")
 
     # -- protocol --------------------------------------------------------------------
 

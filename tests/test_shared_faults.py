@@ -276,3 +276,32 @@ def test_a_mounted_snapshot_reads_without_the_catalog(fuse_store: Path, lower_re
             own_postgres.start()  # type: ignore[attr-defined]
     finally:
         cli(host_b, "umount", str(mnt))
+
+
+def test_a_hung_s3_server_fails_a_read_within_the_configured_bounds(
+        fuse_store: Path, lower_ref: str, tmp_path: Path, own_seaweed: object) -> None:
+    """SeaweedFS stopped with SIGSTOP (it accepts connections and never answers): a read
+    on a host with an empty cache fails with the backend's error, after the attempts and
+    timeouts set in the environment, which it names."""
+    import json
+    import signal
+
+    cfg = json.loads((fuse_store / "store.json").read_text())
+    host_b = tmp_path / "host-b"
+    configure(str(host_b), SharedConfig(cfg["blobs"], cfg["catalog"], cfg["s3_endpoint"],
+                                        str(tmp_path / "cache-b")))
+    env = dict(os.environ, REWINDFS_S3_ATTEMPTS="2", REWINDFS_S3_READ_TIMEOUT="0.5",
+               REWINDFS_S3_CONNECT_TIMEOUT="0.5")
+    group = own_seaweed.proc.pid  # type: ignore[attr-defined]
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        r = cli(host_b, "cat", lower_ref, "dir/sub/b.txt", check=False, env=env)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert r.returncode != 0
+    assert "s3://" in r.stderr, r.stderr
+    assert "gave up after 2 attempts, each 0.5 s to connect and 0.5 s of silence" in r.stderr, \
+        r.stderr
+    bad = dict(env, REWINDFS_S3_ATTEMPTS="0")
+    r = cli(host_b, "cat", lower_ref, "dir/sub/b.txt", check=False, env=bad)
+    assert r.returncode == 2 and "REWINDFS_S3_ATTEMPTS" in r.stderr, r.stderr
