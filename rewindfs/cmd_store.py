@@ -113,6 +113,9 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_stats)
 
     p = sub.add_parser("rebuild-index", help="recreate the index from the backend alone")
+    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                   help="shared store: how long to wait for writers of other hosts to "
+                        "finish before refusing, as gc (default 120)")
     add_json(p)
     p.set_defaults(handler=cmd_rebuild_index)
 
@@ -471,7 +474,7 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
 
     st = open_store(args)
     t0 = time.perf_counter()
-    result = rebuild_index(st)
+    result = rebuild_index(st, wait_s=args.wait)
     data = jsonable(result)
     if not isinstance(data, dict):
         data = {} if data is None else {"result": data}

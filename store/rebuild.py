@@ -16,15 +16,18 @@ points:
   adds what the backend says and never drops a row the backend does not contradict, so it
   is safe next to concurrent writers. GC and verify call it first.
 
-Both take no FUSE and write no pack. ``rebuild_index`` holds ``gc.lock`` exclusively, so no
-writer is mid-flight while the tables are replaced.
+Both take no FUSE and write no pack. ``rebuild_index`` holds ``gc.lock`` exclusively and, on
+a shared store, the ``gc`` lease with no writer pinned on any host (store/sharedgc.py), so
+no writer is mid-flight while the tables are replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 
@@ -214,44 +217,61 @@ def parse_pack(key: str, data: bytes) -> list[Location]:
     return rows
 
 
-def rebuild_index(store: Store) -> RebuildReport:
-    """Recreate the index from the backend (see the module docstring). Holds gc.lock."""
+def rebuild_index(store: Store, *, wait_s: float | None = None) -> RebuildReport:
+    """Recreate the index from the backend (see the module docstring). Holds gc.lock and,
+    on a shared store, the ``gc`` lease with no writer pinned, as GC does
+    (``sharedgc.exclusive``: it waits up to ``wait_s`` seconds, default ``sharedgc.WAIT_S``,
+    for writers of every host); GCError if another GC or rebuild runs or writers stay."""
+    from . import sharedgc
+
     rep = RebuildReport()
-    fd = store.lock(exclusive=True)
-    assert fd is not None
-    try:
-        packs: list[tuple[str, int, list[Location]]] = []
-        for key in store.backend.list(""):
-            m = PACK_KEY.fullmatch(key)
-            if m is None:
-                if not is_known_key(key):
-                    rep.unknown_keys.append(key)
-                continue
-            try:
-                data, rows = read_pack(store.backend, key)
-            except (IntegrityError, BackendError) as e:
-                rep.skipped_packs.append((key, str(e)))
-                continue
-            if blake3.blake3(data).hexdigest() != m.group(1):
-                rep.damaged_packs.append((key, "pack bytes do not hash to its key"))
-            packs.append((key, len(data), rows))
-        h = read_history(store.backend)
-        rep.skipped_records = list(h.bad)
-        # GC refuses until verify passes: set before the tables change, so a crash in
-        # between leaves the flag up (a spurious flag costs one verify, a missing one a
-        # GC over a partial index).
-        store.set_config(UNVERIFIED, "1")
-        rep.objects = store.catalog.replace_all(
-            packs, [(s.ref, s.time_ns, s.origin, s.label, s.key) for s in h.snapshots.values()],
-            [jr.row() for jr in h.journal])
-        if store.catalog.shared:  # this host's caches are in its local index
-            c = store.conn
-            c.execute("DELETE FROM files_cache")
-            c.execute("DELETE FROM dirs_cache")
-        rep.packs = len(packs)
-        rep.snapshots = len(h.snapshots)
-        rep.journal_events = len({(jr.session, jr.seq) for jr in h.journal})
-    finally:
-        store.unlock(fd)
+    with contextlib.ExitStack() as held:
+        hold = held.enter_context(sharedgc.exclusive(
+            store, sharedgc.WAIT_S if wait_s is None else wait_s)
+        ) if store.catalog.shared else None
+        fd = store.lock(exclusive=True)
+        assert fd is not None
+        held.callback(store.unlock, fd)
+        _rebuild(store, rep, hold)
     return rep
+
+
+def _rebuild(store: Store, rep: RebuildReport, hold: Any) -> None:
+    """``rebuild_index``'s work into ``rep``; ``hold`` (a ``sharedgc.GCHold`` or None) is
+    kept renewed while the packs are read."""
+    packs: list[tuple[str, int, list[Location]]] = []
+    for key in store.backend.list(""):
+        if hold is not None:
+            hold.keep()
+        m = PACK_KEY.fullmatch(key)
+        if m is None:
+            if not is_known_key(key):
+                rep.unknown_keys.append(key)
+            continue
+        try:
+            data, rows = read_pack(store.backend, key)
+        except (IntegrityError, BackendError) as e:
+            rep.skipped_packs.append((key, str(e)))
+            continue
+        if blake3.blake3(data).hexdigest() != m.group(1):
+            rep.damaged_packs.append((key, "pack bytes do not hash to its key"))
+        packs.append((key, len(data), rows))
+    h = read_history(store.backend)
+    rep.skipped_records = list(h.bad)
+    if hold is not None:  # lost (this host paused past its ttl): stop before any change
+        hold.renew()
+    # GC refuses until verify passes: set before the tables change, so a crash in
+    # between leaves the flag up (a spurious flag costs one verify, a missing one a
+    # GC over a partial index).
+    store.set_config(UNVERIFIED, "1")
+    rep.objects = store.catalog.replace_all(
+        packs, [(s.ref, s.time_ns, s.origin, s.label, s.key) for s in h.snapshots.values()],
+        [jr.row() for jr in h.journal])
+    if store.catalog.shared:  # this host's caches are in its local index
+        c = store.conn
+        for table in ("files_cache", "dirs_cache", "located", "located_trees"):
+            c.execute(f"DELETE FROM {table}")
+    rep.packs = len(packs)
+    rep.snapshots = len(h.snapshots)
+    rep.journal_events = len({(jr.session, jr.seq) for jr in h.journal})
 

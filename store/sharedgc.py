@@ -88,7 +88,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .errors import BlobNotFoundError, GCError, LeaseBusyError, LeaseLostError, StoreError
@@ -193,25 +194,13 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
     """Collect garbage in a shared store (see the module docstring); returns a
     ``gc.GCReport``. Raises GCError (nothing deleted) when another GC runs, pinned writers
     stay past ``wait_s`` seconds, or a step fails (re-running is safe)."""
-    import secrets
-
-    from .gc import backend_leftovers, mark, require_indexed
+    from .gc import GCReport, backend_leftovers, mark, require_indexed
     from .hostid import host_id
-    from .lease import Leaser, holder_name
     from .rebuild import PACK_KEY, UNVERIFIED, catch_up
 
     cat = store.catalog
-    leaser = Leaser(store)
-    holder = holder_name(os.getpid(), secrets.token_hex(4))
-    try:
-        lease = leaser.acquire(GC_LEASE, holder, GC_LEASE_TTL_S)
-    except LeaseBusyError as e:
-        raise GCError("check", GC_LEASE, f"another gc runs ({e.holder})") from None
-    from .gc import GCReport
-
     rep = GCReport()
-    try:
-        lease = _wait_for_writers(store, leaser, lease, wait_s)
+    with exclusive(store, wait_s) as hold:
         if store.config_value(UNVERIFIED):
             raise GCError("check", "index", "the index was rebuilt and has not been "
                                             "verified; run verify first")
@@ -237,7 +226,7 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
         dead = sorted(k for k, u in used.items() if not u and k not in young)
         leftovers = backend_leftovers(store, packs, rep.unknown_keys)
         try:
-            rep.objects_deleted = cat.gc_drop(dead, lease)
+            rep.objects_deleted = cat.gc_drop(dead, hold.lease)
         except LeaseLostError:
             raise GCError("lease", GC_LEASE, "the gc lease was lost before anything was "
                                              "deleted; re-run it") from None
@@ -245,7 +234,7 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
             if not PACK_KEY.fullmatch(key):
                 rep.unknown_keys.append(key)
                 continue
-            lease = _renew(leaser, lease)  # lost: stop deleting
+            hold.renew()  # lost: stop deleting
             try:
                 store.backend.delete(key)
             except BlobNotFoundError:
@@ -257,7 +246,7 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
         rep.leftover_packs = len(leftovers)
         abort = getattr(store.backend, "abort_stale_uploads", None)  # S3: killed uploads
         if abort is not None:
-            lease = _renew(leaser, lease)
+            hold.renew()
             try:
                 rep.uploads_aborted = len(abort("packs/", grace_s))
             except StoreError as e:
@@ -266,8 +255,51 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
                  "uploads aborted", host_id(), rep.packs_deleted, rep.leftover_packs,
                  rep.objects_deleted, rep.uploads_aborted)
         return rep
+
+
+class GCHold:
+    """The ``gc`` lease held by ``exclusive``: ``lease`` is its current state."""
+
+    def __init__(self, leaser: Any, lease: Any) -> None:
+        self.leaser = leaser
+        self.lease = lease
+        self._renewed = time.monotonic()
+
+    def renew(self) -> None:
+        """Renew the lease; GCError if it was lost (the caller must stop)."""
+        self.lease = _renew(self.leaser, self.lease)
+        self._renewed = time.monotonic()
+
+    def keep(self) -> None:
+        """``renew`` once a third of the lease's ttl has passed since the last renewal."""
+        if time.monotonic() - self._renewed >= GC_LEASE_TTL_S / 3:
+            self.renew()
+
+
+@contextmanager
+def exclusive(store: Any, wait_s: float = WAIT_S) -> Iterator[GCHold]:
+    """Hold the ``gc`` lease of shared store ``store`` with no writer pinned (module
+    docstring: no writer pins and no mount adds a pin while it is held): what GC and
+    ``rebuild-index`` need of every host. Waits up to ``wait_s`` seconds for pinned writers
+    (their expired pins are dropped, which fences them). Raises GCError (nothing done)
+    when another holder has the lease or writers stay pinned; released on exit."""
+    import secrets
+
+    from .lease import Leaser, holder_name
+
+    leaser = Leaser(store)
+    holder = holder_name(os.getpid(), secrets.token_hex(4))
+    try:
+        lease = leaser.acquire(GC_LEASE, holder, GC_LEASE_TTL_S)
+    except LeaseBusyError as e:
+        raise GCError("check", GC_LEASE, f"another gc or rebuild-index runs ({e.holder})"
+                      ) from None
+    hold = GCHold(leaser, lease)
+    try:
+        hold.lease = _wait_for_writers(store, leaser, lease, wait_s)
+        yield hold
     finally:
-        leaser.release(lease)
+        leaser.release(hold.lease)
 
 
 def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float) -> Any:

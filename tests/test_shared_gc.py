@@ -322,3 +322,34 @@ def test_a_gc_makes_every_host_drop_its_dirs_cache(hosts: tuple[Host, Host], tmp
         st.close()
     again = a.json("snapshot", str(src))  # recorded again, the same Ref
     assert rows() > 0 and again["packs_written"] == 0  # type: ignore[index]
+
+
+def test_rebuild_index_waits_for_the_writers_of_every_host(hosts: tuple[Host, Host],
+                                                           tmp_path: Path) -> None:
+    """``rebuild-index`` on host B replaces the shared catalog's tables: like GC it holds
+    the ``gc`` lease and refuses while host A's writer is pinned mid-upload (its packs
+    would be left out of the rebuilt index, or its commit lost), and works once it is
+    done."""
+    a, b = hosts
+    src = _tree(tmp_path)
+    a.run("list")
+    w = _writer(a, src)
+    try:
+        assert read_line(w).startswith("uploaded packs/")
+        r = b.run("rebuild-index", "--wait", "1", check=False)
+        assert r.returncode == 8, r.stderr
+        assert "hostA" in r.stderr and "nothing deleted" in r.stderr, r.stderr
+        assert w.stdin is not None
+        w.stdin.write("go\n")
+        w.stdin.flush()
+        line = read_line(w)
+        assert line.startswith("ref "), line
+        ref = line.split()[1]
+        assert w.wait(60) == 0  # its pin released on the way out
+    finally:
+        reap(w)
+    report = b.json("rebuild-index", "--wait", "1")
+    assert report["packs"] >= 1  # type: ignore[index]
+    assert b.json("verify")["ok"] is True  # type: ignore[index]
+    b.run("materialize", ref, str(tmp_path / "dest"))
+    assert (tmp_path / "dest" / "README").read_bytes() == (src / "README").read_bytes()
