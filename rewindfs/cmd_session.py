@@ -567,7 +567,7 @@ def cmd_log(args: argparse.Namespace) -> int:
     from fusefs.session.journal import STEP, Journal, event_dict, restore_detail, step_dict
     from rewindfs.cmd_store import change_lines
     from store.objects import Store
-    from store.pathtext import text_paths
+    from store.pathtext import text_path, text_paths
 
     _registry(args).load(args.id)  # SessionNotFoundError for an unknown id
     store = Store(args.store)
@@ -590,7 +590,7 @@ def cmd_log(args: argparse.Namespace) -> int:
         st = steps.get(e.seq)
         if st is not None:
             what = ("step (record lost)" if st.get("lost") else f"step {st['step']}"
-                    + (f" {st['label']}" if st["label"] else ""))
+                    + (f" {text_path(st['label'])}" if st["label"] else ""))
         else:
             what = ("checkpoint " + f"{e.trigger}/{e.consistency}"
                     if e.event == "WorkspaceCheckpointed" else "restore")

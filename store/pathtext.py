@@ -3,7 +3,8 @@
 A file name may hold any byte but ``/`` and NUL: a newline or a tab in it would forge a line
 of a listing (a name ``x<newline>D<tab>src/main.py`` reads as a second change), and other
 control bytes would reach the terminal. ``text_path`` is the one rendering every listing
-uses; a name that prints as it is (and does not start with ``"``) is left as it is.
+uses, and the one for a step's label (a Bash command may span lines); text that prints as
+it is (and does not start with ``"``) is left as it is.
 """
 
 from __future__ import annotations

@@ -333,7 +333,7 @@ class SessionToolBinding:
             elif e.event == STEP:
                 rec = journal.record(e.seq)
                 n = len(rec.get("changes") or [])
-                label = f" {rec['label']}" if rec.get("label") else ""
+                label = f" {text_path(rec['label'])}" if rec.get("label") else ""
                 lines.append(M.SESSION_LOG_STEP.format(seq=e.seq, time=t, step=rec.get("step"),
                                                        count=n, s="" if n == 1 else "s",
                                                        label=label))
@@ -368,7 +368,7 @@ class SessionToolBinding:
             st = dict(st, changes=[c for c in st["changes"]        # hidden: never named
                                    if not hides(c["path"], c.get("kind") == "dir")])
             n = len(st["changes"])
-            label = f" ({st['label']})" if st["label"] else ""
+            label = f" ({text_path(st['label'])})" if st["label"] else ""
             lines.append(M.STEP_HEAD.format(step=st["step"], label=label, count=n,
                                             s="" if n == 1 else "s"))
             for c in st["changes"][:M.SESSION_DIFF_MAX]:
