@@ -219,6 +219,11 @@ def test_live_commands_inside_a_session_mount_name_refs_as_typed(tmp_path: Path)
         r = here("restore", ".", "@-1", "--json")  # the pre_restore checkpoint: broken
         assert r.returncode == 0, r.stderr
         assert (root / "f.txt").read_text() == "broken\n"
+        r = here("restore", ".", "v1:blake3:" + good[10:22].upper(), "--json")  # a prefix
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["ref"] == good
+        short = here("restore", ".", good[10:17], "--json")
+        assert short.returncode == 3 and "at least 8" in json.loads(short.stdout)["reason"]
         bad = here("restore", ".", "@nope", "--json")
         assert bad.returncode == 3 and json.loads(bad.stdout)["type"] == "InvalidRefError"
         assert not (root / "agent-data").exists()
