@@ -122,9 +122,9 @@ def dead_mount_error(path: str, store: str) -> Exception | None:
         found = (mnt, {})
     mnt, rec = found
     pid = rec.get("pid")
-    if fstype(mnt) != "fuse.rewindfs" or not dead(mnt) or (
-            isinstance(pid, int) and alive(pid, rec.get("started"))):
-        return None
+    if fstype(mnt) != "fuse.rewindfs" or (
+            isinstance(pid, int) and alive(pid, rec.get("started"))) or not dead(mnt):
+        return None   # (statfs last: a live daemon that does not answer could block it)
     from fusefs.session.fusetree import ROOTS
     from fusefs.session.registry import RECORD
 
