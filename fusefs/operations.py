@@ -481,15 +481,14 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def create(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+        if self.no_open:
+            # The kernel sends RELEASE for every file made by CREATE, even on a connection
+            # that opens files itself. Answered ENOSYS once, it makes new files with MKNOD
+            # from then on and opens them as every other file (fs/fuse/dir.c, no_create):
+            # one request fewer per file made.
+            raise FUSEError(errno.ENOSYS)
         async with self.gate.mutation():
             fh, n = self.ov.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-            if self.no_open:
-                # No handle is kept: the file is addressed by inode like every other one.
-                # The kernel still sends RELEASE for a file made by CREATE (its release
-                # arguments are dropped only when OPEN answered ENOSYS, fs/fuse/file.c),
-                # with handle 0, which releases nothing.
-                self.ov.release(fh)
-                fh = 0
             return FileInfo(fh=FileHandleT(fh), keep_cache=True), self.attrs(n)
 
     @_boundary

@@ -362,3 +362,36 @@ def test_a_stream_of_requests_leaves_fsync_and_checkpoints_served(
     client(d.mnt).restore(ref)
     assert (d.mnt / "synced.bin").read_bytes() == b"durable" * 1000
 
+
+@patched_only
+def test_no_open_mode_makes_files_without_a_release_per_file(mounter: fh.Mounter,
+                                                             lower_ref: str) -> None:
+    """In no-open mode CREATE answers ENOSYS: the kernel makes new files with MKNOD and
+    opens them itself, so closing one sends no RELEASE. open(2) keeps its meaning: the
+    mode under the umask, O_EXCL, O_CREAT of an existing file (not truncated) and O_TRUNC."""
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    before = requests(m)
+    old = os.umask(0o027)
+    try:
+        for i in range(10):
+            fd = os.open(m / f"new{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            os.write(fd, b"made %d" % i)
+            os.close(fd)
+    finally:
+        os.umask(old)
+    after = requests(m)
+    assert after.get("create", 0) - before.get("create", 0) <= 1  # only the first asks
+    assert after.get("mknod", 0) - before.get("mknod", 0) >= 9
+    assert after.get("release", 0) == before.get("release", 0)
+    assert [os.stat(m / f"new{i}").st_mode & 0o7777 for i in range(10)] == [0o640] * 10
+    assert fh.errno_of(os.open, m / "new0", os.O_WRONLY | os.O_CREAT | os.O_EXCL) \
+        == errno.EEXIST
+    fd = os.open(m / "new1", os.O_RDWR | os.O_CREAT, 0o600)  # exists: opened as it is
+    assert os.read(fd, 100) == b"made 1"
+    os.close(fd)
+    os.close(os.open(m / "new2", os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+    assert (m / "new2").read_bytes() == b""
+    d = mounter.remount(d)
+    assert [(d.mnt / f"new{i}").read_bytes() for i in (0, 1, 2, 9)] == \
+        [b"made 0", b"made 1", b"", b"made 9"]
