@@ -7,7 +7,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 
 apt_pkgs=(fuse3 libfuse3-dev pkg-config gcc python3-dev patch git zstd ripgrep bubblewrap
-          fuse-overlayfs sqlite3 postgresql slirp4netns libseccomp2 util-linux)
+          fuse-overlayfs sqlite3 postgresql slirp4netns libseccomp2 util-linux faketime)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -208,10 +208,12 @@ class Catalog(Protocol):
     def sessions(self) -> list[tuple[str, str, str]]: ...
     def delete_session(self, session: str) -> bool: ...
 
-    # leases
-    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int,
+    # leases; ``now_ns`` None is the catalog's own clock (``clock_ns``): on a shared
+    # catalog the server's, so that hosts whose clocks disagree agree on every expiry
+    def clock_ns(self) -> int: ...
+    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int | None,
                       holder_is_dead: Callable[[str], bool]) -> Lease: ...
-    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int) -> Lease: ...
+    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int | None) -> Lease: ...
     def lease_release(self, lease: Lease) -> None: ...
     def lease(self, name: str) -> tuple[str, int, int] | None: ...
 
@@ -400,8 +402,16 @@ class SQLiteCatalog:
 
     # -- leases ----------------------------------------------------------------------
 
-    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int,
+    def clock_ns(self) -> int:
+        """This host's wall clock (ns since the epoch): an embedded catalog has one host."""
+        import time
+
+        return time.time_ns()
+
+    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int | None,
                       holder_is_dead: Callable[[str], bool]) -> Lease:
+        if now_ns is None:
+            now_ns = self.clock_ns()
         with self._tx() as c:
             row = c.execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=?",
                             (name,)).fetchone()
@@ -411,7 +421,9 @@ class SQLiteCatalog:
                       "VALUES (?, ?, ?, ?)", (name, holder, epoch, lease.expires_ns))
         return lease
 
-    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int) -> Lease:
+    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int | None) -> Lease:
+        if now_ns is None:
+            now_ns = self.clock_ns()
         with self._tx() as c:
             row = c.execute("SELECT holder, epoch FROM leases WHERE name=?",
                             (lease.name,)).fetchone()

@@ -10,14 +10,15 @@ processes and hosts. Journal appends stamped with an epoch are fenced by it
 (``Store.append_journal(fence=...)``): a holder that was taken over cannot append.
 
 Release keeps the row (holder cleared, expired) so the epoch keeps increasing. Times are
-wall-clock ns (``time.time_ns``; injectable for tests), since holders live in different
-processes. This module never touches FUSE or sessions: the session layer decides what a
+wall-clock ns of the catalog's clock (``Catalog.clock_ns``; injectable for tests): this
+host's for the embedded catalog, the PostgreSQL server's ``now()`` for a shared one, read
+in the transaction that stamps or compares them, so a host whose clock is skewed can
+neither take a lease early nor hold one past its expiry by the server's clock. This module never touches FUSE or sessions: the session layer decides what a
 lost lease means.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from .catalog import Lease
@@ -64,9 +65,17 @@ class Leaser:
     """Acquire, renew and release leases in ``store``'s catalog (store/catalog.py: the
     rules, and the row lock that makes of two racing hosts exactly one winner)."""
 
-    def __init__(self, store: Store, *, clock: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, store: Store, *, clock: Callable[[], int] | None = None) -> None:
         self.store = store
-        self.clock = clock
+        self.clock = clock  # None: the catalog's clock (a shared catalog's: the server's)
+
+    def now_ns(self) -> int:
+        """The time every lease of this catalog is stamped and compared with (ns since the
+        epoch): ``clock``, else the catalog's (``Catalog.clock_ns``)."""
+        return self.clock() if self.clock is not None else self.store.catalog.clock_ns()
+
+    def _now(self) -> int | None:
+        return self.clock() if self.clock is not None else None
 
     @staticmethod
     def _ttl_ns(ttl_s: float) -> int:
@@ -85,12 +94,12 @@ class Leaser:
         if not name or not holder:
             raise ValueError("lease name and holder must be non-empty")
         return self.store.catalog.lease_acquire(name, holder, self._ttl_ns(ttl_s),
-                                                self.clock(), holder_is_dead)
+                                                self._now(), holder_is_dead)
 
     def renew(self, lease: Lease, ttl_s: float) -> Lease:
         """Extend ``lease`` to now + ``ttl_s``. Raises LeaseLostError if it was taken over or
         released (a lease that expired but was not taken yet can still be renewed)."""
-        return self.store.catalog.lease_renew(lease, self._ttl_ns(ttl_s), self.clock())
+        return self.store.catalog.lease_renew(lease, self._ttl_ns(ttl_s), self._now())
 
     def release(self, lease: Lease) -> None:
         """Give ``lease`` up; a no-op if it is no longer held by this holder and epoch."""
@@ -99,7 +108,7 @@ class Leaser:
     def current(self, name: str) -> Lease | None:
         """The unexpired lease on ``name``, or None if it is free."""
         row = self.store.catalog.lease(name)
-        if row is None or not row[0] or row[2] <= self.clock():
+        if row is None or not row[0] or row[2] <= self.now_ns():
             return None
         return Lease(name, row[0], row[1], row[2])
 

@@ -91,6 +91,11 @@ _INSERT_OBJECT = ("INSERT INTO objects(id, kind, pack, rec_offset, rec_length, c
 """One object index row; an id already indexed (another writer's copy) is kept."""
 
 
+_NOW = "(extract(epoch from now()) * 1000000000)::bigint"
+"""The server's clock in ns since the epoch, as SQL: leases, pins and ``packs.indexed_ns``
+are stamped and compared with it, never with a host's clock."""
+
+
 class PostgresCatalog:
     """The catalog in the PostgreSQL database at ``dsn`` (a ``postgresql://`` URL or a
     libpq connection string). Raises CatalogError if it cannot be reached within
@@ -272,9 +277,6 @@ class PostgresCatalog:
         """Index ``rows`` and ``packs`` (stamped with the time, ``indexed_ns``). With
         ``pin``, refuse (WriterPinLostError) unless that writer pin still exists, in the
         same transaction (store/sharedgc.py)."""
-        import time
-
-        now = time.time_ns()
         with self._tx() as c, c.cursor() as cur:
             if pin is not None and cur.execute(
                     "SELECT 1 FROM writer_pins WHERE holder=%s FOR UPDATE",
@@ -282,12 +284,13 @@ class PostgresCatalog:
                 raise WriterPinLostError(pin)
             cur.executemany(_INSERT_OBJECT, [object_row(r) for r in rows])
             cur.executemany("INSERT INTO packs(key, size, objects, indexed_ns) "
-                            "VALUES (%s, %s, %s, %s) ON CONFLICT (key) DO NOTHING",
-                            [(*p, now) for p in packs])
+                            f"VALUES (%s, %s, %s, {_NOW}) ON CONFLICT (key) DO NOTHING",
+                            packs)
 
     # -- the cross-host GC protocol (store/sharedgc.py) --------------------------------
 
-    def pin_writer(self, holder: str, host: str, ttl_ns: int, now_ns: int) -> str | None:
+    def pin_writer(self, holder: str, host: str, ttl_ns: int,
+                   now_ns: int | None = None) -> str | None:
         """Pin writer ``holder`` unless a GC holds its lease unexpired (then None); returns
         the catalog's ``gc_generation`` (``"0"`` before any GC), read in the same
         transaction. The ``gc`` lease row is read FOR SHARE, so a pin and a GC start are
@@ -295,7 +298,8 @@ class PostgresCatalog:
         from .sharedgc import GENERATION
 
         with self._tx() as c:
-            if _gc_runs(c, now_ns):
+            runs, now_ns = _gc_runs(c, now_ns)
+            if runs:
                 return None
             c.execute("INSERT INTO writer_pins(holder, host, started_ns, expires_ns) "
                       "VALUES (%s, %s, %s, %s) ON CONFLICT (holder) DO UPDATE SET "
@@ -303,7 +307,7 @@ class PostgresCatalog:
             row = c.execute("SELECT value FROM config WHERE key=%s", (GENERATION,)).fetchone()
         return "0" if row is None else str(row[0])
 
-    def set_mount_pins(self, name: str, refs: list[str], now_ns: int,
+    def set_mount_pins(self, name: str, refs: list[str], now_ns: int | None,
                        after_gc: bool) -> bool:
         """Make the named refs ``name`` (the first of ``refs``) and ``name/1``, ``name/2``,
         ... (the others) exactly ``refs`` (none: drop them all), in one transaction. With
@@ -311,7 +315,7 @@ class PostgresCatalog:
         serialized with its start as ``pin_writer`` is: a GC that started before never
         misses a Ref this adds while it runs."""
         with self._tx() as c:
-            if after_gc and _gc_runs(c, now_ns):
+            if after_gc and _gc_runs(c, now_ns)[0]:
                 return False
             c.execute("DELETE FROM named_refs WHERE name=%s OR starts_with(name, %s)",
                       (name, name + "/"))
@@ -322,11 +326,12 @@ class PostgresCatalog:
                                      for i, r in enumerate(refs)])
         return True
 
-    def renew_writer_pin(self, holder: str, ttl_ns: int, now_ns: int) -> None:
-        """Extend pin ``holder``; WriterPinLostError if a GC removed it."""
+    def renew_writer_pin(self, holder: str, ttl_ns: int, now_ns: int | None = None) -> None:
+        """Extend pin ``holder`` to ``now_ns`` (None: the server's clock) + ``ttl_ns``;
+        WriterPinLostError if a GC removed it."""
         with self._tx() as c:
-            n = c.execute("UPDATE writer_pins SET expires_ns=%s WHERE holder=%s",
-                          (now_ns + ttl_ns, holder)).rowcount
+            n = c.execute(f"UPDATE writer_pins SET expires_ns=COALESCE(%s, {_NOW}) + %s "
+                          "WHERE holder=%s", (now_ns, ttl_ns, holder)).rowcount
         if not n:
             raise WriterPinLostError(holder)
 
@@ -512,13 +517,20 @@ class PostgresCatalog:
 
     # -- leases ----------------------------------------------------------------------
 
-    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int,
+    def clock_ns(self) -> int:
+        """The server's clock (ns since the epoch, ``now()``): the one clock of every lease,
+        pin and grace period of this catalog, whatever the hosts' clocks say."""
+        with self._tx() as c:
+            return int(c.execute(f"SELECT {_NOW}").fetchone()[0])
+
+    def lease_acquire(self, name: str, holder: str, ttl_ns: int, now_ns: int | None,
                       holder_is_dead: Callable[[str], bool]) -> Lease:
         with self._tx() as c:
             c.execute("INSERT INTO leases(name, holder, epoch, expires_ns) "
                       "VALUES (%s, '', 0, 0) ON CONFLICT (name) DO NOTHING", (name,))
-            h, e, x = c.execute("SELECT holder, epoch, expires_ns FROM leases WHERE name=%s "
-                                "FOR UPDATE", (name,)).fetchone()
+            h, e, x, server = c.execute(f"SELECT holder, epoch, expires_ns, {_NOW} FROM "
+                                        "leases WHERE name=%s FOR UPDATE", (name,)).fetchone()
+            now_ns = int(server) if now_ns is None else now_ns
             row = None if (h, e, x) == ("", 0, 0) else (h, int(e), int(x))
             epoch = decide_acquire(row, holder, now_ns, holder_is_dead, name)
             lease = Lease(name, holder, epoch, now_ns + ttl_ns)
@@ -526,12 +538,13 @@ class PostgresCatalog:
                       (holder, epoch, lease.expires_ns, name))
         return lease
 
-    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int) -> Lease:
+    def lease_renew(self, lease: Lease, ttl_ns: int, now_ns: int | None) -> Lease:
         with self._tx() as c:
-            row = c.execute("SELECT holder, epoch FROM leases WHERE name=%s FOR UPDATE",
-                            (lease.name,)).fetchone()
+            row = c.execute(f"SELECT holder, epoch, {_NOW} FROM leases WHERE name=%s "
+                            "FOR UPDATE", (lease.name,)).fetchone()
             if row is None or row[0] != lease.holder or int(row[1]) != lease.epoch:
                 raise LeaseLostError(lease.name, lease.holder, lease.epoch)
+            now_ns = int(row[2]) if now_ns is None else now_ns
             new = Lease(lease.name, lease.holder, lease.epoch, now_ns + ttl_ns)
             c.execute("UPDATE leases SET expires_ns=%s WHERE name=%s",
                       (new.expires_ns, lease.name))
@@ -669,17 +682,19 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def _gc_runs(c: Any, now_ns: int) -> bool:
-    """Inside a transaction on ``c``: True if a GC holds the ``gc`` lease unexpired. The
-    row is read FOR SHARE, so this transaction and a GC's acquisition (FOR UPDATE) are
-    serialized (store/sharedgc.py)."""
+def _gc_runs(c: Any, now_ns: int | None) -> tuple[bool, int]:
+    """Inside a transaction on ``c``: whether a GC holds the ``gc`` lease unexpired at
+    ``now_ns`` (None: the server's clock), and that time. The row is read FOR SHARE, so
+    this transaction and a GC's acquisition (FOR UPDATE) are serialized
+    (store/sharedgc.py)."""
     from .sharedgc import GC_LEASE
 
     c.execute("INSERT INTO leases(name, holder, epoch, expires_ns) "
               "VALUES (%s, '', 0, 0) ON CONFLICT (name) DO NOTHING", (GC_LEASE,))
-    h, x = c.execute("SELECT holder, expires_ns FROM leases WHERE name=%s FOR SHARE",
-                     (GC_LEASE,)).fetchone()
-    return bool(h) and int(x) > now_ns
+    h, x, server = c.execute(f"SELECT holder, expires_ns, {_NOW} FROM leases WHERE name=%s "
+                             "FOR SHARE", (GC_LEASE,)).fetchone()
+    now = int(server) if now_ns is None else now_ns
+    return bool(h) and int(x) > now, now
 
 
 def _check_fence(c: Any, name: str, epoch: int) -> None:

@@ -130,7 +130,7 @@ class WriterPin:
         cat = store.catalog
         waited = 0.0
         while (generation := cat.pin_writer(self.holder, host_id(), int(ttl_s * 1e9),
-                                            time.time_ns())) is None:
+                                            None)) is None:  # None: the server's clock
             if waited == 0.0:
                 log.info("a GC runs on this shared store: the writer waits for it")
             time.sleep(PIN_POLL_S)
@@ -147,7 +147,7 @@ class WriterPin:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 self.store.catalog.renew_writer_pin(self.holder, int(self.ttl_s * 1e9),
-                                                    time.time_ns())
+                                                    None)
             except WriterPinLostError:
                 self.lost = True
                 return
@@ -210,7 +210,7 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
             raise GCError("catch-up", "history", str(e)) from e
         _drop_dead_mount_pins(store)
         objects, packs = cat.gc_view()
-        young_before = time.time_ns() - int(grace_s * 1e9)
+        young_before = cat.clock_ns() - int(grace_s * 1e9)  # the server's clock
         young = {k for k, (_, t) in packs.items() if t > young_before}
         roots = _live_roots(store, extra_live, state_dirs_reader)
         roots.update(ObjectId(oid) for oid, kind, pack in objects
@@ -308,7 +308,7 @@ def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float) -> Any
     GCError naming the writers if some are still pinned after ``wait_s``."""
     deadline = time.monotonic() + wait_s
     while True:
-        now = time.time_ns()
+        now = store.catalog.clock_ns()  # the server's, as the pins' expiries
         pins = store.catalog.writer_pins()
         live = [p for p in pins if p[3] > now]
         if not live:
@@ -349,7 +349,7 @@ class MountPins:
         with self._lock:
             want = list(dict.fromkeys([*self.refs, *(str(r) for r in refs)]))
             waited = False
-            while not self.store.catalog.set_mount_pins(self.name, want, time.time_ns(),
+            while not self.store.catalog.set_mount_pins(self.name, want, None,
                                                         True):
                 if not waited:
                     log.info("a GC runs on this shared store: the mount waits for it")
@@ -362,7 +362,7 @@ class MountPins:
         with self._lock:
             want = list(dict.fromkeys(str(r) for r in refs))
             if want != self.refs:
-                self.store.catalog.set_mount_pins(self.name, want, time.time_ns(), False)
+                self.store.catalog.set_mount_pins(self.name, want, None, False)
                 self.refs = want
 
     def release(self) -> None:

@@ -353,3 +353,62 @@ def test_rebuild_index_waits_for_the_writers_of_every_host(hosts: tuple[Host, Ho
     assert b.json("verify")["ok"] is True  # type: ignore[index]
     b.run("materialize", ref, str(tmp_path / "dest"))
     assert (tmp_path / "dest" / "README").read_bytes() == (src / "README").read_bytes()
+
+
+# A host's side of a lease: acquire NAME for HOLDER (60 s), print the outcome, this host's
+# clock against the catalog server's, and how long the lease runs by the server's clock.
+LEASE = """
+    import os, time
+    import psycopg
+    from store.errors import LeaseBusyError
+    from store.lease import Leaser
+    from store.objects import Store
+
+    st = Store(os.environ["LOCAL"])
+
+    def server_s():  # what the server's clock says, asked by this test, not the product
+        with psycopg.connect(st.catalog.dsn) as c:
+            return float(c.execute("SELECT extract(epoch from clock_timestamp())"
+                                   ).fetchone()[0])
+
+    print("skew", round(time.time() - server_s()), flush=True)
+    try:
+        lease = Leaser(st).acquire(os.environ["NAME"], os.environ["HOLDER"], 60)
+    except LeaseBusyError as e:
+        print("busy", e.holder, flush=True)
+    else:
+        print("took", round(lease.expires_ns / 1e9 - server_s()), flush=True)
+"""
+
+
+def _lease_on(host: Host, name: str, holder: str, skew: str | None = None) -> list[str]:
+    env = {"LOCAL": str(host.local), "NAME": name, "HOLDER": holder,
+           "REWINDFS_HOST_ID": host.name, **host.env}
+    if skew is not None:  # this host's wall clock off by SKEW (libfaketime), not the server's
+        import glob
+
+        lib = glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
+        assert lib, "libfaketime is missing: run scripts/setup.sh (Debian package faketime)"
+        env.update(LD_PRELOAD=lib[0], FAKETIME=skew, FAKETIME_DONT_FAKE_MONOTONIC="1")
+    p = child(LEASE, env=env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    return out.split("\n")[:2]
+
+
+def test_leases_run_on_the_catalog_servers_clock_whatever_a_hosts_clock_says(
+        hosts: tuple[Host, Host]) -> None:
+    """Host B's wall clock is 10 minutes ahead (libfaketime in its process; the catalog
+    server's clock is untouched; S3 refuses requests signed more than 15 minutes off):
+    B can neither take A's unexpired 60 s lease (it looks expired by B's clock) nor get
+    a lease that outlives its ttl by the server's clock."""
+    a, b = hosts
+    a.run("list")
+    b.run("list")
+    assert _lease_on(a, "session/s1", "hostA:1:a") == ["skew 0", "took 60"]
+    skew, took = _lease_on(b, "session/s1", "hostB:1:b", skew="+10m")
+    assert skew == "skew 600"  # the skew is real, as the server sees it
+    assert took == "busy hostA:1:a"
+    skew, took = _lease_on(b, "session/s2", "hostB:1:b", skew="+10m")
+    assert took == "took 60"  # by the server's clock (10 minutes more by B's own)
+    assert _lease_on(a, "session/s2", "hostA:1:a")[1] == "busy hostB:1:b"

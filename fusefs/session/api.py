@@ -356,7 +356,7 @@ def remove_session(store: Any, registry: Registry, session_id: str, leaser: Any,
             from .errors import SessionBusyError
 
             wait = None if e.expires_ns is None else max(
-                0.0, (e.expires_ns - time.time_ns()) / 1e9)
+                0.0, (e.expires_ns - leaser.now_ns()) / 1e9)
             raise SessionBusyError(session_id, e.epoch, e.holder, wait) from None
         try:
             root = rec.root if rec is not None and rec.mode == Mode.PER_SESSION.value else None

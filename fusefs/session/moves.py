@@ -163,7 +163,7 @@ def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,
     cur = leaser.current(lease_name(e.id))
     if cur is not None:
         raise SessionBusyError(e.id, cur.epoch, cur.holder,
-                               max(0.0, (cur.expires_ns - time.time_ns()) / 1e9))
+                               max(0.0, (cur.expires_ns - leaser.now_ns()) / 1e9))
     if op != "fork" and e.mode not in (None, "per-session"):
         raise SessionError(f"session {e.id} has a fixed root ({e.mode}) on host {e.host}; "
                            "such a session does not move: fork it here instead")
