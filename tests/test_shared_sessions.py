@@ -174,7 +174,8 @@ def test_a_crashed_session_is_refused_elsewhere_until_its_changes_are_given_up(
     ttl = 20.0  # renewed every ttl/3: held for at least 2/3 ttl after the kill, at most ttl
     s = a.started("new", "--seed", str(_project(tmp_path)), "--lease-ttl", str(ttl))
     sid, root_a = s["id"], Path(s["root"])
-    seed_ref = ref_of(root_a)
+    (root_a / "README").write_text("checkpointed on A\n")
+    last = json.loads(a.run("checkpoint", str(root_a), "--json").stdout)["ref"]
     (root_a / "README").write_text("lost with the crash of A\n")
     a.killed.append(str(root_a))
     os.kill(a.pid(sid), signal.SIGKILL)
@@ -186,8 +187,9 @@ def test_a_crashed_session_is_refused_elsewhere_until_its_changes_are_given_up(
     r = b.refused("resume", sid)
     assert r["type"] == "SessionChangesElsewhereError" and r["reason"] == "crashed"
     assert "--discard-upper" in str(r["error"])
+    assert r["head"] == last and last[:20] in str(r["error"])  # not its start Ref
     moved = b.started("resume", sid, "--discard-upper")
-    assert ref_of(moved["root"]) == seed_ref  # the last checkpoint, without A's change
+    assert str(ref_of(moved["root"])) == last  # the last checkpoint, without A's change
     b.session("shutdown", sid, "--checkpoint")
 
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from store.ref import Ref
@@ -170,6 +170,10 @@ def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,
     reason = None
     if e.state != STOPPED:
         reason = "crashed"
+        # Its row was written when it started: its journal has its checkpoints since.
+        events = leaser.store.journal(e.id)
+        if events:
+            e = replace(e, head=str(events[-1].ref))
     elif e.dirty is None:
         reason = "unknown"
     elif e.dirty:
