@@ -40,7 +40,9 @@ def resolve_store(args: argparse.Namespace) -> None:
     becomes this host's local directory (``--local``, default ``$XDG_STATE_HOME/rewindfs``),
     configured for that store. ``--host-id`` is put in the environment, so daemons and
     session hosts started from here use it too. Raises StoreConfigError (exit 2) for a
-    catalog without a remote store or the reverse."""
+    catalog without a remote store or the reverse; a directory not configured yet is
+    configured only once the bucket and the catalog answer (BackendError, exit 11, and
+    CatalogError, exit 12, otherwise, with nothing written)."""
     host = getattr(args, "host_id", None)
     if host:
         from store.hostid import ENV, check_host_id
@@ -65,6 +67,8 @@ def resolve_store(args: argparse.Namespace) -> None:
                               cache_bytes=int(cache_bytes) if cache_bytes
                               else config.DEFAULT_CACHE_BYTES)
     local = getattr(args, "local", None) or config.default_local_dir()
+    if config.read(local) is None:  # a first binding: written only once both servers answer
+        config.probe(cfg.check())
     config.configure(local, cfg)
     args.store = os.path.abspath(local)
 

@@ -156,6 +156,27 @@ def open_parts(root: str, cfg: SharedConfig) -> tuple[Any, Any]:
     cannot be reached, CatalogError if the catalog cannot."""
     from .blobcache import CachedBackend
     from .pgcatalog import PostgresCatalog
+
+    s3 = _s3(cfg)
+    s3.check()
+    cache_dir = os.path.join(cfg.cache or default_cache_dir(), _cache_name(cfg.blobs))
+    return CachedBackend(s3, cache_dir, cfg.cache_bytes), PostgresCatalog(cfg.catalog)
+
+
+def probe(cfg: SharedConfig) -> None:
+    """Raise BackendError unless the bucket of ``cfg`` answers with this environment's
+    credentials, CatalogError unless its catalog does (nothing is created): what a first
+    ``configure`` of a directory checks, so that a failed first open leaves no
+    ``store.json`` binding the directory to a store it never opened."""
+    from .pgcatalog import probe as probe_catalog
+
+    _s3(cfg).check()
+    probe_catalog(cfg.catalog)
+
+
+def _s3(cfg: SharedConfig) -> Any:
+    """The S3 backend of ``cfg``, with the environment's attempts and timeouts (store/s3.py);
+    StoreConfigError for a bad one."""
     from .s3 import S3Backend, parse_s3_url, timeouts
 
     bucket, prefix = parse_s3_url(cfg.blobs)
@@ -163,10 +184,7 @@ def open_parts(root: str, cfg: SharedConfig) -> tuple[Any, Any]:
         bounds = timeouts()
     except ValueError as e:
         raise StoreConfigError(str(e)) from None
-    s3 = S3Backend(bucket, prefix, endpoint_url=cfg.s3_endpoint, **bounds)
-    s3.check()
-    cache_dir = os.path.join(cfg.cache or default_cache_dir(), _cache_name(cfg.blobs))
-    return CachedBackend(s3, cache_dir, cfg.cache_bytes), PostgresCatalog(cfg.catalog)
+    return S3Backend(bucket, prefix, endpoint_url=cfg.s3_endpoint, **bounds)
 
 
 def _cache_name(blobs: str) -> str:

@@ -4,7 +4,10 @@ Each class's docstring says what went wrong; each instance carries the fields a 
 (ref, path, key, cause) and an ``exit_code`` that the CLI returns. Nothing here imports FUSE.
 
 Exit codes (documented in README): 1 generic store error, 2 usage (argparse), 3 invalid ref,
-4 not found, 5 integrity failure, 6 destination problem, 7 limit exceeded, 8 GC refused.
+4 not found, 5 integrity failure, 6 destination problem, 7 limit exceeded, 8 GC refused,
+11 blob backend failure (the S3 server: unreachable, refusing, timed out), 12 catalog
+failure (the PostgreSQL catalog: unreachable, refusing, another schema version). 9 and 10
+are the mount's and the session's (fusefs).
 """
 
 from __future__ import annotations
@@ -164,6 +167,8 @@ class GCError(StoreError):
 class BackendError(StoreError):
     """A blob backend operation failed."""
 
+    exit_code = 11
+
 
 class StoreFullError(BackendError):
     """The store's disk (its backend directory or its index) has no space left: ENOSPC
@@ -171,6 +176,7 @@ class StoreFullError(BackendError):
     says what could not be written; ``errno`` is ``errno.ENOSPC``."""
 
     errno = 28  # errno.ENOSPC
+    exit_code = 1  # this host's disk, not a failing backend server
 
     def __init__(self, where: str, cause: object = None) -> None:
         self.where = where
@@ -266,3 +272,5 @@ class WriterPinLostError(StoreError):
 class CatalogError(StoreError):
     """The catalog (the shared metadata database) cannot be reached or used, or its schema
     is of another version than this program's."""
+
+    exit_code = 12

@@ -96,15 +96,26 @@ def test_a_remote_store_without_a_catalog_is_refused(tmp_path: Path, s3_bucket: 
 def test_a_catalog_that_refuses_is_one_line_naming_its_reason(s3_env: object, s3_bucket: str,
                                                               postgres: object,
                                                               tmp_path: Path) -> None:
-    """No such database: exit 1 at once with the server's reason on one line (it was the
-    pool's multi-line warnings for 10 s, then 'pool initialization incomplete')."""
+    """No such database: exit 12 (the catalog's) at once with the server's reason on one
+    line (it was the pool's multi-line warnings for 10 s, then 'pool initialization
+    incomplete'), and the local directory is not bound to that store: the same --local
+    with the right catalog then works. A bucket that does not exist is exit 11."""
     bad = postgres.dsn("no_such_db")  # type: ignore[attr-defined]
-    r = _cli(["--store", f"s3://{s3_bucket}/x", "--s3-endpoint",
-              s3_env.endpoint, "--catalog", bad,  # type: ignore[attr-defined]
-              "--local", str(tmp_path / "l"), "list"], check=False)
-    assert r.returncode == 1, r.stderr
+    local = tmp_path / "l"
+    opts = ["--store", f"s3://{s3_bucket}/x", "--s3-endpoint",
+            s3_env.endpoint, "--local", str(local)]  # type: ignore[attr-defined]
+    r = _cli([*opts, "--catalog", bad, "list"], check=False)
+    assert r.returncode == 12, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("rewindfs: "), r.stderr
     assert 'database "no_such_db" does not exist' in r.stderr, r.stderr
+    assert not (local / "store.json").exists()
+    good = postgres.new_database()  # type: ignore[attr-defined]
+    _cli([*opts, "--catalog", good, "list"])
+    r = _cli(["--store", f"s3://{s3_bucket}-missing/x", "--s3-endpoint",
+              s3_env.endpoint, "--catalog", good,  # type: ignore[attr-defined]
+              "--local", str(tmp_path / "m"), "list"], check=False)
+    assert r.returncode == 11 and "s3://" in r.stderr, r.stderr
+    assert not (tmp_path / "m" / "store.json").exists()
 
 
 def test_a_local_dir_belongs_to_one_store(tmp_path: Path) -> None:
