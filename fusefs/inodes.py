@@ -132,7 +132,8 @@ class Node:
         n.nlink = nlink
         n.origin = origin
         n.parent = parent
-        n.xattrs = dict(e.xattrs)
+        if e.xattrs:  # else the node keeps the empty dict of its own that __init__ made
+            n.xattrs = dict(e.xattrs)
         if e.kind is Kind.DIR:
             n.lower_tree = e.tree_id
         else:

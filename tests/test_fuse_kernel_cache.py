@@ -200,9 +200,15 @@ def test_a_second_listing_and_writes_reach_the_daemon_no_more(mounter: fh.Mounte
 def test_user_xattrs_read_and_other_namespaces_are_unsupported(mounter: fh.Mounter,
                                                                 lower_ref: str) -> None:
     m = mounter.rw(lower_ref).mnt
+    os.listdir(m)  # the lower entries' inodes made by a listing with attributes
+    assert os.listxattr(m / "exec.sh") == ["user.note"]
+    assert os.getxattr(m / "exec.sh", "user.note") == b"exec"
+    assert os.listxattr(m / "plain.txt") == os.listxattr(m / "ro.txt") == []
     p = m / "plain.txt"
     os.setxattr(p, "user.note", b"kept")
     assert os.getxattr(p, "user.note") == b"kept"
+    assert os.listxattr(m / "ro.txt") == []  # an attribute of one file only
+    assert os.getxattr(m / "exec.sh", "user.note") == b"exec"
     for name, err in [("security.capability", errno.ENOTSUP), ("security.selinux", errno.ENOTSUP),
                       ("system.posix_acl_access", errno.ENOTSUP), ("trusted.x", errno.ENOTSUP),
                       ("user.absent", errno.ENODATA)]:
