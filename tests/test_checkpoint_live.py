@@ -213,6 +213,11 @@ def test_status_counts_fuse_requests_by_operation(mounter: fh.Mounter, lower_ref
     before = client(m).status()["requests"]
     for i in range(5):
         (m / f"counted{i}.txt").write_bytes(b"x")
-    after = client(m).status()["requests"]
-    assert after.get("create", 0) - before.get("create", 0) == 5
+    st = client(m).status()
+    after = st["requests"]
+    if st["no_open"]:  # the first CREATE answers ENOSYS: the kernel makes files by MKNOD
+        assert after.get("mknod", 0) - before.get("mknod", 0) == 5
+        assert after.get("create", 0) - before.get("create", 0) <= 1
+    else:
+        assert after.get("create", 0) - before.get("create", 0) == 5
     assert after.get("write", 0) - before.get("write", 0) == 5
