@@ -343,12 +343,15 @@ class Live:
         self._lap("invalidate")
 
     async def _admit_restore(self, target: Ref, permits_s: float,
-                             writers_s: float | None) -> None:
+                             writers_s: float | None, wanted: list[bytes] | None) -> None:
         """Pause admission of opens and mutations for a restore and drain what runs: first
         wait up to ``permits_s`` for write permits (tool calls in flight) to end, then, with
         ``writers_s``, up to that long for files open for writing to close. Returns paused
         (the caller resumes with ``opens=True``). Raises RestoreError(permit_failed), not
-        paused, when a wait runs out. In no-open mode the writers are those a scan of /proc
+        paused, when a wait runs out. Between the two, the running sandboxes covering
+        ``wanted`` (None: anything) are stopped (``fusefs.guard``; a restore changes the
+        dentries their covers are mounted on): RestoreError(permit_failed) when one is not
+        confirmed gone in time. In no-open mode the writers are those a scan of /proc
         finds (``scan_writers``), polled every 50 ms: an approximation, since processes
         the daemon may not inspect are not seen."""
         import trio
@@ -359,6 +362,11 @@ class Live:
             raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
                                f"a write permit still held after {permits_s} s")
         self._lap("permits")
+        guard = self.ops.guard
+        try:
+            await guard.stop(guard.under(wanted))
+        except OSError as e:
+            raise RestoreError(RestoreError.PERMIT_FAILED, str(target), str(e)) from e
         await self._syncfs()  # dirty pages reach the daemon before anything pauses
         self._lap("syncfs")
         deadline = trio.current_time() + (writers_s or 0.0)
@@ -390,6 +398,23 @@ class Live:
                       timeout_s: float | None = None, wait_writers_s: float | None = None,
                       label: str | None = None,
                       paths: list[str] | None = None) -> dict[str, Any]:
+        """:meth:`_restore`; no sandbox covering what it may change (anything, for a whole
+        restore; for a path restore, a path at or below one of ``paths``) registers while
+        it runs, and those running are stopped once the write permits are released
+        (:meth:`_admit_restore`)."""
+        from . import restore as rs
+
+        guard = self.ops.guard
+        wanted = None if paths is None else rs.normalize_paths(paths)
+        with guard.restoring(wanted):
+            return await self._restore(ref, discard=discard, timeout_s=timeout_s,
+                                       wait_writers_s=wait_writers_s, label=label,
+                                       paths=paths)
+
+    async def _restore(self, ref: Ref | str, *, discard: bool = False,
+                       timeout_s: float | None = None, wait_writers_s: float | None = None,
+                       label: str | None = None,
+                       paths: list[str] | None = None) -> dict[str, Any]:
         """CONTRACT 3.2 with its amendment: never waits for open files; what they hold is
         detached (``restore.py``). Waits up to ``timeout_s`` (default 60 s) for write
         permits (tool calls in flight) to end; with ``wait_writers_s``, also up to that long
@@ -429,7 +454,7 @@ class Live:
         discarded: dict[str, str] = {}
         async with self._busy, self.gate.exclusive():
             self._start_laps()
-            await self._admit_restore(target, wait, wait_writers_s)
+            await self._admit_restore(target, wait, wait_writers_s, wanted)
             ck.crash_point("restore.paused")
             # Paused: writes wait from here. The scan for open writers (no-open mode) runs
             # beside the verify and the freeze.

@@ -45,6 +45,7 @@ from pyfuse3 import (
 
 from . import binding
 from .errors import UpperSpilledError
+from .guard import SandboxGuard
 from .inodes import Node
 from .lower import SMALL_CHUNK
 from .overlay import Overlay, sync_paths
@@ -191,6 +192,7 @@ class Operations(pyfuse3.Operations):
         self.timeout = timeout
         self.gate: Gate = gate or OpenGate()
         self.upper_lock = upper_lock or trio.Lock()
+        self.guard = SandboxGuard()  # running sandboxes' covers (fusefs/guard.py)
         self.counts: Counter[str] = Counter()
         self.seconds: defaultdict[str, float] = defaultdict(float)  # wall time in handlers
         self.errors = 0
@@ -438,14 +440,31 @@ class Operations(pyfuse3.Operations):
         async with self.gate.mutation():
             return self.attrs(self.ov.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
+    def _ino_at(self, parent: int, name: bytes) -> int:
+        """The inode number ``name`` in directory ``parent`` names, 0 for none."""
+        try:
+            n = self.ov._child(self.ov._dir(parent), name)
+        except OSError:
+            return 0
+        return 0 if n is None else n.ino
+
+    async def _unguard(self, *names: tuple[int, bytes]) -> None:
+        """Before the dentries ``names`` ((parent inode, name) pairs) are removed or
+        replaced: stop the running sandboxes covering their objects (fusefs/guard.py).
+        With no await after it, the operation then runs before any new registration."""
+        if self.guard.by_ino:
+            await self.guard.clear(*(self._ino_at(p, n) for p, n in names))
+
     @_boundary
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         async with self.gate.mutation():
+            await self._unguard((parent_inode, bytes(name)))
             self.ov.unlink(parent_inode, name)
 
     @_boundary
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         async with self.gate.mutation():
+            await self._unguard((parent_inode, bytes(name)))
             self.ov.rmdir(parent_inode, name)
 
     @_boundary
@@ -453,6 +472,10 @@ class Operations(pyfuse3.Operations):
                      parent_inode_new: InodeT, name_new: FileNameT, flags: FlagT,
                      ctx: RequestContext) -> None:
         async with self.gate.mutation():
+            # both names: the source's object leaves its name, the target's is replaced
+            # (or, with RENAME_EXCHANGE, moved)
+            await self._unguard((parent_inode_old, bytes(name_old)),
+                                (parent_inode_new, bytes(name_new)))
             self.ov.rename(parent_inode_old, bytes(name_old), parent_inode_new,
                            bytes(name_new), flags)
 

@@ -17,6 +17,7 @@ sandbox to the paths matching when the command starts (tools.policyview).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import selectors
@@ -26,11 +27,11 @@ import time
 
 from tools import messages as M
 from tools import sandbox
-from tools.binding import PermitError, background_writer
+from tools.binding import GuardsSandboxes, PermitError, background_writer
 from tools.context import ToolContext
 from tools.jobs import MAX_JOBS, Job
 from tools.paths import PathError, locate
-from tools.policyview import policy_view
+from tools.policyview import PolicyView, policy_view
 from tools.result import ToolResult, error, ok
 
 NAME = "Bash"
@@ -108,15 +109,45 @@ def _start_shell(ctx: ToolContext, script: str, cwd: str,
     (tools.policyview). Raises SandboxUnavailable, NetworkUnavailable, OSError."""
     hidden = [os.path.realpath(h) for h in ctx.binding.hidden_paths()]
     view = policy_view(ctx.root)
+    reg = None
     try:
-        return sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
-                                   pass_fds=pass_fds + tuple(view.fds), view=view.argv,
-                                   covers=view.cover_set(),
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True,
-                                   close_fds=True)
+        if isinstance(ctx.binding, GuardsSandboxes) and sandbox.unavailable_reason() is None:
+            reg = ctx.binding.guard_sandbox(_guarded(ctx, view))
+
+        def started(pid: int) -> None:
+            assert reg is not None
+            changed = reg.bind(pid)
+            if changed is not None:
+                raise OSError(errno.ESTALE, M.BASH_COVER_CHANGED.format(path=changed))
+
+        run = sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
+                                  pass_fds=pass_fds + tuple(view.fds), view=view.argv,
+                                  covers=view.cover_set(),
+                                  on_start=started if reg is not None else None,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                  close_fds=True)
+    except BaseException:
+        if reg is not None:
+            reg.close()
+        raise
     finally:
         view.close()
+    run.guard = reg
+    return run
+
+
+def _guarded(ctx: ToolContext, view: PolicyView) -> list[tuple[int, str]]:
+    """What the sandbox covers as (inode number, workspace path) pairs, for the session's
+    guard (``tools.binding.GuardsSandboxes``): the covers made before bwrap, else the
+    objects at the paths bwrap covers."""
+    if view.covers:
+        return [(c.ino, os.fsdecode(c.rel)) for c in view.covers]
+    out = []
+    for rel in (*view.hidden, *view.protected):
+        with contextlib.suppress(OSError):
+            out.append((os.lstat(os.path.join(ctx.root.real, rel)).st_ino, rel))
+    return out
 
 
 def _start_dir(ctx: ToolContext) -> tuple[str, str, str | None]:
@@ -266,6 +297,7 @@ def _run_foreground(ctx: ToolContext, command: str, cwd: str, timeout: float, si
             if proc.returncode is None:
                 _stop(proc, confined)
                 proc.wait()
+        stopped = run.stopped()
     elapsed = time.monotonic() - started
     try:
         reported = b"" if timed_out else os.read(side_r, 8192)
@@ -274,6 +306,11 @@ def _run_foreground(ctx: ToolContext, command: str, cwd: str, timeout: float, si
     cwd_after = None if timed_out else _track_cwd(ctx, reported)
     out = cap.text()
     parts = [out.rstrip("\n") if out else M.BASH_NO_OUTPUT]
+    if stopped is not None:
+        parts.append(M.BASH_COVER_STOPPED.format(path=stopped))
+        return error(NAME, "\n".join(parts), kind="cover_changed", path=stopped,
+                     exit_code=code, timed_out=timed_out, confined=confined,
+                     output_bytes=cap.total, elapsed_s=round(elapsed, 3), cwd=ctx.cwd)
     if timed_out:
         parts.append(M.BASH_TIMEOUT.format(seconds=timeout))
     elif code < 0:
@@ -297,6 +334,8 @@ def _job_status(job: Job) -> str:
         return M.BASH_JOB_RUNNING
     if job.killed:
         return M.BASH_JOB_KILLED
+    if job.stopped is not None:
+        return M.BASH_COVER_STOPPED.format(path=job.stopped)
     code = job.code if job.code is not None else -1
     if code < 0:
         return M.BASH_KILLED.format(signal=-code)
@@ -344,7 +383,7 @@ def bash_output(ctx: ToolContext, bash_id: str, filter: str | None = None,
         parts.append(M.BASH_JOB_RUNNING)
     else:
         parts.append(_job_status(job))
-    status = "running" if running else ("killed" if job.killed else "exited")
+    status = "running" if running else ("killed" if job.killed or job.stopped else "exited")
     return ok(OUTPUT_NAME, "\n".join(parts), bash_id=job.id, status=status,
               exit_code=None if running else job.code, output_bytes=len(data),
               dropped_bytes=dropped)

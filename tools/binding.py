@@ -107,6 +107,33 @@ class CanMarkBackground(Protocol):
     def background_writer(self) -> contextlib.AbstractContextManager[None]: ...
 
 
+class SandboxRegistration(Protocol):
+    """A running sandbox's registration with the session's guard (see
+    :class:`GuardsSandboxes`): ``bind(pid)`` names the first process of its pid
+    namespace and returns the covered path removed
+    or replaced since the registration (the command must then not run), else None;
+    ``end()`` forgets it and returns the covered path whose removal or replacement
+    outside the sandbox stopped it, else None; ``close()`` forgets it."""
+
+    def bind(self, pid: int) -> str | None: ...
+
+    def end(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class GuardsSandboxes(Protocol):
+    """Optional: a session whose file system stops a running sandbox before it removes or
+    replaces an object the sandbox's path policy covers (the covers are mounts on those
+    dentries: they would not survive it). ``guard_sandbox(covers)``: register a sandbox
+    about to start, covering ``covers`` ((inode number, workspace path) pairs); None where
+    the session has no such guard. Raises OSError when it refuses (EBUSY: a restore of a
+    covered path runs) or cannot be asked."""
+
+    def guard_sandbox(self, covers: list[tuple[int, str]]) -> SandboxRegistration | None: ...
+
+
 def background_writer(binding: object) -> contextlib.AbstractContextManager[None]:
     """The binding's background-writer mark, or a no-op where it has none."""
     if isinstance(binding, CanMarkBackground):

@@ -32,8 +32,9 @@ MAX_JOBS = 16                      # background commands alive at once per conne
 class Job:
     """One background command: ``id`` (``bash_N``), ``command``, its process, whether it
     is ``confined``; output not yet read in ``unread`` (``dropped`` bytes were lost to the
-    cap), ``total`` bytes written so far; ``code`` once it ended (negative: a signal) and
-    ``killed`` when KillShell stopped it."""
+    cap), ``total`` bytes written so far; ``code`` once it ended (negative: a signal),
+    ``killed`` when KillShell stopped it, ``stopped``: the covered path whose removal or
+    replacement outside the sandbox made the session stop it (``ShellRun.stopped``)."""
 
     id: str
     command: str
@@ -44,6 +45,7 @@ class Job:
     total: int = 0
     code: int | None = None
     killed: bool = False
+    stopped: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -121,6 +123,7 @@ class Jobs:
                         del job.unread[:over]
                         job.dropped += over
             job.code = job.proc.wait()
+            job.stopped = job.run.stopped()
         finally:
             job.proc.stdout.close()
             job.run.close()

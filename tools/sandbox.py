@@ -56,7 +56,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 _PROBE_TIMEOUT_S = 10
@@ -978,8 +978,25 @@ class ShellRun:
         self.proc = proc
         self.confined = confined
         self._cleanups: list[Any] = []
+        # The caller's registration of the sandbox with the session's guard
+        # (tools.binding.SandboxRegistration), ended by :meth:`stopped` or :meth:`close`.
+        self.guard: Any = None
+        self._stopped: str | None = None
+
+    def stopped(self) -> str | None:
+        """Once the command has ended: the covered path whose removal or replacement
+        outside the sandbox made the session stop it (the guard's answer), else None."""
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            try:
+                self._stopped = guard.end()
+            except OSError:
+                guard.close()
+        return self._stopped
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stopped()
         while self._cleanups:
             with contextlib.suppress(Exception):
                 self._cleanups.pop()()
@@ -1062,7 +1079,9 @@ def _stop_network(net: subprocess.Popen[bytes]) -> None:
 
 def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str],
                 command: str, pass_fds: Sequence[int] = (), view: Sequence[str] = (),
-                covers: CoverSet | None = None, **popen_kw: Any) -> ShellRun:
+                covers: CoverSet | None = None,
+                on_start: Callable[[int], object] | None = None,
+                **popen_kw: Any) -> ShellRun:
     """Start ``bash -c command`` in the sandbox (module docstring) with working directory
     ``cwd``; ``pass_fds``: the caller's descriptors the command inherits (the caller keeps
     and closes them); ``popen_kw`` go to subprocess.Popen (stdio, start_new_session). Where
@@ -1072,7 +1091,10 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
     (:func:`confined_shell`; descriptors they name go in ``pass_fds``). ``covers``: the
     path policy's covers, made before bwrap starts (:class:`_CoverStep`; only where
     :func:`premount_available`); a cover that cannot be made (its object changed since the
-    scan) is an OSError and nothing runs."""
+    scan) is an OSError and nothing runs. ``on_start(pid)``: called with the pid of the
+    sandbox's first process (its pid namespace's init) once bwrap reported it, before the
+    command runs (bwrap waits for it); when it raises, the sandbox is killed and the error
+    raised (not called when unconfined)."""
     reason = unavailable_reason()
     if reason is not None:
         if not policy.unsafe_no_sandbox:
@@ -1112,8 +1134,9 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
             spawner.limit(policy.max_processes + 2)
         seccomp_fd = _data_fd(seccomp_program(), "rewindfs-seccomp")
         child_fds.append(seccomp_fd)
-        info_fd = pipe("info") if cg_parent is not None or policy.network else None
-        block_fd = pipe("block_w") if cg_parent is not None else None
+        waits = cg_parent is not None or on_start is not None   # bwrap waits for a byte
+        info_fd = pipe("info") if waits or policy.network else None
+        block_fd = pipe("block_w") if waits else None
         net_fds = (pipe("ready"), pipe("go_w")) if policy.network else None
         resolv_fd = None
         if policy.network:
@@ -1161,6 +1184,9 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
         pid = _read_child_pid(own["info"])
         if cgroup is not None:
             cgroup.join(pid)
+        if on_start is not None:
+            on_start(pid)
+        if waits:
             os.write(own["block_w"], b"1")
         if policy.network:
             _wait_byte(own["ready"], "the sandbox did not start")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import stat
@@ -24,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fusefs.session.control import (
+    SandboxRegistration,
     control_path,
     hold_background_writer,
     hold_write_permit,
@@ -158,6 +160,19 @@ class SessionToolBinding:
             except (SessionError, OSError) as e:
                 raise PermitError(e) from e
             yield
+
+    def guard_sandbox(self, covers: list[tuple[int, str]]) -> SandboxRegistration | None:
+        """Register a sandbox about to start with the FUSE mount's guard
+        (``tools.binding.GuardsSandboxes``); None for a no-FUSE session (no daemon sees
+        the changes) or no covers. Raises OSError when the host refuses or is gone."""
+        if self.record.backend == "fallback" or not covers:
+            return None
+        try:
+            return SandboxRegistration(self._socket(), covers)
+        except SessionClosedError as e:
+            raise OSError(errno.ESHUTDOWN, str(e)) from e
+        except SessionError as e:
+            raise OSError(errno.EBUSY, str(e)) from e
 
     def path_policy(self) -> PathPolicy:
         """The session's path policy (its spec's, plus what this binding was given)."""

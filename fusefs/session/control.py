@@ -135,6 +135,59 @@ def hold_background_writer(path: str, timeout_s: float | None = 30.0) -> Iterato
         yield
 
 
+class SandboxRegistration:
+    """A sandbox registered with the mount daemon's guard (the ``sandbox`` request, held on
+    one connection; ``fusefs.guard``): made with its covers ((inode number, workspace
+    path) pairs) before the sandbox starts; :meth:`bind` gives the first process of its
+    pid namespace, :meth:`end` (or :meth:`close`, or the connection's end) forgets it.
+    Raises OSError if nobody serves ``path``, HostError if the host refuses (no FUSE
+    mount, a restore of a covered path running)."""
+
+    def __init__(self, path: str, covers: list[tuple[int, str]],
+                 timeout_s: float | None = 30.0) -> None:
+        self.path = path
+        self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout_s)
+            self.sock.connect(path)
+            raise_reply(_exchange(self.sock, path, {"op": "sandbox",
+                                                    "covers": [list(c) for c in covers]}))
+        except BaseException:
+            self.close()
+            raise
+
+    def bind(self, pid: int) -> str | None:
+        """Tell the guard the sandbox's first process (``pid``, with its start time: an
+        identity a reused pid does not share); returns the covered path that was removed
+        or replaced since the registration (the command must not run), else None. Raises
+        OSError when the process is gone, HostError when the host refuses."""
+        from ..guard import start_ticks
+
+        assert self.sock is not None
+        req = {"pid": pid, "start": start_ticks(pid)}
+        got = raise_reply(_exchange(self.sock, self.path, req))
+        spoiled = got.get("spoiled")
+        return None if spoiled is None else str(spoiled)
+
+    def end(self) -> str | None:
+        """Forget the sandbox (its processes have ended); returns the covered path whose
+        removal or replacement outside the sandbox made the daemon stop it, else None.
+        Raises OSError when the host went away."""
+        if self.sock is None:
+            return None
+        try:
+            got = raise_reply(_exchange(self.sock, self.path, {"end": True}))
+        finally:
+            self.close()
+        stopped = got.get("stopped")
+        return None if stopped is None else str(stopped)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
 def live_host(state_dir: str) -> str | None:
     """The control socket of the session's live host, or None if none answers."""
     path = control_path(state_dir)

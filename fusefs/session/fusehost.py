@@ -119,6 +119,48 @@ class FuseHost(Host):
             return {"ok": True, "ref": ref, "exits": self.process.last_one(self)}
         return Host.dispatch(self, req)
 
+    def hold_sandbox(self, req: dict[str, Any], send: Any, readline: Any) -> None:
+        """The ``sandbox`` request: register the sandbox's covers with the mount's guard
+        (``fusefs.guard``), answer ``{"pid", "start"}`` with ``spoiled`` and ``{"end"}``
+        (or the connection's end) with ``stopped``, forgetting it then."""
+        mount = self.process.mount
+        live = mount.live
+        if live is None:
+            raise RuntimeError("the mount is not serving")
+        guard = live.ops.guard
+        covers = [(int(ino), os.fsencode(str(path))) for ino, path in req.get("covers") or ()]
+        token: int | None = mount.call_sync(guard.register, covers)
+
+        def shown(path: bytes | None) -> str | None:
+            return None if path is None else os.fsdecode(path)
+
+        try:
+            send({"ok": True})
+            while True:
+                line = readline()
+                if not line:
+                    return
+                msg = json.loads(line)
+                if msg.get("end"):
+                    stopped = mount.call_sync(guard.end, token)
+                    token = None
+                    send({"ok": True, "stopped": shown(stopped)})
+                    return
+                try:
+                    got = mount.call_sync(guard.bind, token, int(msg["pid"]), int(msg["start"]))
+                except Exception as e:
+                    send(error_reply(e))
+                    continue
+                send({"ok": True, "spoiled": shown(got)})
+        except OSError:
+            pass  # the client went away
+        finally:
+            if token is not None:
+                try:
+                    mount.call_sync(guard.end, token)
+                except Exception as e:   # the mount stopped: nothing left to guard
+                    log.debug("sandbox guard: %s", e)
+
     def stop(self) -> None:
         """Shut the session down (idempotent) and stop serving its socket, after the
         replies in flight are sent (bounded wait)."""

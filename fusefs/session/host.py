@@ -109,6 +109,9 @@ class _Handler(socketserver.StreamRequestHandler):
             if isinstance(req, dict) and req.get("op") == "background_writer":
                 self.server.host.hold_background_writer(self._send, self.rfile.readline)
                 return
+            if isinstance(req, dict) and req.get("op") == "sandbox":
+                self.server.host.hold_sandbox(req, self._send, self.rfile.readline)
+                return
             reply = self.server.host.dispatch(req)
         except Exception as e:
             reply = error_reply(e)
@@ -210,6 +213,12 @@ class Host:
             except OSError:
                 return
             wait_closed()
+
+    def hold_sandbox(self, req: dict[str, Any], send: Callable[[dict[str, Any]], None],
+                     readline: Callable[[], bytes]) -> None:
+        """The ``sandbox`` request (``control.SandboxRegistration``): registers a sandbox
+        with the mount daemon's guard. Only a FUSE mount has one: refused here."""
+        raise ValueError("the sandbox guard needs the session's FUSE mount")
 
     def serve(self) -> None:
         try:
