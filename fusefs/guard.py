@@ -39,6 +39,7 @@ class Sandbox:
 
     covers: dict[int, bytes]
     pidfd: int = -1
+    pidns: int = 0          # the inode of its pid namespace, once bound
     stopped: bytes | None = None
     spoiled: bytes | None = None
     gone: bool = False
@@ -64,6 +65,14 @@ def _at_or_below(path: bytes, tops: frozenset[bytes]) -> bool:
             return True
         i = path.rfind(b"/", 0, i)
     return False
+
+
+def _pid_namespace(pid: int) -> int:
+    """The inode number of process ``pid``'s pid namespace, 0 when it cannot be read."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _exited(pidfd: int) -> bool:
@@ -135,6 +144,7 @@ class SandboxGuard:
             os.close(fd)
             raise
         sb.pidfd = fd
+        sb.pidns = _pid_namespace(pid)
         return None
 
     def end(self, token: int) -> bytes | None:
@@ -215,13 +225,21 @@ class SandboxGuard:
         for sb in found:
             self._drop(sb)
 
-    async def clear(self, *inos: int) -> None:
+    async def clear(self, requester: int, *inos: int) -> None:
         """Before removing or replacing the dentries of the objects ``inos`` (0: no
-        object): stop every sandbox covering one of them. Returns at once when none does;
-        raises GuardError (:meth:`stop`)."""
+        object) for process ``requester``: stop every sandbox covering one of them, except
+        the requester's own (its covered names are mount points there, which the kernel
+        does not let it remove or replace, so its request names another link of the
+        object; killing it would wait on this very request). Returns at once when none
+        does; raises GuardError (:meth:`stop`)."""
+        mine: int | None = None
         while self.by_ino:
             for ino in inos:
                 found = self.hits(ino)
+                if found and any(sb.pidns for sb in found):
+                    if mine is None:
+                        mine = _pid_namespace(requester) if requester > 0 else 0
+                    found = [sb for sb in found if not (mine and sb.pidns == mine)]
                 if found:
                     await self.stop(found, ino)
                     break

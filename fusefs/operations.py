@@ -444,27 +444,28 @@ class Operations(pyfuse3.Operations):
         """The inode number ``name`` in directory ``parent`` names, 0 for none."""
         try:
             n = self.ov._child(self.ov._dir(parent), name)
-        except OSError:
+        except (OSError, KeyError):
             return 0
         return 0 if n is None else n.ino
 
-    async def _unguard(self, *names: tuple[int, bytes]) -> None:
+    async def _unguard(self, ctx: RequestContext, *names: tuple[int, bytes]) -> None:
         """Before the dentries ``names`` ((parent inode, name) pairs) are removed or
-        replaced: stop the running sandboxes covering their objects (fusefs/guard.py).
-        With no await after it, the operation then runs before any new registration."""
+        replaced for the requester of ``ctx``: stop the running sandboxes covering their
+        objects (fusefs/guard.py). With no await after it, the operation then runs before
+        any new registration."""
         if self.guard.by_ino:
-            await self.guard.clear(*(self._ino_at(p, n) for p, n in names))
+            await self.guard.clear(ctx.pid, *(self._ino_at(p, n) for p, n in names))
 
     @_boundary
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         async with self.gate.mutation():
-            await self._unguard((parent_inode, bytes(name)))
+            await self._unguard(ctx, (parent_inode, bytes(name)))
             self.ov.unlink(parent_inode, name)
 
     @_boundary
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         async with self.gate.mutation():
-            await self._unguard((parent_inode, bytes(name)))
+            await self._unguard(ctx, (parent_inode, bytes(name)))
             self.ov.rmdir(parent_inode, name)
 
     @_boundary
@@ -474,7 +475,7 @@ class Operations(pyfuse3.Operations):
         async with self.gate.mutation():
             # both names: the source's object leaves its name, the target's is replaced
             # (or, with RENAME_EXCHANGE, moved)
-            await self._unguard((parent_inode_old, bytes(name_old)),
+            await self._unguard(ctx, (parent_inode_old, bytes(name_old)),
                                 (parent_inode_new, bytes(name_new)))
             self.ov.rename(parent_inode_old, bytes(name_old), parent_inode_new,
                            bytes(name_new), flags)
@@ -483,6 +484,8 @@ class Operations(pyfuse3.Operations):
     async def link(self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT,
                    ctx: RequestContext) -> EntryAttributes:
         async with self.gate.mutation():
+            if self.guard.by_ino:   # a new name of a covered object: no cover on it
+                await self.guard.clear(ctx.pid, inode)
             return self.attrs(self.ov.link(inode, new_parent_inode, new_name))
 
     # -- files -----------------------------------------------------------------------------

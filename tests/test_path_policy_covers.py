@@ -130,7 +130,8 @@ def _move_away_and_create(path: Path, text: str) -> None:
 def _stopped(b: ToolResult, path: str) -> None:
     """``b`` is the answer of a command the session stopped for ``path``."""
     assert not b.ok and b.data.get("kind") == "cover_changed", b.text
-    assert b.data.get("path") == path and f"{path} was removed or replaced" in b.text, b.text
+    assert b.data.get("path") == path, b.text
+    assert f"{path} was removed, replaced or linked" in b.text, b.text
 
 
 @needs_sandbox
@@ -151,6 +152,24 @@ def test_a_running_command_is_stopped_before_its_hidden_file_is_replaced(
     assert NEW_SECRET not in b.text and "rc=" not in b.text, b.text
     b = run_bash(ctx, "cat .env; echo rc=$?")        # the next call covers the new file
     assert NEW_SECRET not in b.text and "rc=1" in b.text, b.text
+    ctx.close()
+
+
+@needs_sandbox
+@needs_fuse
+def test_a_running_command_is_stopped_before_a_new_link_to_its_hidden_file(
+        sessions: Sessions) -> None:
+    """A hard link the user makes while a command runs is a name no cover sits on: the
+    daemon stops the command before it makes the link."""
+    sid, root = _new(sessions, "fuse", _seed(sessions), "--hide", ".env")
+    ctx = ToolContext(SessionToolBinding(sessions.store, sid))
+    b = _during(ctx, root, "cat alias; echo rc=$?",
+                lambda: os.link(root / ".env", root / "alias"))
+    assert (root / "alias").read_text() == SECRET + "\n"
+    _stopped(b, ".env")
+    assert SECRET not in b.text and "rc=" not in b.text, b.text
+    b = run_bash(ctx, "cat alias; echo rc=$?")       # the next call covers the link too
+    assert SECRET not in b.text and "rc=1" in b.text, b.text
     ctx.close()
 
 
@@ -192,7 +211,7 @@ def test_a_background_command_is_stopped_before_a_path_restore_changes_its_hidde
         (root / "go").touch()
         out = bash_output(ctx, r.data["bash_id"], wait=60)
         assert out.data["status"] == "killed", out.text
-        assert ".env was removed or replaced" in out.text, out.text
+        assert ".env was removed, replaced or linked" in out.text, out.text
         assert not (root / "seen.done").exists() and not (root / "seen").exists()
     finally:
         ctx.close()

@@ -30,6 +30,8 @@ GOLDEN = {
     'BASH_JOB_RUNNING': '[still running]',
     'BASH_JOB_STOPPED': 'stopped {id} and every process it started',
     'BASH_JOB_UNKNOWN': 'no background command {id!r} (known: {ids})',
+    'BASH_COVER_CHANGED': "{path} was removed or replaced while the command started; the session's path policy could not be applied; nothing ran",
+    'BASH_COVER_STOPPED': "[stopped: {path} was removed, replaced or linked outside the sandbox while the command ran; the session's path policy covers it, so the command and every process it started were killed before the change (they never saw what is there now). Run it again to see the path as it is now]",
     'BASH_KILLED': '[killed by signal {signal}]',
     'BASH_MAX_TIMEOUT_S': 600,
     'BASH_NO_NETWORK': "refused: the sandbox's network cannot be set up here ({reason}); the operator may fix that (`rewindfs doctor` says how) or run `rewindfs mcp` without --network",

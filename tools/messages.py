@@ -117,10 +117,11 @@ BASH_EXIT = "[exit code: {code}]"
 BASH_KILLED = "[killed by signal {signal}]"
 BASH_TIMEOUT = ("[timed out after {seconds:g} s: the command and every process it started "
                 "were killed]")
-BASH_COVER_STOPPED = ("[stopped: {path} was removed or replaced outside the sandbox while the "
-                      "command ran; the session's path policy covers it, so the command and "
-                      "every process it started were killed before the change (they never "
-                      "saw the new {path}). Run it again to see the path as it is now]")
+BASH_COVER_STOPPED = ("[stopped: {path} was removed, replaced or linked outside the sandbox "
+                      "while the command ran; the session's path policy covers it, so the "
+                      "command and every process it started were killed before the change "
+                      "(they never saw what is there now). Run it again to see the path as "
+                      "it is now]")
 BASH_COVER_CHANGED = ("{path} was removed or replaced while the command started; the "
                       "session's path policy could not be applied; nothing ran")
 BASH_OMITTED = "\n[... {omitted} bytes of output omitted ...]\n"
