@@ -10,6 +10,7 @@ because confined Bash gets a private /tmp.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import threading
@@ -127,6 +128,16 @@ def _move_away_and_create(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def _exchange_with_new(path: Path, text: str) -> None:
+    """renameat2(RENAME_EXCHANGE) of the name with a new file: both names stay."""
+    other = path.with_name(path.name + ".new")
+    other.write_text(text)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(-100, os.fsencode(path), -100, os.fsencode(other), 2) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
 def _stopped(b: ToolResult, path: str) -> None:
     """``b`` is the answer of a command the session stopped for ``path``."""
     assert not b.ok and b.data.get("kind") == "cover_changed", b.text
@@ -136,8 +147,10 @@ def _stopped(b: ToolResult, path: str) -> None:
 
 @needs_sandbox
 @needs_fuse
-@pytest.mark.parametrize("change", [_replace, _unlink_and_create, _move_away_and_create],
-                         ids=["rename-over", "unlink-create", "rename-away-create"])
+@pytest.mark.parametrize("change", [_replace, _unlink_and_create, _move_away_and_create,
+                                    _exchange_with_new],
+                         ids=["rename-over", "unlink-create", "rename-away-create",
+                              "exchange"])
 def test_a_running_command_is_stopped_before_its_hidden_file_is_replaced(
         sessions: Sessions, change: Callable[[Path, str], None]) -> None:
     """The user replaces a hidden file while a command runs: the daemon kills the command
@@ -212,6 +225,34 @@ def test_a_background_command_is_stopped_before_a_path_restore_changes_its_hidde
         out = bash_output(ctx, r.data["bash_id"], wait=60)
         assert out.data["status"] == "killed", out.text
         assert ".env was removed, replaced or linked" in out.text, out.text
+        assert not (root / "seen.done").exists() and not (root / "seen").exists()
+    finally:
+        ctx.close()
+
+
+@needs_sandbox
+@needs_fuse
+def test_a_background_command_is_stopped_before_a_whole_restore(sessions: Sessions) -> None:
+    """A whole restore (the ref before .env was rewritten) while a background command that
+    hides .env runs: stopped first, then the tree is restored."""
+    sid, root = _new(sessions, "fuse", _seed(sessions), "--hide", ".env")
+    ref = json.loads(sessions.cli("log", sid, "--json").stdout)[0]["ref"]
+    (root / ".env").write_text(NEW_SECRET + "\n")
+    ctx = ToolContext(SessionToolBinding(sessions.store, sid))
+    try:
+        r = run_bash(ctx, _WAIT_GO + "cat .env > seen 2>&1; mv seen seen.done",
+                     run_in_background=True)
+        assert r.ok, r.text
+        for _ in range(6000):
+            if (root / "started").exists():
+                break
+            time.sleep(0.02)
+        sessions.cli("session", "restore", sid, ref)
+        assert (root / ".env").read_text() == SECRET + "\n"
+        out = bash_output(ctx, r.data["bash_id"], wait=60)
+        assert out.data["status"] == "killed", out.text
+        assert "was removed, replaced or linked" in out.text, out.text
+        (root / "go").touch()
         assert not (root / "seen.done").exists() and not (root / "seen").exists()
     finally:
         ctx.close()
