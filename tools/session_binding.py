@@ -171,8 +171,6 @@ class SessionToolBinding:
             return SandboxRegistration(self._socket(), covers)
         except SessionClosedError as e:
             raise OSError(errno.ESHUTDOWN, str(e)) from e
-        except SessionError as e:
-            raise OSError(errno.EBUSY, str(e)) from e
 
     def path_policy(self) -> PathPolicy:
         """The session's path policy (its spec's, plus what this binding was given)."""

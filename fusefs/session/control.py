@@ -21,6 +21,7 @@ checkpoints taken meanwhile are journaled fuzzy (``hold_background_writer``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -87,6 +88,11 @@ def control_path(state_dir: str) -> str | None:
 def _exchange(s: socket.socket, path: str, req: dict[str, Any]) -> dict[str, Any]:
     """Send ``req`` on the connected ``s`` and read one reply line."""
     s.sendall(json.dumps(req).encode() + b"\n")
+    return _reply(s, path)
+
+
+def _reply(s: socket.socket, path: str) -> dict[str, Any]:
+    """Read one reply line from ``s`` (one request outstanding)."""
     buf = b""
     while not buf.endswith(b"\n"):
         data = s.recv(65536)
@@ -138,45 +144,57 @@ def hold_background_writer(path: str, timeout_s: float | None = 30.0) -> Iterato
 class SandboxRegistration:
     """A sandbox registered with the mount daemon's guard (the ``sandbox`` request, held on
     one connection; ``fusefs.guard``): made with its covers ((inode number, workspace
-    path) pairs) before the sandbox starts; :meth:`bind` gives the first process of its
-    pid namespace, :meth:`end` (or :meth:`close`, or the connection's end) forgets it.
-    Raises OSError if nobody serves ``path``, HostError if the host refuses (no FUSE
-    mount, a restore of a covered path running)."""
+    path) pairs) before the sandbox starts (the request is sent; its answer is read by
+    :meth:`bind`, so the host registers while the sandbox starts); :meth:`bind` gives the
+    first process of its pid namespace, :meth:`end` (or :meth:`close`, or the
+    connection's end) forgets it. Every method raises OSError: nobody serves ``path``,
+    the host went away, or it refused (EBUSY: no FUSE mount, a restore of a covered path
+    running, the process gone)."""
 
     def __init__(self, path: str, covers: list[tuple[int, str]],
                  timeout_s: float | None = 30.0) -> None:
         self.path = path
         self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._pending = True    # the registration's answer, not read yet
         try:
             self.sock.settimeout(timeout_s)
             self.sock.connect(path)
-            raise_reply(_exchange(self.sock, path, {"op": "sandbox",
-                                                    "covers": [list(c) for c in covers]}))
+            req = {"op": "sandbox", "covers": [list(c) for c in covers]}
+            self.sock.sendall(json.dumps(req).encode() + b"\n")
         except BaseException:
             self.close()
             raise
 
+    def _ok(self, got: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return raise_reply(got)
+        except HostError as e:
+            raise OSError(errno.EBUSY, str(e)) from e
+
     def bind(self, pid: int) -> str | None:
         """Tell the guard the sandbox's first process (``pid``, with its start time: an
         identity a reused pid does not share); returns the covered path that was removed
-        or replaced since the registration (the command must not run), else None. Raises
-        OSError when the process is gone, HostError when the host refuses."""
+        or replaced since the registration (the command must not run), else None."""
         from ..guard import start_ticks
 
-        assert self.sock is not None
+        if self.sock is None:
+            raise OSError(errno.EBADF, "the sandbox's registration is closed")
+        if self._pending:
+            self._pending = False
+            self._ok(_reply(self.sock, self.path))
         req = {"pid": pid, "start": start_ticks(pid)}
-        got = raise_reply(_exchange(self.sock, self.path, req))
+        got = self._ok(_exchange(self.sock, self.path, req))
         spoiled = got.get("spoiled")
         return None if spoiled is None else str(spoiled)
 
     def end(self) -> str | None:
         """Forget the sandbox (its processes have ended); returns the covered path whose
-        removal or replacement outside the sandbox made the daemon stop it, else None.
-        Raises OSError when the host went away."""
-        if self.sock is None:
+        removal or replacement outside the sandbox made the daemon stop it, else None."""
+        if self.sock is None or self._pending:
+            self.close()
             return None
         try:
-            got = raise_reply(_exchange(self.sock, self.path, {"end": True}))
+            got = self._ok(_exchange(self.sock, self.path, {"end": True}))
         finally:
             self.close()
         stopped = got.get("stopped")
