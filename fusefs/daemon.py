@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import FuseFSError, MountError, describe, leaf_errors
+from .errors import FuseFSError, MountError, StateDirError, describe, leaf_errors
 from .mounts import (
     EXIT_SUFFIX,
     claim_mountpoint,
@@ -310,7 +310,13 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         ready(str(e))
         raise
     if cfg.log_path is None and cfg.state_dir is not None:
-        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        from .upper import make_state_dir
+
+        try:
+            make_state_dir(cfg.state_dir)
+        except StateDirError as e:
+            ready(str(e))
+            raise
         cfg.log_path = os.path.join(cfg.state_dir, "daemon.log")
     _setup_logging(cfg.log_path, cfg.debug)
     _raise_fd_limit()

@@ -24,6 +24,16 @@ class StateLockedError(FuseFSError):
         super().__init__(f"state directory {state_dir} is in use by another mount daemon")
 
 
+class StateDirError(FuseFSError):
+    """The state directory cannot be made at ``state_dir`` (a file is in the way, a parent
+    cannot be created, a name is too long); ``cause`` names the path at fault and a fix."""
+
+    def __init__(self, state_dir: str, cause: str) -> None:
+        self.state_dir = state_dir
+        self.cause = cause
+        super().__init__(f"state directory {state_dir}: {cause}")
+
+
 class StateFullError(FuseFSError):
     """The state directory's file system has no space (ENOSPC) for what opening it must
     write (``what``); nothing in it was lost or changed."""

@@ -121,6 +121,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from store.dirs import DirectoryError, make_private_dir
 from store.errors import InvalidRefError
 from store.ref import DIGEST_SIZE, Ref
 from store.tree import ChunkList, decode_runs, encode_runs
@@ -128,6 +129,7 @@ from store.tree import ChunkList, decode_runs, encode_runs
 from .errors import (
     BaseMismatchError,
     NoBaseError,
+    StateDirError,
     StateFullError,
     StateLockedError,
     UpperFormatError,
@@ -245,6 +247,16 @@ _INSERT_INODE = (f"INSERT OR REPLACE INTO inodes({', '.join(ROW_COLUMNS)}) "
 
 InodeRow = tuple  # the ROW_COLUMNS, in order
 INLINE_MAX = 16 << 10  # files up to this size made in the mount live in their row
+
+
+def make_state_dir(state_dir: str) -> None:
+    """Make the state directory ``state_dir`` (absolute) and its missing parents, mode 0700.
+    Raises StateDirError (exit 9) naming what is in the way (a file, a parent that cannot be
+    made, a name too long) and a fix."""
+    try:
+        make_private_dir(state_dir, "state directory")
+    except DirectoryError as e:
+        raise StateDirError(state_dir, e.cause) from None
 
 
 def bitmap(bits: set[int]) -> bytes | None:
@@ -418,10 +430,10 @@ class Upper:
         """Open (creating if needed) and lock ``state_dir``, then recover it (see the crash
         table). ``ref`` None means: use the recorded base.
 
-        Raises StateLockedError, NoBaseError, BaseMismatchError, UpperFormatError.
+        Raises StateDirError, StateLockedError, NoBaseError, BaseMismatchError, UpperFormatError.
         """
         state_dir = os.path.abspath(state_dir)
-        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        make_state_dir(state_dir)
         lock_fd = os.open(os.path.join(state_dir, LOCK_NAME),
                           os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:

@@ -13,8 +13,10 @@ FUSE modules are imported inside handlers.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import select
+import stat
 import subprocess
 import sys
 import time
@@ -128,7 +130,16 @@ def _checked_targets(args: argparse.Namespace) -> tuple[str | None, str]:
             raise MountError(mnt, "a dead mount is left there (its daemon is gone); run "
                                   "`rewindfs umount` on it first")
         raise MountError(mnt, "something is already mounted there")
-    if not os.path.isdir(mnt):
+    try:
+        is_dir = stat.S_ISDIR(os.stat(mnt).st_mode)
+    except FileNotFoundError:
+        raise MountError(mnt, "mount point does not exist (mkdir it)") from None
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise MountError(mnt, "mount point name too long (255 bytes at most per name, "
+                                  "4095 in all)") from None
+        raise MountError(mnt, f"mount point cannot be reached ({e.strerror})") from None
+    if not is_dir:
         raise MountError(mnt, "mount point is not a directory")
     return ref, mnt
 
@@ -136,6 +147,7 @@ def _checked_targets(args: argparse.Namespace) -> tuple[str | None, str]:
 def cmd_mount(args: argparse.Namespace) -> int:
     from fusefs.daemon import MountConfig, fd_ready, refuse_no_open, refuse_overlap, serve
     from fusefs.mounts import record_path
+    from fusefs.upper import make_state_dir
 
     if args.foreground:
         # The daemon a background mount started: a refusal of these checks (a mount that
@@ -165,7 +177,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     if log_path is None:
         if state is not None:
-            os.makedirs(state, mode=0o700, exist_ok=True)
+            make_state_dir(state)
             log_path = os.path.join(state, "daemon.log")
         else:
             log_path = record_path(mnt, ".log")

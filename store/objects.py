@@ -40,6 +40,7 @@ from .catalog import (
     sqlite_full,
     write_transaction,
 )
+from .dirs import make_private_dir
 from .errors import (
     BlobNotFoundError,
     FencedError,
@@ -146,7 +147,7 @@ class Store:
                  catalog: Catalog | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = DEFAULT_LEVEL) -> None:
         self.root = os.path.abspath(os.fspath(root))
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        make_private_dir(self.root, "store")
         if backend is None and catalog is None:
             from . import config
 

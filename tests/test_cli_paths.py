@@ -1,0 +1,69 @@
+"""A path the user gives that cannot serve (a store or state directory that is a file or
+cannot be made, a mount point that is missing or has a name too long) is one line naming
+the cause and a fix, with the README's exit code (1 for the store, 9 for a mount), through
+the console script in subprocesses; nothing is mounted and nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(store: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_DEBUG", "REWINDFS_STORE")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(store), *args],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+
+
+def one_line(p: subprocess.CompletedProcess[str], code: int) -> str:
+    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("rewindfs: "), p.stderr
+    assert "Errno" not in p.stderr, p.stderr
+    return p.stderr
+
+
+def test_store_path_that_is_a_file_or_cannot_be_made(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x\n")
+    err = one_line(run(f, "list"), 1)
+    assert f"store {f}: it is a file, not a directory" in err
+    err = one_line(run(f / "sub", "list"), 1)
+    assert f"its parent {f} is a file" in err
+    err = one_line(run("/proc/nope/x", "list"), 1)
+    assert "/proc/nope cannot be created in /proc" in err and "you can write" in err
+    assert f.read_text() == "x\n"
+
+
+def test_state_and_mount_point_paths(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("a\n")
+    store = tmp_path / "store"
+    ref = json.loads(run(store, "snapshot", str(src), "--json").stdout)["ref"]
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    f = tmp_path / "file"
+    f.write_text("x\n")
+    # The CLI makes the state directory (for its daemon.log); with --log the daemon does.
+    for extra in ([], ["--log", str(tmp_path / "d.log")]):
+        err = one_line(run(store, "mount", ref, str(mnt), "--state", str(f), *extra), 9)
+        assert f"state directory {f}: it is a file, not a directory" in err
+        err = one_line(run(store, "mount", ref, str(mnt), "--state", "/proc/nope/x", *extra), 9)
+        assert "state directory /proc/nope/x: /proc/nope cannot be created" in err
+    assert not os.path.ismount(mnt)
+
+    state = tmp_path / "state"
+    err = one_line(run(store, "mount", ref, str(tmp_path / "nomnt"), "--state", str(state)), 9)
+    assert "mount point does not exist (mkdir it)" in err
+    long = tmp_path / ("n" * 300)
+    err = one_line(run(store, "mount", ref, str(long), "--state", str(state)), 9)
+    assert "mount point name too long" in err
+    err = one_line(run(store, "mount", ref, str(f), "--state", str(state)), 9)
+    assert "mount point is not a directory" in err
+    assert not state.exists()
