@@ -13,6 +13,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from fusefs.inodes import ROOT_INO
 from fusefs.overlay import Overlay, held_bytes
 
 MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_mib(path: Path, n: int, flags: int = os.O_CREAT | os.O_WRONLY) -> int:
@@ -277,3 +280,44 @@ def test_session_quota_is_kept_by_resume(tmp_path: Path) -> None:
         assert write_mib(root / "b.bin", 1) == MIB
     finally:
         cli(st, "session", "shutdown", s["id"], "--force", check=False)
+
+
+def test_quotas_are_refused_on_the_automatic_no_fuse_fallback(tmp_path: Path) -> None:
+    """A user who cannot open /dev/fuse gets the no-FUSE fallback without asking for it:
+    a quota there is refused like an exclude pattern (exit 10, nothing started) instead
+    of being accepted and never enforced; without one the session starts on the fallback."""
+    from test_mainjob import without_dev_fuse
+
+    prefix = without_dev_fuse(tmp_path)
+    st = tmp_path / "store"
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "f.txt").write_text("seed\n")
+    seed = json.loads(cli(st, "snapshot", str(tmp_path / "p"), "--json").stdout)["ref"]
+
+    started: list[str] = []
+
+    def new(*extra: str) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([*prefix, sys.executable, "-m", "rewindfs", "--store", str(st),
+                            "session", "new", "--seed", seed, "--base", str(tmp_path / "ws"),
+                            "--json", *extra], capture_output=True, text=True, cwd=REPO)
+        if r.returncode == 0:
+            started.append(json.loads(r.stdout)["id"])
+        return r
+
+    try:
+        for extra, option in ((("--quota-bytes", "10M"), "quota_bytes"),
+                              (("--quota-inodes", "100"), "quota_inodes"),
+                              (("--exclude", "node_modules/"), "exclude")):
+            r = new(*extra)
+            assert r.returncode == 10, (extra, r.stdout, r.stderr)
+            assert f"{option} needs a FUSE session: the no-FUSE fallback" in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert not (st / "sessions").exists() or not list((st / "sessions").iterdir())
+        r = new()
+        assert r.returncode == 0, r.stderr
+        root = json.loads(r.stdout)["root"]
+        assert not os.path.ismount(root)  # the fallback: a plain directory
+        assert (Path(root) / "f.txt").read_text() == "seed\n"
+    finally:
+        for sid in started:
+            cli(st, "session", "shutdown", sid, "--force", check=False)

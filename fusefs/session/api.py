@@ -33,7 +33,7 @@ from store.objects import JournalEvent, Store
 from store.ref import Ref
 
 from . import moves
-from .config import WorkspaceConfig, refuse_exclude_without_fuse
+from .config import WorkspaceConfig, refuse_without_fuse
 from .errors import (
     SeedError,
     SessionError,
@@ -113,13 +113,13 @@ class FallbackBackend:
 
     def open_new(self, cfg: WorkspaceConfig, record: SessionRecord,
                  seed: Ref | None) -> SessionHandle:
-        refuse_exclude_without_fuse(cfg.paths)
+        refuse_without_fuse(cfg)
         core = SessionCore(cfg, record, self.live_tree(cfg, record))
         core.open_new(seed)
         return core
 
     def open_existing(self, cfg: WorkspaceConfig, record: SessionRecord) -> SessionHandle:
-        refuse_exclude_without_fuse(cfg.paths)
+        refuse_without_fuse(cfg)
         core = SessionCore(cfg, record, self.live_tree(cfg, record))
         core.open_existing()
         return core

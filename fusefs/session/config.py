@@ -24,6 +24,7 @@ from store.pathpolicy import PathPolicy, PathPolicyError
 
 from .errors import (
     PersistenceOverlapError,
+    QuotaWithoutFuseError,
     SnapshotPolicyError,
     WorkspacePlacementError,
 )
@@ -158,6 +159,17 @@ def refuse_exclude_without_fuse(paths: PathPolicy) -> None:
                               "fallback (--no-fuse, or no usable /dev/fuse here) would "
                               "checkpoint the excluded paths; remove the exclude patterns "
                               "or run the session on FUSE")
+
+
+def refuse_without_fuse(cfg: WorkspaceConfig) -> None:
+    """What only a FUSE session keeps, refused for a session on the no-FUSE fallback
+    (chosen or automatic): ``exclude`` patterns (PathPolicyError, see
+    ``refuse_exclude_without_fuse``) and quotas (QuotaWithoutFuseError: nothing counts a
+    plain directory's writes)."""
+    refuse_exclude_without_fuse(cfg.paths)
+    for option, cap in (("quota_bytes", cfg.quota_bytes), ("quota_inodes", cfg.quota_inodes)):
+        if cap:
+            raise QuotaWithoutFuseError(option)
 
 
 def _default_leaser(store: Any) -> Any:

@@ -235,6 +235,19 @@ class SeedError(SessionError, ValueError):
         super().__init__(f"seed refused: {reason}")
 
 
+class QuotaWithoutFuseError(SessionError, ValueError):
+    """A quota was asked of a session on the no-FUSE fallback, which cannot enforce it (the
+    FUSE layer counts the upper; a plain directory has none). ``option``: the quota's
+    name (``quota_bytes``, ``quota_inodes``). Nothing was started."""
+
+    def __init__(self, option: str) -> None:
+        self.option = option
+        flag = "--" + option.replace("_", "-")
+        super().__init__(f"{option} needs a FUSE session: the no-FUSE fallback (--no-fuse, "
+                         "or no usable /dev/fuse here) would not enforce it; remove "
+                         f"{flag} or run the session on FUSE")
+
+
 class WorkspaceNotConfiguredError(SessionError):
     """Checkpoint or restore was asked of a session without a workspace placement; nothing
     was touched (CONTRACT 4.10)."""
@@ -290,7 +303,7 @@ class RestoreError(SessionError):
 
 __all__ = [
     "CheckpointError", "PersistenceOverlapError", "PlacementDriftError", "RestoreError",
-    "RootInUseError", "SeedError", "SessionBusyError", "SessionClosedError", "SessionError",
+    "QuotaWithoutFuseError", "RootInUseError", "SeedError", "SessionBusyError", "SessionClosedError", "SessionError",
     "SessionFaultedError", "SessionNotFoundError", "SessionStartingError", "SnapshotPolicyError",
     "WorkspaceNotConfiguredError", "WorkspacePlacementError", "WorkspaceRootBusyError",
 ]
