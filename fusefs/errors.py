@@ -9,6 +9,8 @@ daemon failure, see ``rewindfs/cli.py``).
 
 from __future__ import annotations
 
+import shlex
+
 
 class FuseFSError(Exception):
     """A mount, unmount or state-directory operation failed."""
@@ -95,6 +97,26 @@ class MountError(FuseFSError):
         self.mountpoint = mountpoint
         self.cause = cause
         super().__init__(f"{mountpoint}: {cause}")
+
+
+def shown_users(users: list[str], most: int = 10) -> str:
+    """``"pid command"`` entries of the processes that hold a path, for one line: the first
+    ``most``, then ``...``."""
+    return "; ".join(users[:most]) + ("; ..." if len(users) > most else "")
+
+
+class MountBusyError(MountError):
+    """An unmount was refused because the mount is in use (EBUSY). ``users`` lists
+    ``"pid command"`` of each process whose cwd, root, open or mapped file is inside it (as
+    far as /proc shows; empty when none is seen, e.g. a mount below it)."""
+
+    def __init__(self, mountpoint: str, users: list[str]) -> None:
+        self.users = users
+        held = (f"in use by {len(users)} process(es): {shown_users(users)}; stop them (or "
+                "move them out), or" if users else "in use (a process or a mount below it);")
+        q = shlex.quote(mountpoint)
+        super().__init__(mountpoint, f"busy (Device or resource busy): {held} detach it "
+                                     f"anyway with `rewindfs umount --lazy {q}`")
 
 
 class RuntimeDirError(FuseFSError):

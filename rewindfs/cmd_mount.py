@@ -261,6 +261,13 @@ def cmd_umount(args: argparse.Namespace) -> int:
                        capture_output=True, text=True)
     if r.returncode != 0:
         why = (r.stderr.strip().splitlines() or ["fusermount3 failed"])[-1]
+        if "busy" in why.lower() and not args.lazy:
+            from fusefs.errors import MountBusyError
+            from fusefs.mounts import processes_using
+
+            pid = rec.get("pid") if rec is not None else None
+            users = processes_using(mnt, exclude=(pid,) if isinstance(pid, int) else ())
+            raise MountBusyError(mnt, [f"{p} {cmd}" for p, cmd in users])
         raise MountError(mnt, why.removeprefix("fusermount3: "))
     waited = 0.0
     if rec is not None and isinstance(rec.get("pid"), int):

@@ -1,7 +1,8 @@
 """A path the user gives that cannot serve (a store or state directory that is a file or
-cannot be made, a mount point that is missing or has a name too long) is one line naming
-the cause and a fix, with the README's exit code (1 for the store, 9 for a mount), through
-the console script in subprocesses; nothing is mounted and nothing is left behind."""
+cannot be made, a mount point that is missing or has a name too long, a mount still in use
+at ``umount``) is one line naming the cause and a fix, with the README's exit code (1 for
+the store, 9 for a mount), through the console script in subprocesses; nothing is mounted
+and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import fusehelpers as fh
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,3 +71,24 @@ def test_state_and_mount_point_paths(tmp_path: Path) -> None:
     err = one_line(run(store, "mount", ref, str(f), "--state", str(state)), 9)
     assert "mount point is not a directory" in err
     assert not state.exists()
+
+
+@pytest.mark.skipif(fh.SELFTEST, reason="needs a real mount")
+def test_busy_umount_names_the_processes_and_the_lazy_form(mounter: fh.Mounter,
+                                                           lower_ref: str,
+                                                           fuse_store: Path) -> None:
+    d = mounter.rw(lower_ref)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                              cwd=d.mnt, stdin=subprocess.PIPE)
+    try:
+        err = one_line(run(fuse_store, "umount", str(d.mnt)), 9)
+        assert "busy" in err and f"in use by 1 process(es): {holder.pid} " in err, err
+        assert f"`rewindfs umount --lazy {d.mnt}`" in err
+        assert fh.is_fuse_mounted(d.mnt)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    p = run(fuse_store, "umount", str(d.mnt))
+    assert p.returncode == 0, p.stderr
+    assert not fh.is_fuse_mounted(d.mnt)

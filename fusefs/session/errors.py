@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..errors import shown_users
+
 
 class SessionError(Exception):
     """A session or workspace operation failed."""
@@ -183,9 +185,8 @@ class RootInUseError(SessionError):
         self.session = session
         self.root = root
         self.users = users
-        shown = "; ".join(users[:10]) + ("; ..." if len(users) > 10 else "")
         super().__init__(f"session {session}: its root {root} is in use by {len(users)} "
-                         f"process(es): {shown}; stop them, or shut down with --force (they "
+                         f"process(es): {shown_users(users)}; stop them, or shut down with --force (they "
                          "then lose the tree)")
 
 
