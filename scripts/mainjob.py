@@ -413,13 +413,19 @@ class SessionLive(Live):
 
     def history(self, refs: dict[str, str]) -> list[tuple[str, str]]:
         assert self.id is not None
-        _, p = self.r.rw("log", self.id, json_out=False)
+        # The journal as JSON: its text lines end with labels, so their last word is no Ref.
+        data, _ = self.r.rw("log", self.id)
         out = []
-        for line in p.stdout.splitlines():
-            print(f"         {line}")
-            f = line.split()
-            if len(f) >= 4:
-                out.append((f"{f[2]} {f[3]}" if f[2] == "checkpoint" else f[2], f[-1]))
+        for e in data:
+            if e["event"] == "WorkspaceCheckpointed":
+                what = f"checkpoint {e['trigger']}/{e['consistency']}"
+            elif "step" in e:
+                what = "step"
+            else:
+                what = "restore --path" if e.get("paths") else "restore"
+            label = e.get("label") or ""
+            print(f"         {e['seq']:>4}  {what:<26} {e['ref']}  {label}")
+            out.append((what, e["ref"]))
         return out
 
     def stop(self) -> str:

@@ -52,7 +52,7 @@ if [ "${REWINDFS_STOCK_PYFUSE3:-0}" != 1 ] && [ "$(cat "$pstamp" 2>/dev/null)" !
   echo "setup: building pyfuse3 $pyfuse3_version with $patch_file (half a minute on 2 cores)"
   build=$(mktemp -d)
   trap 'rm -rf "$build"' EXIT
-  .venv/bin/python -m pip download -q --no-deps --no-binary :all: \
+  .venv/bin/python -m pip download -q --no-deps --no-binary pyfuse3 \
     "pyfuse3==$pyfuse3_version" -d "$build"
   tar -xzf "$build/pyfuse3-$pyfuse3_version.tar.gz" -C "$build"
   patch -s -p1 -d "$build/pyfuse3-$pyfuse3_version" < "$patch_file"

@@ -111,3 +111,18 @@ def test_live_commands_take_any_path_inside_the_mount(mounter: fh.Mounter, fuse_
     # A directory that is no mount and lies in none is still refused (exit 9).
     doc = failure(run(fuse_store, "status", str(d.mnt.parent), "--json"), 9)
     assert doc["type"] == "NotLiveError"
+
+
+def test_ctrl_c_of_a_checkpoint_or_restore_says_the_daemon_may_finish_it() -> None:
+    """Ctrl-C after a checkpoint or restore reached the daemon does not stop it there (the
+    daemon runs it to its end), so the line says where to look; other commands just say
+    interrupted. The handlers are the ones the real argument parser picks."""
+    from rewindfs.cli import build_parser, interrupted_line
+
+    parser = build_parser()
+    for argv in (["checkpoint", "m"], ["restore", "m", "@x"], ["session", "checkpoint", "s"],
+                 ["session", "restore", "s", "@x"]):
+        line = interrupted_line(parser.parse_args(argv).handler)
+        assert "still completes there" in line and "rewindfs list" in line, argv
+        assert "pre_restore" in line
+    assert interrupted_line(parser.parse_args(["list"]).handler) == "interrupted"
