@@ -344,6 +344,21 @@ def _mounts_at(mountpoint: str) -> list[tuple[int, str]]:
     return out
 
 
+def own_mounts(fs: str = "fuse.rewindfs") -> list[str]:
+    """The mount points of every ``fs`` mount this user made (FUSE's ``user_id`` is our
+    uid), in /proc/self/mountinfo order."""
+    want = f"user_id={os.getuid()}"
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            parts, sup = left.split(), right.split()
+            if (len(parts) > 4 and len(sup) > 2 and sup[0] == fs
+                    and want in sup[2].split(",")):
+                out.append(_unescape(parts[4]))
+    return out
+
+
 def fstype(mountpoint: str) -> str | None:
     """The file system type mounted exactly at ``mountpoint`` (the last mount), or None."""
     found = _mounts_at(mountpoint)

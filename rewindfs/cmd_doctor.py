@@ -7,7 +7,8 @@ for root, else through sudo, else su; packages through the package manager on PA
 Checks: the FUSE device and ``fusermount3``; the runtime directory (owner and mode);
 ``user_allow_other`` for ``--allow-other``; bubblewrap and user namespaces for the Bash
 sandbox, slirp4netns and /dev/net/tun for its ``--network``; ripgrep for Grep; free space
-where the store and session states live; the FUSE binding in use; for the local directory
+where the store and session states live; the FUSE binding in use; this user's mounts whose
+daemon is gone (a warning with the commands that recover each); for the local directory
 of a shared store (``store.json``), that its bucket answers with this environment's
 credentials and that its PostgreSQL catalog answers with a schema this program reads (read
 only: nothing is created or migrated). Exit 0 without a ``fail``, else 1. ``--json`` prints
@@ -288,6 +289,29 @@ def check_shared_store(store: str) -> list[Check]:
     return out
 
 
+def check_dead_mounts(store: str) -> list[Check]:
+    """A warning for each mount of this user whose daemon is gone (killed: the mount is left
+    dead, every access fails with ENOTCONN), with the commands that recover it (those
+    ``status`` names). Only mounts recorded in this runtime directory whose daemon is not
+    running are looked at, so no live daemon is asked anything."""
+    from fusefs.mounts import alive, own_mounts, read_record
+    from rewindfs.cmd_live import dead_mount_error
+
+    out = []
+    for mnt in own_mounts():
+        rec = read_record(mnt)
+        pid = rec.get("pid") if rec is not None else None
+        if not isinstance(pid, int) or alive(pid, rec.get("started") if rec else None):
+            continue
+        err = dead_mount_error(mnt, store)
+        if err is None:
+            continue
+        out.append(Check("dead_mount", "warn", f"{mnt}: its daemon (pid {pid}) is gone and "
+                         "the mount is dead (every access fails with ENOTCONN)",
+                         str(getattr(err, "fix", "") or "")))
+    return out or [Check("dead_mount", "ok", "no mount of this user is dead")]
+
+
 def run_checks(store: str, allow_other: bool = False) -> list[Check]:
     """Every check, in the order shown. A check that cannot look (a permission error, say)
     is reported as failed with its cause, never raised."""
@@ -299,7 +323,8 @@ def run_checks(store: str, allow_other: bool = False) -> list[Check]:
         ("ripgrep", check_ripgrep),
         ("store_space", lambda: check_space("store_space", store)),
         ("state_space", lambda: check_space("state_space", os.path.join(store, "sessions"))),
-        ("shared_store", lambda: check_shared_store(store))]
+        ("shared_store", lambda: check_shared_store(store)),
+        ("dead_mount", lambda: check_dead_mounts(store))]
     out: list[Check] = []
     for name, fn in steps:
         try:

@@ -9,6 +9,7 @@ import ctypes
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import fusehelpers as fh
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -239,3 +241,43 @@ def _doctor_as_nobody_for_tun(tmp_path: Path) -> int:
     return _doctor_as_nobody_with(tmp_path / "fuse.conf", tmp_path / "run", tmp_path / "store",
                                   tmp_path / "out.json",
                                   bin_dir(tmp_path / "bin", ("su", "slirp4netns")))
+
+
+@pytest.mark.skipif(fh.SELFTEST, reason="needs a real mount")
+def test_a_dead_mount_is_a_warning_with_the_fix_status_gives(
+        mounter: fh.Mounter, lower_ref: str, fuse_store: Path, tmp_path: Path) -> None:
+    """kill -9 of a mount's daemon leaves a dead mount: doctor warns about it (it does not
+    say ``ready`` beside it without a word) with the same recovery commands as ``status``."""
+    d = mounter.rw(lower_ref)
+    assert d.proc is not None
+    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_STORE", "REWINDFS_DEBUG")}
+    env["PYTHONPATH"] = str(REPO)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(fuse_store),
+                               *args], capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=120)
+
+    p = cli("doctor", "--json")
+    assert [c["status"] for c in json.loads(p.stdout)["checks"]
+            if c["name"] == "dead_mount" and str(d.mnt) in c["detail"]] == []
+    os.killpg(d.proc.pid, signal.SIGKILL)
+    d.proc.wait()
+    try:
+        p = cli("doctor", "--json")
+        mine = [c for c in json.loads(p.stdout)["checks"]
+                if c["name"] == "dead_mount" and c["detail"].startswith(f"{d.mnt}:")]
+        assert len(mine) == 1 and mine[0]["status"] == "warn", p.stdout
+        s = cli("status", str(d.mnt), "--json")
+        assert s.returncode == 9
+        fix = json.loads(s.stdout)["fix"]
+        assert fix and mine[0]["fix"] == fix and "rewindfs umount" in fix, (mine, fix)
+        text = cli("doctor").stdout
+        assert f"warn  dead_mount: {d.mnt}: its daemon (pid {d.proc.pid}) is gone" in text
+        assert f"      fix: {fix}" in text
+    finally:
+        u = cli("umount", str(d.mnt))
+        mounter.kill9(d)  # reaps and forgets the killed daemon
+    assert u.returncode == 0, u.stderr
+    p = cli("doctor", "--json")
+    assert not any(str(d.mnt) in c["detail"] for c in json.loads(p.stdout)["checks"])
