@@ -6,7 +6,8 @@ and the command that fixes it, in the form that works on this machine (``as_root
 for root, else through sudo, else su; packages through the package manager on PATH).
 Checks: the FUSE device and ``fusermount3``; the runtime directory (owner and mode);
 ``user_allow_other`` for ``--allow-other``; bubblewrap and user namespaces for the Bash
-sandbox, slirp4netns and /dev/net/tun for its ``--network``; ripgrep for Grep; free space
+sandbox, slirp4netns and /dev/net/tun for its ``--network``; ripgrep for Grep; that this
+user can use the store directory (owner and mode of one it cannot); free space
 where the store and session states live; the FUSE binding in use; this user's mounts whose
 daemon is gone (a warning with the commands that recover each); for the local directory
 of a shared store (``store.json``), that its bucket answers with this environment's
@@ -244,10 +245,17 @@ def check_binding() -> Check:
 
 def check_shared_store(store: str) -> list[Check]:
     """For the local directory of a shared store: can this host reach its bucket and its
-    catalog? Nothing for an embedded store."""
+    catalog? Nothing for an embedded store; a failed ``store_access`` for a store directory
+    this user cannot use (another user's, say)."""
     from store import config
+    from store.dirs import access_problem
     from store.errors import StoreError
 
+    denied = access_problem(store)
+    if denied:
+        return [Check("store_access", "fail", f"store directory {os.path.abspath(store)} is "
+                      f"{denied}", "point --store (or REWINDFS_STORE) at a store of yours, "
+                      "or run rewindfs as the store's owner")]
     try:
         cfg = config.read(store)
     except config.StoreConfigError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pwd
 
 from .errors import StoreError
 
@@ -35,16 +36,43 @@ def _first_missing(path: str) -> tuple[str, str]:
     return parent, child
 
 
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def access_problem(path: str) -> str | None:
+    """Why this user cannot read, write and search the directory ``path``: its owner and
+    mode next to this user (``not accessible to this user alice (uid 1000): it belongs to
+    root (uid 0), mode 0700``); None when it can, or when ``path`` is not there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        return None
+    return (f"not accessible to this user {_user(os.geteuid())}: it belongs to "
+            f"{_user(st.st_uid)}, mode {st.st_mode & 0o7777:04o}")
+
+
 def make_private_dir(path: str, what: str) -> None:
     """Make ``path`` (absolute) and its missing parents, mode 0700; a directory already
     there is kept as it is. Raises DirectoryError (exit 1) when ``path`` or one of its
-    parents is not a directory, a level cannot be made (no permission, a read-only or
-    virtual file system such as /proc) or a name is too long."""
+    parents is not a directory, this user cannot use it (``access_problem``), a level
+    cannot be made (no permission, a read-only or virtual file system such as /proc) or a
+    name is too long."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
-        return
     except OSError as e:
         err = e
+    else:
+        denied = access_problem(path)
+        if denied:
+            raise DirectoryError(what, path, f"{denied}; use a directory of yours, or run as "
+                                             "its owner")
+        return
     if err.errno == errno.ENAMETOOLONG:
         raise DirectoryError(what, path, "a name in it is too long (255 bytes at most per "
                                          "name); choose a shorter path") from None
@@ -55,6 +83,10 @@ def make_private_dir(path: str, what: str) -> None:
     if os.path.lexists(parent) and not os.path.isdir(parent):
         raise DirectoryError(what, path, f"its parent {parent} is a file, not a directory; "
                                          "choose another path") from None
+    denied = access_problem(parent)
+    if denied:
+        raise DirectoryError(what, path, f"its parent {parent} is {denied}; choose a path "
+                                         "under a directory of yours") from None
     reason = err.strerror or str(err)
     raise DirectoryError(what, path, f"{child} cannot be created in {parent} ({reason}); "
                                      "choose a path under a directory you can write") from None

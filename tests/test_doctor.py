@@ -281,3 +281,68 @@ def test_a_dead_mount_is_a_warning_with_the_fix_status_gives(
     assert u.returncode == 0, u.stderr
     p = cli("doctor", "--json")
     assert not any(str(d.mnt) in c["detail"] for c in json.loads(p.stdout)["checks"])
+
+
+def _as_nobody(argv: list[str], out: Path, err: Path) -> int:
+    """``rewindfs ARGV`` as uid 65534 in a forked child (stdout to ``out``, stderr to
+    ``err``); its exit status. The modules it needs are imported first, as root: uid 65534
+    cannot read the interpreter's library under /root."""
+    import contextlib
+    import io
+
+    from rewindfs.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(["--store", str(out.parent / "warm"), "doctor"])
+        main(["--store", str(out.parent / "warm"), "list"])
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 99
+        try:
+            o = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.environ["XDG_RUNTIME_DIR"] = str(out.parent / "run")
+            sys.stdout, sys.stderr = os.fdopen(o, "w"), os.fdopen(e, "w")
+            code = main(argv)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root for a store of another user and uid 65534")
+def test_a_store_of_another_user_is_named_not_taken_for_a_bad_store_json() -> None:
+    """REWINDFS_STORE pointing at root's 0700 store, as uid 65534: doctor fails
+    ``store_access`` naming the owner and the mode (not a store.json that does not exist),
+    and a command says the same in one line (exit 1), for a directory below it too."""
+    tmp = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))
+    try:
+        os.chmod(tmp, 0o755)
+        store = tmp / "store"
+        store.mkdir(mode=0o700)
+        (tmp / "run").mkdir(mode=0o700)
+        os.chown(tmp / "run", 65534, 65534)
+        out, err = tmp / "out", tmp / "err"
+        code = _as_nobody(["--store", str(store), "doctor", "--json"], out, err)
+        checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+        list_code = _as_nobody(["--store", str(store), "list"], out, err)
+        list_err = err.read_text()
+        sub_code = _as_nobody(["--store", str(store / "sub"), "list"], out, err)
+        sub_err = err.read_text()
+    finally:
+        shutil.rmtree(tmp)
+    assert code == 1 and "shared_config" not in checks, checks
+    c = checks["store_access"]
+    assert c["status"] == "fail" and c["detail"] == (
+        f"store directory {store} is not accessible to this user nobody (uid 65534): it "
+        "belongs to root (uid 0), mode 0700"), c
+    assert "--store" in c["fix"] and "REWINDFS_STORE" in c["fix"], c
+    assert list_code == 1 and list_err.count("\n") == 1, list_err
+    assert list_err.startswith(f"rewindfs: store {store}: not accessible to this user nobody "
+                               "(uid 65534): it belongs to root (uid 0), mode 0700; "), list_err
+    assert sub_code == 1 and f"its parent {store} is not accessible" in sub_err, sub_err
