@@ -302,9 +302,22 @@ def check_dead_mounts(store: str) -> list[Check]:
     dead, every access fails with ENOTCONN), with the commands that recover it (those
     ``status`` names). Only mounts recorded in this runtime directory whose daemon is not
     running are looked at, so no live daemon is asked anything."""
-    from fusefs.mounts import alive, own_mounts, read_record
+    import stat
+
+    from fusefs.mounts import alive, own_mounts, read_record, runtime_base
     from rewindfs.cmd_live import dead_mount_error
 
+    base = runtime_base()
+    for level in (base, os.path.join(base, "mounts")):
+        # Reading a record makes (or tightens) these levels: only where that changes
+        # nothing (a missing or loose one holds no record to read, or runtime_dir says so).
+        try:
+            st = os.lstat(level)
+        except OSError:
+            return [Check("dead_mount", "ok", "no mount of this user is recorded")]
+        if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
+                or stat.S_IMODE(st.st_mode) != 0o700):
+            return []
     out = []
     for mnt in own_mounts():
         rec = read_record(mnt)
