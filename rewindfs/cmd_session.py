@@ -557,9 +557,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
-def _label_of(e: Any, labels: dict[Any, str]) -> dict[str, str]:
-    """``{"label": ...}`` for a checkpoint whose Ref the snapshot list labels, else ``{}``."""
-    label = labels.get(e.ref) if e.event == "WorkspaceCheckpointed" else None
+def _label_of(e: Any, labels: dict[int, str]) -> dict[str, str]:
+    """``{"label": ...}`` for a checkpoint given a label (``checkpoint_labels``), else ``{}``."""
+    label = labels.get(e.seq)
     return {"label": label} if label else {}
 
 
@@ -568,13 +568,14 @@ def cmd_log(args: argparse.Namespace) -> int:
     from rewindfs.cmd_store import change_lines
     from store.objects import Store
     from store.pathtext import text_path, text_paths
+    from store.resolve import checkpoint_labels
 
     _registry(args).load(args.id)  # SessionNotFoundError for an unknown id
     store = Store(args.store)
     journal = Journal(store, args.id)
     events = journal.events()
     steps: dict[int, dict[str, Any]] = {}
-    labels = {s.ref: s.label for s in store.list_snapshots() if s.label}
+    labels = {e.seq: name for e, name in checkpoint_labels(store, args.id)}
     for e in events:
         if e.event == STEP:
             steps[e.seq] = step_dict(e, journal.record(e.seq))

@@ -24,7 +24,7 @@ FUSE.
 from __future__ import annotations
 
 import re
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import InvalidRefError
 from .objects import JournalEvent, SnapshotInfo
@@ -48,6 +48,27 @@ class RefSource(Protocol):
     def journal(self, session: str) -> list[JournalEvent]: ...
 
     def journal_refs(self) -> list[Ref]: ...
+
+    def journal_record(self, session: str, seq: int) -> dict[str, Any]: ...
+
+
+def checkpoint_labels(store: RefSource, session: str) -> list[tuple[JournalEvent, str]]:
+    """The session's labelled checkpoints, oldest first: each ``WorkspaceCheckpointed``
+    event with the label it was given (kept in its journal record), or, for an event
+    journaled without that field, the label the snapshot list gives its Ref."""
+    listed = {s.ref: s.label for s in store.list_snapshots() if s.label}
+    out = []
+    for e in store.journal(session):
+        if e.event != "WorkspaceCheckpointed":
+            continue
+        try:
+            rec = store.journal_record(session, e.seq)
+        except KeyError:  # the record is lost: the index row alone
+            rec = {}
+        label = rec["label"] if "label" in rec else listed.get(e.ref)
+        if label:
+            out.append((e, str(label)))
+    return out
 
 
 def looks_like_ref(text: str) -> bool:
@@ -123,23 +144,32 @@ def _label(store: RefSource, text: str, session: str | None) -> Ref:
     label = text[1:]
     if not label:
         raise InvalidRefError(text, "'@' needs a label (or '-N' with a session)")
-    listed = store.list_snapshots()
     if session is not None:
-        mine = {e.ref for e in store.journal(session)}
-        listed = [s for s in listed if s.ref in mine]
+        return _session_label(store, text, label, session)
+    listed = store.list_snapshots()
     rows = [s for s in listed if s.label == label]
     if not rows:
-        # the labels this scope has, newest first (the session's only: others are not its)
+        # the store's labels, newest first
         labels = list(dict.fromkeys(s.label for s in sorted(
             listed, key=lambda s: (s.time_ns, str(s.ref)), reverse=True) if s.label))
-        if session is not None:
-            where, how = f"session {session}", "the session's log lists them"
-        else:
-            where, how = "the snapshot list", "`rewindfs list` lists them"
-        raise InvalidRefError(text, f"no snapshot labelled {label!r} in {where}"
-                                    + (f" (its labels, newest first: {_some(labels)}; {how})"
+        raise InvalidRefError(text, f"no snapshot labelled {label!r} in the snapshot list"
+                                    + (f" (its labels, newest first: {_some(labels)}; "
+                                       "`rewindfs list` lists them)"
                                        if labels else " (it has no labels)"))
     return max(rows, key=lambda s: (s.time_ns, str(s.ref))).ref
+
+
+def _session_label(store: RefSource, text: str, label: str, session: str) -> Ref:
+    """``@label`` in a session: the newest of its checkpoints given that label."""
+    given = checkpoint_labels(store, session)
+    for e, name in reversed(given):
+        if name == label:
+            return e.ref
+    labels = list(dict.fromkeys(name for _, name in reversed(given)))
+    raise InvalidRefError(text, f"no snapshot labelled {label!r} in session {session}"
+                                + (f" (its labels, newest first: {_some(labels)}; the "
+                                   "session's log lists them)" if labels else
+                                   " (it has no labels)"))
 
 
 def _back(store: RefSource, text: str, session: str | None) -> Ref:

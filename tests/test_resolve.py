@@ -229,3 +229,45 @@ def test_live_commands_inside_a_session_mount_name_refs_as_typed(tmp_path: Path)
         assert not (root / "agent-data").exists()
     finally:
         run(st, "session", "shutdown", s["id"], "--force")
+
+
+HAS_FUSE = os.access("/dev/fuse", os.R_OK | os.W_OK)
+
+
+@pytest.mark.parametrize("backend", ["fallback"] + (["fuse"] if HAS_FUSE else []))
+def test_each_session_checkpoint_keeps_its_own_label(tmp_path: Path, backend: str) -> None:
+    """Labelled checkpoints of an unchanged tree give the same Ref, and each keeps the label
+    it was given: ``log`` shows each its own, ``@label`` finds every one of them, and a
+    later unlabelled checkpoint of that Ref shows none."""
+    st = tmp_path / "store"
+    seed = json.loads(run(st, "snapshot", str(tree(tmp_path / "p", "seed\n")),
+                          "--json").stdout)["ref"]
+    new = run(st, "session", "new", "--seed", seed, "--base", str(tmp_path / "ws"), "--json",
+              *(["--no-fuse"] if backend == "fallback" else []))
+    assert new.returncode == 0, new.stderr
+    s = json.loads(new.stdout)
+    try:
+        root = Path(s["root"])
+        (root / "f.txt").write_text("changed\n")
+        refs = []
+        for label in ("L1", "L2", None):
+            ck = run(st, "session", "checkpoint", s["id"], "--json",
+                     *(["--label", label] if label else []))
+            assert ck.returncode == 0, ck.stderr
+            refs.append(json.loads(ck.stdout)["ref"])
+        assert refs[0] == refs[1] == refs[2] != seed
+        log = json.loads(run(st, "log", s["id"], "--json").stdout)
+        assert [e.get("label") for e in log] == [None, "L1", "L2", None]
+        text = run(st, "log", s["id"]).stdout.splitlines()
+        assert text[1].endswith("  'L1'") and text[2].endswith("  'L2'"), text
+        assert not text[3].endswith("'"), text
+        (root / "f.txt").write_text("broken\n")
+        for label in ("L1", "L2"):
+            r = run(st, "session", "restore", s["id"], f"@{label}", "--json")
+            assert r.returncode == 0, (label, r.stderr)
+            assert json.loads(r.stdout)["ref"] == refs[0]
+            assert (root / "f.txt").read_text() == "changed\n"
+        bad = run(st, "session", "restore", s["id"], "@nope")
+        assert bad.returncode == 3 and "its labels, newest first: L2, L1;" in bad.stderr
+    finally:
+        run(st, "session", "shutdown", s["id"], "--force")

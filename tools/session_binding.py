@@ -43,7 +43,7 @@ from store.objects import Store
 from store.pathpolicy import PathPolicy
 from store.pathtext import text_path, text_paths
 from store.ref import ObjectId, Ref
-from store.resolve import resolve_ref
+from store.resolve import checkpoint_labels, resolve_ref
 from store.snapshot import compute_ref
 from store.tree import Entry, Kind, Tree, decode_tree
 from tools import messages as M
@@ -214,9 +214,9 @@ class SessionToolBinding:
 
     def checkpoint(self, label: str | None = None) -> str:
         """Checkpoint (trigger manual) through the session process; the answer names the
-        Ref. ``label`` is kept with the Ref in the store's snapshot list (CONTRACT 1.6; a
-        label belongs to a Ref, so an unchanged workspace relabels its last checkpoint) and
-        shown by ``log``. Raises the session's typed error (as HostError) on failure."""
+        Ref. ``label`` is kept with this checkpoint in the session's journal (``log`` shows
+        it, ``@label`` finds it, also when an unchanged workspace gives the Ref of an
+        earlier checkpoint) and with the Ref in the store's snapshot list. Raises the session's typed error (as HostError) on failure."""
         ref = self._ask({"op": "checkpoint", "trigger": "manual", "label": label})["ref"]
         if label:
             return M.SESSION_CHECKPOINTED_LABEL.format(ref=ref, label=label)
@@ -326,12 +326,12 @@ class SessionToolBinding:
 
     def log(self) -> str:
         """The session's journal, oldest first, one line per event (times in UTC); a
-        checkpoint whose Ref carries a label in the snapshot list shows it."""
+        checkpoint shows the label it was given (``store.resolve.checkpoint_labels``)."""
         journal = Journal(self.store, self.id)
         events = journal.events()
         if not events:
             return M.SESSION_LOG_EMPTY
-        labels = {str(i.ref): i.label for i in self.store.list_snapshots() if i.label}
+        labels = {e.seq: name for e, name in checkpoint_labels(self.store, self.id)}
         lines = []
         for e in events:
             when = datetime.datetime.fromtimestamp(e.time_ns / 1e9, datetime.UTC)
@@ -339,7 +339,7 @@ class SessionToolBinding:
             if e.event == CHECKPOINTED:
                 line = M.SESSION_LOG_CHECKPOINT.format(seq=e.seq, time=t, trigger=e.trigger,
                                                        ref=e.ref)
-                label = labels.get(str(e.ref))
+                label = labels.get(e.seq)
                 if label:
                     line += M.SESSION_LOG_LABEL.format(label=label)
                 lines.append(line)

@@ -67,7 +67,8 @@ class SessionHandle(Protocol):
     @property
     def fault(self) -> str | None: ...
 
-    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None) -> Ref: ...
+    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None,
+                   label: str | None = None) -> Ref: ...
 
     def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,
                 cancel: threading.Event | None = None,
@@ -193,18 +194,16 @@ class Session:
     def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None,
                    label: str | None = None) -> Ref:
         """Freeze the live tree and journal it; return the Ref (CONTRACT 4.5). ``trigger``:
-        manual (clears a latched fault) or interrupt. ``label`` is kept with the Ref in the
-        store's snapshot list (CONTRACT 1.6: a label belongs to a Ref, so an unchanged tree
-        relabels its last checkpoint), where ``@label`` finds it. Raises
+        manual (clears a latched fault) or interrupt. ``label`` is kept with this
+        checkpoint in the journal (``log`` shows it and ``@label`` in this session finds
+        it, also when an unchanged tree gives an earlier checkpoint's Ref) and with the Ref
+        in the store's snapshot list. Raises
         WorkspaceNotConfiguredError, SessionClosedError, SessionFaultedError,
         CheckpointError."""
         if trigger not in ("manual", "interrupt"):
             raise ValueError(f"a caller's checkpoint trigger is manual or interrupt, "
                              f"not {trigger!r}")
-        ref = self._h("checkpoint").checkpoint(trigger, timeout_s)
-        if label:
-            label_snapshot(self.workspace.store, ref, label)
-        return ref
+        return self._h("checkpoint").checkpoint(trigger, timeout_s, label or None)
 
     def restore(self, ref: Ref | str, discard: bool = False,
                 timeout_s: float | None = None,

@@ -273,8 +273,10 @@ class RemoteSession:
         f = self.status().get("fault")
         return None if f is None else str(f)
 
-    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None) -> Ref:
-        out = self._call({"op": "checkpoint", "trigger": trigger, "timeout_s": timeout_s})
+    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None,
+                   label: str | None = None) -> Ref:
+        out = self._call({"op": "checkpoint", "trigger": trigger, "timeout_s": timeout_s,
+                          "label": label})
         return Ref.parse(out["ref"])
 
     def restore(self, ref: Ref, discard: bool = False, timeout_s: float | None = None,

@@ -151,11 +151,8 @@ class Host:
         if op == "checkpoint":
             trigger = req.get("trigger") or "manual"
             handle = s._h("checkpoint")
-            ref = handle.checkpoint(trigger, req.get("timeout_s"))
-            if req.get("label"):
-                from .api import label_snapshot
-
-                label_snapshot(s.workspace.store, ref, str(req["label"]))
+            label = str(req["label"]) if req.get("label") else None
+            ref = handle.checkpoint(trigger, req.get("timeout_s"), label)
             return {"ok": True, "ref": str(ref)}
         if op == "restore":
             paths = req.get("paths")

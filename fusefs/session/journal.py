@@ -68,8 +68,10 @@ class Journal:
         if not self.store.has(ref.tree_id):
             raise JournalError(self.session_id, f"{ref} is not committed in the store")
 
-    def checkpointed(self, ref: Ref, trigger: str, consistency: str, epoch: int) -> int:
-        """Append ``WorkspaceCheckpointed``; return its seq. Raises ValueError for an unknown
+    def checkpointed(self, ref: Ref, trigger: str, consistency: str, epoch: int,
+                     label: str | None = None) -> int:
+        """Append ``WorkspaceCheckpointed``; return its seq. ``label``: the label this
+        checkpoint was given, kept in the event's backend object (``label_of``). Raises ValueError for an unknown
         trigger or consistency, JournalError if ``ref`` is not in the store, and
         store.errors.FencedError if the session lease is no longer at ``epoch`` (taken over:
         this holder may not append any more)."""
@@ -80,7 +82,8 @@ class Journal:
         self._check_committed(ref)
         return self._appended(int(self.store.append_journal(
             self.session_id, CHECKPOINTED, ref, epoch=epoch, trigger=trigger,
-            consistency=consistency, fence=self._fence(epoch))))
+            consistency=consistency, fence=self._fence(epoch),
+            data={"label": label})))
 
     def restored(self, ref: Ref, epoch: int, paths: list[str] | None = None,
                  source: Ref | None = None) -> int:

@@ -327,9 +327,10 @@ class SessionCore:
 
     # -- checkpoint (CONTRACT 4.3, 4.5) ------------------------------------------------------
 
-    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None) -> Ref:
+    def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None,
+                   label: str | None = None) -> Ref:
         """Freeze the live tree, journal ``WorkspaceCheckpointed{ref, consistency, trigger}``
-        and return the Ref. A manual success clears a latched fault.
+        (with ``label``, this checkpoint's own) and return the Ref. A manual success clears a latched fault.
 
         Raises SessionClosedError, SessionFaultedError (terminal), CheckpointError (writers
         did not finish within ``timeout_s``, default the policy timeout, or the snapshot
@@ -343,7 +344,11 @@ class SessionCore:
                 raise CheckpointError(trigger, e) from e
             if not self.leases_healthy():
                 raise CheckpointError(trigger, "the session lease is not held")
-            self.journal.checkpointed(ref, trigger, self._consistency(), self.epoch)
+            self.journal.checkpointed(ref, trigger, self._consistency(), self.epoch, label)
+            if label:
+                from .api import label_snapshot
+
+                label_snapshot(self.store, ref, label)
             self._shutdown_checkpointed = trigger == "shutdown"
         if trigger == "manual":
             self.latched_fault = None
