@@ -259,9 +259,9 @@ def test_session_calls_as_text(sessions: Sessions) -> None:
     assert (root / "calc.py").read_text() == CALC and not (root / "pkg").exists()
     log = binding.log().split("\n")
     assert [line.strip().split("  ")[2:] for line in log] == [
-        ["checkpoint (seed)", str(seed)], ["checkpoint (manual)", a, "'named'"],
+        ["checkpoint (seed)", str(seed)], ["checkpoint (manual)", a],
         ["checkpoint (manual)", a, "'named'"],
-        ["checkpoint (pre_restore)", pre, "'named'"],   # the same tree: a label is per Ref
+        ["checkpoint (pre_restore)", pre],   # the same tree: each checkpoint its own label
         ["restored to", str(seed)]]
     assert pre == a
     with pytest.raises(InvalidRefError):
