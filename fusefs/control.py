@@ -149,8 +149,14 @@ class Live:
         lap("plan")
         if p.unchanged:
             ref = p.base
-            if list_it and not self._listed(ref):
+            row = self.store.catalog.snapshot(str(ref)) if list_it else None
+            if list_it and row is None:
                 await trio.to_thread.run_sync(store.add_snapshot, ref, origin, label)
+            elif row is not None and label and label != row[3]:
+                # the same Ref under a label it was not given yet: listed again with it
+                # (its origin kept), so ``@label`` finds it; without a new label nothing
+                # is written
+                await trio.to_thread.run_sync(store.add_snapshot, ref, row[2], label)
             return {"ref": ref, "unchanged": True, "packs": 0, "bytes": 0,
                     "uppers": p.uppers, "kept": [], "rebase": None}
 

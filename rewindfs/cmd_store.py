@@ -306,10 +306,13 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     st = open_store(args)
     rows = st.list_snapshots()
-    data = [{"ref": str(r.ref), "time_ns": r.time_ns, "origin": r.origin, "label": r.label}
-            for r in rows]
-    text = "\n".join(f"{_time_text(r.time_ns)}  {r.origin:<10} {r.ref}  {r.label or ''}".rstrip()
-                     for r in rows)
+    given: dict[str, list[str]] = {}  # Ref -> every label it was given, newest first
+    for ref, label, _t in reversed(st.snapshot_labels()):
+        given.setdefault(str(ref), []).append(label)
+    data = [{"ref": str(r.ref), "time_ns": r.time_ns, "origin": r.origin, "label": r.label,
+             "labels": given.get(str(r.ref), [])} for r in rows]
+    text = "\n".join(f"{_time_text(r.time_ns)}  {r.origin:<10} {r.ref}  "
+                     f"{', '.join(given.get(str(r.ref), []))}".rstrip() for r in rows)
     emit(args, data, text)
     return 0
 

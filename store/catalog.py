@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,6 +46,8 @@ from .pack import Codec, Location, ObjKind
 from .ref import ObjectId
 
 SnapshotRow = tuple[str, int, str, "str | None", str]
+LabelRow = tuple[str, str, int, str]
+"""(ref, label, time_ns, key): a label a listed Ref was given (every one is kept)."""
 JournalRow = tuple[str, int, int, int, str, str, "str | None", "str | None", str]
 PackRow = tuple[str, int, int]
 _OBJ_KINDS = {int(k): k for k in ObjKind}
@@ -93,6 +95,11 @@ def write_transaction(c: sqlite3.Connection, path: str) -> Iterator[sqlite3.Conn
             raise StoreFullError(f"the index {path}", e) from e
         raise
 _CODECS = {int(c): c for c in Codec}
+
+
+_PUT_LABEL = ("INSERT INTO snapshot_labels(ref, label, time_ns, key) VALUES (?, ?, ?, ?) "
+              "ON CONFLICT(ref, label) DO UPDATE SET time_ns=excluded.time_ns, "
+              "key=excluded.key")
 
 
 @dataclass
@@ -183,6 +190,7 @@ class Catalog(Protocol):
     def put_snapshot(self, row: SnapshotRow) -> None: ...
     def delete_snapshot(self, ref: str) -> bool: ...
     def snapshots(self) -> list[SnapshotRow]: ...
+    def snapshot_labels(self) -> list[LabelRow]: ...
 
     # journals
     def last_seq(self, session: str) -> int: ...
@@ -221,9 +229,10 @@ class Catalog(Protocol):
     def dump(self) -> Dump: ...
     def summary(self) -> Summary: ...
     def apply_history(self, puts: list[SnapshotRow], forgets: list[tuple[str, str]],
-                      journal: list[JournalRow]) -> int: ...
+                      journal: list[JournalRow], labels: Sequence[LabelRow] = ()) -> int: ...
     def replace_all(self, packs: list[tuple[str, int, list[Location]]],
-                    snapshots: list[SnapshotRow], journal: list[JournalRow]) -> int: ...
+                    snapshots: list[SnapshotRow], journal: list[JournalRow],
+                    labels: list[LabelRow] | None = None) -> int: ...
 
     # settings shared by the store's hosts (schema_version, unverified_rebuild, ...)
     def config_value(self, key: str) -> str | None: ...
@@ -305,10 +314,17 @@ class SQLiteCatalog:
         with self._tx() as c:
             c.execute("INSERT OR REPLACE INTO snapshots(ref, time_ns, origin, label, key) "
                       "VALUES (?, ?, ?, ?, ?)", row)
+            if row[3] is not None:
+                c.execute(_PUT_LABEL, (row[0], row[3], row[1], row[4]))
 
     def delete_snapshot(self, ref: str) -> bool:
-        return self._conn().execute("DELETE FROM snapshots WHERE ref=?",
-                                    (ref,)).rowcount > 0
+        with self._tx() as c:
+            c.execute("DELETE FROM snapshot_labels WHERE ref=?", (ref,))
+            return c.execute("DELETE FROM snapshots WHERE ref=?", (ref,)).rowcount > 0
+
+    def snapshot_labels(self) -> list[LabelRow]:
+        return [tuple(r) for r in self._conn().execute(
+            "SELECT ref, label, time_ns, key FROM snapshot_labels ORDER BY time_ns, ref")]
 
     def snapshots(self) -> list[SnapshotRow]:
         return [tuple(r) for r in self._conn().execute(
@@ -473,12 +489,18 @@ class SQLiteCatalog:
         return Summary(kinds, npacks, stored, sessions, events)
 
     def apply_history(self, puts: list[SnapshotRow], forgets: list[tuple[str, str]],
-                      journal: list[JournalRow]) -> int:
+                      journal: list[JournalRow], labels: Sequence[LabelRow] = ()) -> int:
         """Apply history records the catalog lacks, in one transaction: a listing is
         written only over an older row (by history key), a forget ``(ref, key)`` drops only
-        a row older than it, a journal row only where none is. Returns rows changed."""
+        a row older than it (and the Ref's labels older than it), a journal row only where
+        none is, a label row only over an older one. Returns rows changed."""
         changed = 0
         with self._tx() as c:
+            for lr in [(r[0], r[3], r[1], r[4]) for r in puts if r[3] is not None] + list(labels):
+                changed += c.execute(_PUT_LABEL + " WHERE snapshot_labels.key < excluded.key",
+                                     lr).rowcount
+            for ref, key in forgets:
+                c.execute("DELETE FROM snapshot_labels WHERE ref=? AND key < ?", (ref, key))
             for row in puts:
                 changed += c.execute(
                     "INSERT INTO snapshots(ref, time_ns, origin, label, key) "
@@ -497,11 +519,17 @@ class SQLiteCatalog:
         return changed
 
     def replace_all(self, packs: list[tuple[str, int, list[Location]]],
-                    snapshots: list[SnapshotRow], journal: list[JournalRow]) -> int:
+                    snapshots: list[SnapshotRow], journal: list[JournalRow],
+                    labels: list[LabelRow] | None = None) -> int:
         """Replace the object index and history tables (``rebuild-index``), and drop this
-        host's files and dirs caches, in one transaction; return objects indexed."""
+        host's files and dirs caches, in one transaction; return objects indexed.
+        ``labels`` None: the labels of the ``snapshots`` rows alone."""
         n = 0
+        if labels is None:
+            labels = [(r[0], r[3], r[1], r[4]) for r in snapshots if r[3] is not None]
         with self._tx() as c:
+            c.execute("DELETE FROM snapshot_labels")
+            c.executemany(_PUT_LABEL, labels)
             for table in ("objects", "packs", "snapshots", "journal", "files_cache",
                           "dirs_cache"):
                 c.execute(f"DELETE FROM {table}")

@@ -537,7 +537,8 @@ class Store:
 
     def add_snapshot(self, ref: Ref | str, origin: str, label: str | None = None) -> None:
         """List ``ref`` (durably, then in the index). Re-listing updates the time and
-        origin; it keeps the label unless a new one is given (``label=None`` keeps it).
+        origin; it keeps the label unless a new one is given (``label=None`` keeps it), and
+        a new one is added to the labels the Ref keeps (``snapshot_labels``).
 
         Raises InvalidRefError for anything but a Ref, ObjectNotFoundError if its root tree
         is not indexed and IntegrityError if it names a chunk: nothing is written then.
@@ -571,6 +572,12 @@ class Store:
     def list_snapshots(self) -> list[SnapshotInfo]:
         return [SnapshotInfo(Ref.parse(r[0]), r[1], r[2], r[3])
                 for r in self.catalog.snapshots()]
+
+    def snapshot_labels(self) -> list[tuple[Ref, str, int]]:
+        """Every label each listed Ref was given since it was listed, as (Ref, label,
+        time_ns of the last time it was given), oldest first; a Ref's row in
+        ``list_snapshots`` shows the newest one."""
+        return [(Ref.parse(r[0]), r[1], r[2]) for r in self.catalog.snapshot_labels()]
 
     # -- journal (CONTRACT 1.1, 4.5) ----------------------------------------------------
 

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from .catalog import (
     Dump,
     JournalRow,
+    LabelRow,
     Lease,
     PackRow,
     SnapshotRow,
@@ -82,8 +83,19 @@ MIGRATIONS: list[str] = [
         started_ns bigint NOT NULL, expires_ns bigint NOT NULL);
     ALTER TABLE packs ADD COLUMN indexed_ns bigint NOT NULL DEFAULT 0;
     """,
+    # 3: every label a listed Ref was given (the snapshot list row keeps the newest).
+    """
+    CREATE TABLE snapshot_labels (ref text NOT NULL, label text NOT NULL,
+        time_ns bigint NOT NULL, key text NOT NULL, PRIMARY KEY (ref, label));
+    INSERT INTO snapshot_labels(ref, label, time_ns, key)
+        SELECT ref, label, time_ns, key FROM snapshots WHERE label IS NOT NULL;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+
+_PUT_LABEL = ("INSERT INTO snapshot_labels(ref, label, time_ns, key) VALUES (%s, %s, %s, %s) "
+              "ON CONFLICT (ref, label) DO UPDATE SET time_ns=excluded.time_ns, "
+              "key=excluded.key")
 
 _INSERT_OBJECT = ("INSERT INTO objects(id, kind, pack, rec_offset, rec_length, codec, "
                   "inner_offset, raw_length) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
@@ -406,10 +418,18 @@ class PostgresCatalog:
                       "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (ref) DO UPDATE SET "
                       "time_ns=excluded.time_ns, origin=excluded.origin, "
                       "label=excluded.label, key=excluded.key", row)
+            if row[3] is not None:
+                c.execute(_PUT_LABEL, (row[0], row[3], row[1], row[4]))
 
     def delete_snapshot(self, ref: str) -> bool:
         with self._tx() as c:
+            c.execute("DELETE FROM snapshot_labels WHERE ref=%s", (ref,))
             return int(c.execute("DELETE FROM snapshots WHERE ref=%s", (ref,)).rowcount) > 0
+
+    def snapshot_labels(self) -> list[LabelRow]:
+        with self._tx() as c:
+            return [(r[0], r[1], int(r[2]), r[3]) for r in c.execute(
+                "SELECT ref, label, time_ns, key FROM snapshot_labels ORDER BY time_ns, ref")]
 
     def snapshots(self) -> list[SnapshotRow]:
         with self._tx() as c:
@@ -591,9 +611,14 @@ class PostgresCatalog:
         return Summary(kinds, int(npacks), int(stored), int(sessions), int(events))
 
     def apply_history(self, puts: list[SnapshotRow], forgets: list[tuple[str, str]],
-                      journal: list[JournalRow]) -> int:
+                      journal: list[JournalRow], labels: Sequence[LabelRow] = ()) -> int:
         changed = 0
         with self._tx() as c:
+            for lr in [(r[0], r[3], r[1], r[4]) for r in puts if r[3] is not None] + list(labels):
+                changed += int(c.execute(
+                    _PUT_LABEL + " WHERE snapshot_labels.key < excluded.key", lr).rowcount)
+            for ref, key in forgets:
+                c.execute("DELETE FROM snapshot_labels WHERE ref=%s AND key < %s", (ref, key))
             for row in puts:
                 changed += int(c.execute(
                     "INSERT INTO snapshots(ref, time_ns, origin, label, key) "
@@ -611,9 +636,15 @@ class PostgresCatalog:
         return changed
 
     def replace_all(self, packs: list[tuple[str, int, list[Location]]],
-                    snapshots: list[SnapshotRow], journal: list[JournalRow]) -> int:
+                    snapshots: list[SnapshotRow], journal: list[JournalRow],
+                    labels: list[LabelRow] | None = None) -> int:
         n = 0
+        if labels is None:
+            labels = [(r[0], r[3], r[1], r[4]) for r in snapshots if r[3] is not None]
         with self._tx() as c, c.cursor() as cur:
+            cur.execute("DELETE FROM snapshot_labels")
+            if labels:
+                cur.executemany(_PUT_LABEL, labels)
             for table in ("objects", "packs", "snapshots", "journal"):
                 cur.execute(f"DELETE FROM {table}")
             for key, size, rows in packs:

@@ -78,13 +78,15 @@ class JournalRecord:
 class History:
     """What the backend's history objects say.
 
-    ``snapshots``: the replayed list, Ref text -> record; ``adds``: every add record by its
-    key; ``last_op``: Ref text -> (key of the last record naming it, its op); ``journal``:
+    ``snapshots``: the replayed list, Ref text -> record; ``labels``: Ref text -> label ->
+    (time_ns, key) of the last add giving it since the Ref's last forget; ``adds``: every
+    add record by its key; ``last_op``: Ref text -> (key of the last record naming it, its op); ``journal``:
     every journal event object; ``bad``: (key, reason) of records that could not be parsed.
     """
 
     snapshots: dict[str, SnapshotRecord] = field(default_factory=dict)
     adds: dict[str, SnapshotRecord] = field(default_factory=dict)
+    labels: dict[str, dict[str, tuple[int, str]]] = field(default_factory=dict)
     last_op: dict[str, tuple[str, str]] = field(default_factory=dict)
     journal: list[JournalRecord] = field(default_factory=list)
     bad: list[tuple[str, str]] = field(default_factory=list)
@@ -123,10 +125,13 @@ def read_history(backend: BlobBackend) -> History:
                 origin = rec.get("origin")
                 if not isinstance(origin, str):
                     raise ValueError("add record without an origin")
-                h.snapshots[ref] = h.adds[key] = SnapshotRecord(
+                s = h.snapshots[ref] = h.adds[key] = SnapshotRecord(
                     ref, _int(rec.get("time_ns")), origin, _opt_str(rec.get("label")), key)
+                if s.label is not None:
+                    h.labels.setdefault(ref, {})[s.label] = (s.time_ns, key)
             elif op == "forget":
                 h.snapshots.pop(ref, None)
+                h.labels.pop(ref, None)
             else:
                 raise ValueError(f"unknown op {op!r}")
             h.last_op[ref] = (key, op)
@@ -175,9 +180,15 @@ def catch_up(store: Store, history: History | None = None) -> int:
     journal = [jr.row() for jr in h.journal]
     if not (puts or forgets or journal):
         return 0
+    labels = [lr for r in puts for lr in label_rows(h, r[0])]
     # The catalog re-checks each row against what is there now, in one transaction (a
     # newer listing written meanwhile by another writer is never replaced by an older one).
-    return store.catalog.apply_history(puts, forgets, journal)
+    return store.catalog.apply_history(puts, forgets, journal, labels)
+
+
+def label_rows(h: History, ref: str) -> list[tuple[str, str, int, str]]:
+    """The label rows (ref, label, time_ns, key) the history gives ``ref``."""
+    return [(ref, label, t, key) for label, (t, key) in h.labels.get(ref, {}).items()]
 
 
 @dataclass
@@ -266,7 +277,8 @@ def _rebuild(store: Store, rep: RebuildReport, hold: Any) -> None:
     store.set_config(UNVERIFIED, "1")
     rep.objects = store.catalog.replace_all(
         packs, [(s.ref, s.time_ns, s.origin, s.label, s.key) for s in h.snapshots.values()],
-        [jr.row() for jr in h.journal])
+        [jr.row() for jr in h.journal],
+        [lr for ref in h.snapshots for lr in label_rows(h, ref)])
     if store.catalog.shared:  # this host's caches are in its local index
         c = store.conn
         for table in ("files_cache", "dirs_cache", "located", "located_trees"):

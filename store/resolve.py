@@ -45,6 +45,8 @@ class RefSource(Protocol):
 
     def list_snapshots(self) -> list[SnapshotInfo]: ...
 
+    def snapshot_labels(self) -> list[tuple[Ref, str, int]]: ...
+
     def journal(self, session: str) -> list[JournalEvent]: ...
 
     def journal_refs(self) -> list[Ref]: ...
@@ -146,17 +148,17 @@ def _label(store: RefSource, text: str, session: str | None) -> Ref:
         raise InvalidRefError(text, "'@' needs a label (or '-N' with a session)")
     if session is not None:
         return _session_label(store, text, label, session)
-    listed = store.list_snapshots()
-    rows = [s for s in listed if s.label == label]
+    given = store.snapshot_labels()  # every label a listed Ref was given
+    rows = [(t, str(ref), ref) for ref, name, t in given if name == label]
     if not rows:
         # the store's labels, newest first
-        labels = list(dict.fromkeys(s.label for s in sorted(
-            listed, key=lambda s: (s.time_ns, str(s.ref)), reverse=True) if s.label))
+        labels = list(dict.fromkeys(name for _, name, _ in sorted(
+            given, key=lambda g: (g[2], str(g[0])), reverse=True)))
         raise InvalidRefError(text, f"no snapshot labelled {label!r} in the snapshot list"
                                     + (f" (its labels, newest first: {_some(labels)}; "
                                        "`rewindfs list` lists them)"
                                        if labels else " (it has no labels)"))
-    return max(rows, key=lambda s: (s.time_ns, str(s.ref))).ref
+    return max(rows)[2]
 
 
 def _session_label(store: RefSource, text: str, label: str, session: str) -> Ref:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # table -> (column -> comment). The comments are the documentation of the schema.
 TABLES: dict[str, dict[str, str]] = {
@@ -74,6 +74,12 @@ TABLES: dict[str, dict[str, str]] = {
         "origin": "what produced it: snapshot, checkpoint, seed, import, ...",
         "label": "optional user label; NULL when none.",
         "key": "backend key of the history object that listed it.",
+    },
+    "snapshot_labels": {
+        "ref": "Ref text of a listed snapshot; (ref, label) is the primary key.",
+        "label": "a label the Ref was given since it was last listed (every one is kept).",
+        "time_ns": "when the Ref was last given that label, ns since the epoch.",
+        "key": "backend key of the history object that gave it.",
     },
     "journal": {
         "session": "session id the event belongs to.",
@@ -194,6 +200,11 @@ def create(conn: sqlite3.Connection) -> None:
     db.table("packs").create({"key": str, "size": int, "objects": int}, pk="key", if_not_exists=True)
     db.table("snapshots").create({"ref": str, "time_ns": int, "origin": str, "label": str,
                             "key": str}, pk="ref", if_not_exists=True)
+    if not db.table("snapshot_labels").exists():
+        db.table("snapshot_labels").create({"ref": str, "label": str, "time_ns": int,
+                                            "key": str}, pk=("ref", "label"))
+        conn.execute("INSERT INTO snapshot_labels(ref, label, time_ns, key) SELECT ref, "
+                     "label, time_ns, key FROM snapshots WHERE label IS NOT NULL")
     db.table("journal").create({"session": str, "seq": int, "time_ns": int, "epoch": int,
                           "event": str, "ref": str, "trigger_": str, "consistency": str,
                           "key": str}, pk=("session", "seq"), if_not_exists=True)

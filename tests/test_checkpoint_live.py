@@ -221,3 +221,46 @@ def test_status_counts_fuse_requests_by_operation(mounter: fh.Mounter, lower_ref
     else:
         assert after.get("create", 0) - before.get("create", 0) == 5
     assert after.get("write", 0) - before.get("write", 0) == 5
+
+
+def _history_records(store: Path) -> int:
+    return len(os.listdir(store / "backend" / "snapshots"))
+
+
+def test_every_label_of_an_unchanged_mount_is_kept(mounter: fh.Mounter, fuse_store: Path,
+                                                   lower_ref: str) -> None:
+    """Labelled checkpoints of an unchanged mount give the same Ref and each label is kept
+    with it (``list`` shows them, ``@label`` finds each), also for two checkpoints started
+    at once; an unchanged checkpoint without a new label writes nothing."""
+    m = mounter.rw(lower_ref).mnt
+    (m / "plain.txt").write_bytes(b"one\n")
+    refs = [cli(fuse_store, "checkpoint", str(m), "--label", label).stdout.strip()
+            for label in ("P1", "P2")]
+    assert refs[0] == refs[1] != lower_ref
+    records = _history_records(fuse_store)
+    assert cli(fuse_store, "checkpoint", str(m)).stdout.strip() == refs[0]
+    assert cli(fuse_store, "checkpoint", str(m), "--label", "P2").stdout.strip() == refs[0]
+    assert _history_records(fuse_store) == records  # nothing new: nothing written
+    for label in ("P1", "P2"):
+        (m / "plain.txt").write_bytes(b"broken\n")
+        r = cli(fuse_store, "restore", str(m), f"@{label}", "--json", check=False)
+        assert r.returncode == 0, (label, r.stderr)
+        assert json.loads(r.stdout)["ref"] == refs[0]
+        assert (m / "plain.txt").read_bytes() == b"one\n"
+    listed = {s["ref"]: s for s in json.loads(cli(fuse_store, "list", "--json").stdout)}
+    assert listed[refs[0]]["labels"] == ["P2", "P1"] and listed[refs[0]]["label"] == "P2"
+    assert any(line.endswith(f"{refs[0]}  P2, P1")
+               for line in cli(fuse_store, "list").stdout.splitlines())
+
+    (m / "plain.txt").write_bytes(b"two\n")
+    env = {**os.environ, "REWINDFS_STORE": str(fuse_store)}
+    both = [subprocess.Popen([sys.executable, "-m", "rewindfs", "checkpoint", str(m),
+                              "--label", label], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+            for label in ("c1", "c2")]
+    outs = [p.communicate(timeout=120) for p in both]
+    assert [p.returncode for p in both] == [0, 0], outs
+    assert outs[0][0] == outs[1][0]
+    for label in ("c1", "c2"):
+        r = cli(fuse_store, "cat", f"@{label}", "plain.txt", check=False)
+        assert r.returncode == 0 and r.stdout == "two\n", (label, r.stderr)
