@@ -271,3 +271,24 @@ def test_each_session_checkpoint_keeps_its_own_label(tmp_path: Path, backend: st
         assert bad.returncode == 3 and "its labels, newest first: L2, L1;" in bad.stderr
     finally:
         run(st, "session", "shutdown", s["id"], "--force")
+
+
+def test_labels_of_a_store_from_before_every_label_was_kept_stay_found(tmp_path: Path) -> None:
+    """An index at schema 7 (one label per listed Ref, no label table) opened now: each
+    listed Ref's label is found by ``@label`` and a new label adds to it."""
+    import sqlite3
+
+    st = Store(tmp_path / "store")
+    a = snapshot(st, tree(tmp_path / "a", "a\n"), label="old")
+    index = st.index_path
+    st.close()
+    c = sqlite3.connect(index)
+    c.execute("DROP TABLE snapshot_labels")
+    c.execute("UPDATE config SET value='7' WHERE key='schema_version'")
+    c.commit()
+    c.close()
+    st = Store(tmp_path / "store")
+    assert resolve_ref(st, "@old") == a
+    st.add_snapshot(a, "checkpoint", "new")
+    assert resolve_ref(st, "@old") == resolve_ref(st, "@new") == a
+    assert [label for _, label, _ in st.snapshot_labels()] == ["old", "new"]
