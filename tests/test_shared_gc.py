@@ -203,10 +203,15 @@ def test_a_version_1_catalog_is_migrated_keeping_its_packs(pg_dsn: str) -> None:
         conn.execute(MIGRATIONS[0])
         conn.execute("INSERT INTO catalog_meta VALUES ('schema_version', '1')")
         conn.execute("INSERT INTO packs VALUES ('packs/old.pack', 5, 1)")
+        conn.execute("INSERT INTO snapshots VALUES ('v1:blake3:ab', 7, 'checkpoint', 'old', "
+                     "'snapshots/1-add.json'), ('v1:blake3:cd', 8, 'snapshot', NULL, "
+                     "'snapshots/2-add.json')")
     c = PostgresCatalog(pg_dsn)
     try:
-        assert SCHEMA_VERSION == 2 and c.schema_version() == 2
+        assert SCHEMA_VERSION == 3 and c.schema_version() == 3
         assert c.packs() == [("packs/old.pack", 5, 1)]
+        # every listed Ref's label is kept as one of the labels it was given
+        assert c.snapshot_labels() == [("v1:blake3:ab", "old", 7, "snapshots/1-add.json")]
         assert c.gc_view()[1] == {"packs/old.pack": (5, 0)}  # indexed before the grace
     finally:
         c.close()
