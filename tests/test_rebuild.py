@@ -37,14 +37,18 @@ def test_rebuild_restores_snapshot_list_and_journals(tmp_path: object) -> None:
     objects = sorted(s.conn.execute("SELECT * FROM objects").fetchall())
     packs = sorted(s.conn.execute("SELECT * FROM packs").fetchall())
     assert [i.label for i in snaps] == ["seed 3", "relabelled"]
+    labels = s.snapshot_labels()  # every label a listed Ref was given; forget drops them
+    assert sorted((str(r), name) for r, name, _ in labels) == sorted(
+        [(str(b.ref), "seed 2"), (str(b.ref), "relabelled"), (str(c.ref), "seed 3")])
 
     s2 = drop_index(s)
     assert s2.list_snapshots() == snaps  # a lost index is rebuilt at open
+    assert s2.snapshot_labels() == labels
     assert s2.config_value("unverified_rebuild") == "1"
     rep = rebuild_index(s2)
     assert (rep.snapshots, rep.journal_events, rep.packs) == (2, 4, len(packs))
     assert rep.skipped_packs == rep.skipped_records == rep.unknown_keys == []
-    assert s2.list_snapshots() == snaps
+    assert s2.list_snapshots() == snaps and s2.snapshot_labels() == labels
     assert {x: s2.journal(x) for x in ("alpha", "beta")} == journals
     assert sorted(s2.conn.execute("SELECT * FROM objects").fetchall()) == objects
     assert sorted(s2.conn.execute("SELECT * FROM packs").fetchall()) == packs
@@ -108,3 +112,21 @@ def test_rebuild_twice_gives_the_same_index(tmp_path: object) -> None:
     rebuild_index(s)
     assert [sorted(s.conn.execute(f"SELECT * FROM {t}").fetchall())
             for t in ("objects", "packs", "snapshots", "journal")] == first
+
+
+def test_catch_up_brings_back_every_label_the_history_gives(tmp_path: object) -> None:
+    """Listings durable in the backend whose index rows a crash lost: catch-up writes the
+    row and every label the Ref was given since it was listed (not the newest alone)."""
+    from store.rebuild import catch_up
+
+    s = new_store(tmp_path)
+    a = build(s, seed=1)
+    s.add_snapshot(a.ref, "checkpoint", label="P1")
+    s.add_snapshot(a.ref, "checkpoint", label="P2")
+    labels = s.snapshot_labels()
+    assert [name for _, name, _ in labels] == ["seed 1", "P1", "P2"]
+    rows = s.list_snapshots()
+    s.conn.execute("DELETE FROM snapshots")
+    s.conn.execute("DELETE FROM snapshot_labels")
+    assert catch_up(s) > 0
+    assert s.list_snapshots() == rows and s.snapshot_labels() == labels
