@@ -5,7 +5,8 @@ points:
 
 - ``rebuild_index(store)`` recreates ``objects`` and ``packs`` from the pack trailers, the
   snapshot list by replaying ``snapshots/*.json`` records (add, forget) in key order (keys
-  start with the zero-padded time in ns, so key order is time order), and the journal from
+  start with the zero-padded time in ns, so key order is time order), each listed Ref with
+  every label its adds since its last forget gave it, and the journal from
   ``journal/<session>/<seq>.json``. The files and dirs caches are dropped (only caches);
   ``named_refs``, ``state_dirs`` and ``leases`` describe this machine and are kept. It sets
   ``unverified_rebuild`` in ``config``: GC refuses to run until ``verify`` passes cleanly,

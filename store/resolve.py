@@ -6,8 +6,9 @@ the session API or the MCP tools accept a Ref, ``resolve_ref`` also accepts:
 - a unique prefix of at least 8 hex digits (``26b779fd``, or ``v1:blake3:26b779fd``), among
   the Refs the store knows: its snapshot list and every session journal; prefixes and full
   Refs are read in either case (``26B779FD``);
-- ``@label``: the newest snapshot listed with that label; with a session, the newest one
-  whose Ref is in that session's journal;
+- ``@label``: the newest snapshot given that label (a listed Ref keeps every label it was
+  given, ``Store.snapshot_labels``); with a session, the newest checkpoint of that session
+  given that label (``checkpoint_labels``: the label each checkpoint was journaled with);
 - ``@-N`` (N >= 1, only with a session): the Nth checkpoint back in the session's journal,
   ``@-1`` being its newest ``WorkspaceCheckpointed`` event (pre_restore, seed and fork
   checkpoints count; restores do not).

@@ -1,13 +1,14 @@
 """The store's SQLite index: every table and column, with its meaning and invariants.
 
 The index is a cache of the backend, never the only copy of anything: ``rebuild-index``
-recreates ``objects``, ``packs``, ``snapshots``, ``journal`` and ``config`` from the packs'
-trailers and the append-only history objects. It runs in WAL mode. Tables are created with
+recreates ``objects``, ``packs``, ``snapshots``, ``snapshot_labels``, ``journal`` and
+``config`` from the packs' trailers and the append-only history objects. It runs in WAL mode. Tables are created with
 sqlite-utils here and nowhere else (``dirs_cache`` with plain SQL, below); hot paths use
 plain prepared SQL.
 
 On a shared store (store/config.py) the catalog tables (``objects``, ``packs``,
-``snapshots``, ``journal``, ``named_refs``, ``state_dirs`` with a ``host`` column,
+``snapshots``, ``snapshot_labels``, ``journal``, ``named_refs``, ``state_dirs`` with a
+``host`` column,
 ``sessions``, ``leases``, ``config``) live in the PostgreSQL catalog instead
 (store/pgcatalog.py, its own versioned migrations), read and written only through
 store/catalog.py; this host's file keeps ``files_cache``, ``dirs_cache`` and ``chunk_pages``, trusted against
