@@ -179,13 +179,13 @@ class PostgresCatalog:
         reconnection attempts back off exponentially (psycopg_pool: 1, 2, 4, ... s, up to
         its 5 min reconnect timeout), so the next operation after the server returns
         succeeds."""
-        from psycopg_pool import PoolTimeout
+        from psycopg_pool import PoolClosed, PoolTimeout
 
         pool = self._pool
         if pool is not None and not self._down:
             try:
                 return pool, pool.getconn()
-            except PoolTimeout:
+            except (PoolTimeout, PoolClosed):  # closed: another thread replaced it meanwhile
                 pass
         try:
             self._connect().close()

@@ -227,3 +227,38 @@ def test_a_session_without_fuse_moves_only_after_a_shutdown_checkpoint(
     moved = b.started("resume", sid, "--no-fuse")
     assert ref_of(moved["root"]) == want
     b.session("shutdown", sid)
+
+
+def test_a_catalog_outage_across_a_lease_renewal_leaves_the_session_its_lease(
+        s3_env: object, s3_bucket: str, own_postgres: object, tmp_path: Path) -> None:
+    """PostgreSQL down while the session's renewer ticks (a third of the lease's time to
+    live), back before the lease's time to live is over: the session keeps its lease, so a
+    checkpoint a whole time to live later is journaled and status shows no fault. The
+    renewer's check of whether the lease was still held raised during the outage, which
+    ended the renewer: the lease then expired and every later checkpoint failed with 'the
+    session lease is not held' while status said nothing was wrong."""
+    a, b = two_hosts(s3_env, s3_bucket, own_postgres.new_database(),  # type: ignore[attr-defined]
+                     tmp_path, SessionHost)
+    assert isinstance(a, SessionHost) and isinstance(b, SessionHost)
+    try:
+        ttl = 30.0  # renewed every 10 s; the first failing checkpoint waits up to 10 s
+        s = a.started("new", "--seed", str(_project(tmp_path)), "--lease-ttl", str(ttl))
+        sid, root = s["id"], Path(s["root"])
+        own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+        try:
+            (root / "README").write_text("during the outage\n")
+            assert a.run("checkpoint", str(root), check=False).returncode != 0
+            time.sleep(ttl / 3 + 0.7)  # at least one renewal while the catalog is down
+        finally:
+            own_postgres.start()  # type: ignore[attr-defined]
+        time.sleep(ttl + 1)  # a lease no longer renewed has expired by now
+        (root / "README").write_text("after the outage\n")
+        ref = json.loads(a.run("checkpoint", str(root), "--json").stdout)["ref"]
+        log = json.loads(a.run("log", sid, "--json").stdout)
+        assert log[-1]["ref"] == ref and log[-1]["event"] == "WorkspaceCheckpointed"
+        status = json.loads(a.run("status", str(root), "--json").stdout)
+        assert not status.get("fault"), status
+        a.session("shutdown", sid)
+    finally:
+        a.cleanup()
+        b.cleanup()

@@ -174,21 +174,37 @@ class SessionCore:
         return self.cfg.leaser if i == 0 else self.placement.leaser
 
     def _renew_loop(self) -> None:
-        interval = self.cfg.lease_ttl_s / 3
-        while not self._stop.wait(interval):
+        """Renew every lease at a third of its time to live. A renewal that fails for any
+        reason but a lost lease (a busy index, a catalog that cannot be reached) is tried
+        again at the next tick; only a lease seen lost, or one not renewed for a whole time
+        to live (the catalog's copy has expired by then, wherever its clock is), faults
+        the session."""
+        ttl = self.cfg.lease_ttl_s
+        renewed = [time.monotonic()] * len(self._leases)
+        while not self._stop.wait(ttl / 3):
             with self._lease_lock:
                 for i, lease in enumerate(list(self._leases)):
                     leaser = self._leaser_of(i)
+                    asked = time.monotonic()  # before the catalog stamps the new expiry
                     try:
-                        self._leases[i] = leaser.renew(lease, self.cfg.lease_ttl_s)
+                        self._leases[i] = leaser.renew(lease, ttl)
+                        renewed[i] = asked
+                        continue
                     except LeaseLostError:
                         self._fault_terminal(f"lease {lease.name} lost (epoch {lease.epoch})")
                         return
-                    except Exception as e:  # a busy index: retry at the next tick
+                    except Exception as e:
                         log.warning("session %s: renewing %s failed: %s", self.id, lease.name, e)
-                        if not leaser.held(lease):
-                            self._fault_terminal(f"lease {lease.name} expired")
-                            return
+                    try:
+                        held = leaser.held(lease)
+                    except Exception as e:  # cannot tell: held until its time to live is over
+                        held = time.monotonic() - renewed[i] < ttl
+                        if not held:
+                            log.warning("session %s: %s not renewed for %g s: %s", self.id,
+                                        lease.name, ttl, e)
+                    if not held:
+                        self._fault_terminal(f"lease {lease.name} expired")
+                        return
 
     def leases_healthy(self) -> bool:
         with self._lease_lock:
