@@ -118,8 +118,9 @@ class SandboxGuard:
     def register(self, covers: Iterable[tuple[int, bytes]]) -> int:
         """Register a sandbox about to start, covering ``covers`` ((inode number, workspace
         path) pairs); returns its token."""
-        sb = Sandbox(dict(covers))
-        sb.paths = frozenset(sb.covers.values())
+        pairs = list(covers)
+        sb = Sandbox(dict(pairs))
+        sb.paths = frozenset(path for _, path in pairs)  # every name of a hard-linked object
         if self._restored(sb.paths):
             raise OSError(errno.EBUSY, "a restore of a covered path is running")
         token = next(self._ids)

@@ -65,3 +65,17 @@ def test_a_restore_stops_those_under_its_paths_and_refuses_new_ones() -> None:
         g.register([(44, b"elsewhere")])
     g.register([(43, b"secrets/other")])
     assert g.end(b) is None
+
+
+def test_every_name_of_a_hard_linked_covered_object_counts_for_a_restore() -> None:
+    """A covered object with two names (a user's hard link): a path restore of either name
+    stops the sandbox, and a start during a restore of either is refused. Only the name
+    given last counted, so `restore --path .env` left a command reading the restored .env."""
+    g = SandboxGuard()
+    a = g.register([(41, b".env"), (41, b"docs/alias")])
+    assert g.under([b".env"]) == [g.sandboxes[a]]
+    assert g.under([b"docs"]) == [g.sandboxes[a]]
+    with g.restoring([b".env"]):
+        with pytest.raises(OSError) as e:
+            g.register([(45, b"docs/x"), (45, b".env")])
+        assert e.value.errno == errno.EBUSY

@@ -144,8 +144,9 @@ def hold_background_writer(path: str, timeout_s: float | None = 30.0) -> Iterato
 class SandboxRegistration:
     """A sandbox registered with the mount daemon's guard (the ``sandbox`` request, held on
     one connection; ``fusefs.guard``): made with its covers ((inode number, workspace
-    path) pairs) before the sandbox starts (the request is sent; its answer is read by
-    :meth:`bind`, so the host registers while the sandbox starts); :meth:`bind` gives the
+    path) pairs) before the sandbox starts (and before its covers are made: its answer is
+    awaited, so a covered name replaced after the scan either fails the covers' identity
+    check or spoils the start at :meth:`bind`); :meth:`bind` gives the
     first process of its pid namespace, :meth:`end` (or :meth:`close`, or the
     connection's end) forgets it. Every method raises OSError: nobody serves ``path``,
     the host went away, or it refused (EBUSY: no FUSE mount, a restore of a covered path
@@ -160,7 +161,11 @@ class SandboxRegistration:
             self.sock.settimeout(timeout_s)
             self.sock.connect(path)
             req = {"op": "sandbox", "covers": [list(c) for c in covers]}
-            self.sock.sendall(json.dumps(req).encode() + b"\n")
+            # The answer is awaited before the sandbox starts: its covers are made after
+            # the guard holds them, so a name replaced meanwhile spoils the start instead
+            # of dropping a cover nothing watches.
+            self._ok(_exchange(self.sock, path, req))
+            self._pending = False
         except BaseException:
             self.close()
             raise
