@@ -49,11 +49,11 @@ from __future__ import annotations
 
 import stat
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from itertools import repeat
-from typing import overload
+from typing import cast, overload
 
 from .errors import ArchiveEntryError, IntegrityError
 from .ref import DIGEST_SIZE, ObjectId, object_id
@@ -493,6 +493,23 @@ def _take(buf: bytes, pos: int, n: int) -> tuple[bytes, int]:
 _KINDS = {int(k): k for k in Kind}
 
 
+def _entry_maker() -> Callable[..., Entry]:
+    """A function taking Entry's fields in order and returning the Entry, for the decoder:
+    it sets the slots directly, which takes less than half the time of the dataclass's
+    frozen ``__init__`` (a huge directory decodes an Entry per name). The decoder passes a
+    ChunkList always, so ``__post_init__``'s conversion has nothing to do."""
+    names = [f.name for f in fields(Entry)]
+    setters = {f"set_{n}": getattr(Entry, n).__set__ for n in names}
+    src = (f"def make({', '.join(names)}):\n    e = new(Entry)\n"
+           + "".join(f"    set_{n}(e, {n})\n" for n in names) + "    return e\n")
+    scope: dict[str, object] = {"new": object.__new__, "Entry": Entry, **setters}
+    exec(src, scope)  # noqa: S102 - the source is built above from Entry's field names
+    return cast(Callable[..., Entry], scope["make"])
+
+
+_make_entry = _entry_maker()
+
+
 def decode_tree(data: bytes, tree_id: str = "tree") -> Tree:
     """Decode a canonical tree encoding.
 
@@ -501,11 +518,11 @@ def decode_tree(data: bytes, tree_id: str = "tree") -> Tree:
     """
     try:
         buf = bytes(data)
-        entries = _decode_entries(buf)
+        entries, by_name = _decode_entries(buf)
         version = 2 if buf[:len(MAGIC_V2)] == MAGIC_V2 else 1
         if version == 2 and tree_version(entries) == 1:
             raise _Malformed(0, "version 2 tree that version 1 holds (non-canonical)")
-        return Tree(tuple(entries), version)
+        return Tree(tuple(entries), version, by_name)
     except _Malformed as e:
         raise IntegrityError(tree_id, f"malformed tree at byte {e.pos}: {e.why}") from None
 
@@ -522,7 +539,8 @@ def _one(cid: bytes) -> ChunkList:
     return cl
 
 
-def _decode_entries(buf: bytes) -> list[Entry]:
+def _decode_entries(buf: bytes) -> tuple[list[Entry], dict[bytes, int]]:
+    """The entries of a tree encoding and the index of each name (Tree's ``_by_name``)."""
     magic = buf[:len(MAGIC)]
     if magic != MAGIC and magic != MAGIC_V2:
         raise _Malformed(0, "bad magic" if len(buf) >= len(MAGIC) else "truncated")
@@ -533,6 +551,8 @@ def _decode_entries(buf: bytes) -> list[Entry]:
     if count > size_limit:
         raise _Malformed(pos, "entry count larger than the object")
     entries: list[Entry] = []
+    by_name: dict[bytes, int] = {}
+    make = _make_entry
     prev = b""
     kinds = _KINDS
     # A one-byte varint (name lengths, most owners, sizes and counts) is read in line: a
@@ -543,8 +563,16 @@ def _decode_entries(buf: bytes) -> list[Entry]:
             pos += 1
         else:
             n, pos = _varint(buf, pos)
-        name, pos = _take(buf, pos, n)
-        check_name(name)
+        end = pos + n
+        if end > size_limit:
+            raise _Malformed(pos, "truncated")
+        name = buf[pos:end]
+        pos = end
+        # check_name's rules in line (a call per entry is a good part of a huge
+        # directory's decoding); only a name failing them takes the call for its error
+        if not 0 < n <= NAME_MAX or b"/" in name or b"\0" in name or name == b"." \
+                or name == b"..":
+            check_name(name)
         if name <= prev:
             raise _Malformed(pos, "names not strictly increasing")
         prev = name
@@ -567,8 +595,22 @@ def _decode_entries(buf: bytes) -> list[Entry]:
             pos += 1
         else:
             gid, pos = _varint(buf, pos)
-        zz, pos = _varint(buf, pos)
-        mtime_ns = _unzigzag(zz)
+        # the mtime is most of a tree's long varints: read in line
+        zz = shift = 0
+        while True:
+            if pos >= size_limit:
+                raise _Malformed(pos, "truncated varint")
+            b = buf[pos]
+            pos += 1
+            zz |= (b & 0x7F) << shift
+            if b < 0x80:
+                break
+            shift += 7
+            if shift > 70:
+                raise _Malformed(pos, "varint too long")
+        if b == 0 and shift:
+            raise _Malformed(pos, "non-canonical varint")
+        mtime_ns = (zz >> 1) if not zz & 1 else -((zz + 1) >> 1)
         size = buf[pos] if pos < size_limit else 0x80
         if size < 0x80:
             pos += 1
@@ -648,11 +690,12 @@ def _decode_entries(buf: bytes) -> list[Entry]:
             group, pos = _take(buf, pos, DIGEST_SIZE)
         elif flag != 0:
             raise _Malformed(pos, "bad link flag")
-        entries.append(Entry(name, kind, mode, uid, gid, mtime_ns, size, chunks, tree_id_,
-                             target, xattrs, group, rdev))
+        by_name[name] = len(entries)
+        entries.append(make(name, kind, mode, uid, gid, mtime_ns, size, chunks, tree_id_,
+                            target, xattrs, group, rdev))
     if pos != size_limit:
         raise _Malformed(pos, "trailing bytes")
-    return entries
+    return entries, by_name
 
 
 EMPTY_TREE = encode_tree([])

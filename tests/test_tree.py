@@ -70,6 +70,12 @@ def test_roundtrip(es: list[Entry]) -> None:
     assert encode_tree(t.entries) == enc
     for e in es:
         assert t.get(e.name) == e
+    # the decoder builds its entries without Entry's __init__: they are the same values
+    assert hash(t.entries) == hash(tuple(sorted(es, key=lambda e: e.name)))
+    for e in t.entries:
+        assert type(e) is Entry and type(e.chunks) is ChunkList
+        with pytest.raises(AttributeError):
+            e.name = b"other"  # type: ignore[misc]
 
 
 @given(trees())
