@@ -156,7 +156,6 @@ class SandboxRegistration:
                  timeout_s: float | None = 30.0) -> None:
         self.path = path
         self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._pending = True    # the registration's answer, not read yet
         try:
             self.sock.settimeout(timeout_s)
             self.sock.connect(path)
@@ -165,7 +164,6 @@ class SandboxRegistration:
             # the guard holds them, so a name replaced meanwhile spoils the start instead
             # of dropping a cover nothing watches.
             self._ok(_exchange(self.sock, path, req))
-            self._pending = False
         except BaseException:
             self.close()
             raise
@@ -184,9 +182,6 @@ class SandboxRegistration:
 
         if self.sock is None:
             raise OSError(errno.EBADF, "the sandbox's registration is closed")
-        if self._pending:
-            self._pending = False
-            self._ok(_reply(self.sock, self.path))
         req = {"pid": pid, "start": start_ticks(pid)}
         got = self._ok(_exchange(self.sock, self.path, req))
         spoiled = got.get("spoiled")
@@ -195,8 +190,7 @@ class SandboxRegistration:
     def end(self) -> str | None:
         """Forget the sandbox (its processes have ended); returns the covered path whose
         removal or replacement outside the sandbox made the daemon stop it, else None."""
-        if self.sock is None or self._pending:
-            self.close()
+        if self.sock is None:
             return None
         try:
             got = self._ok(_exchange(self.sock, self.path, {"end": True}))
