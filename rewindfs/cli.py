@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_store(args)
         return handler(args)
     except KeyboardInterrupt as e:
-        return _fail(e, 130, interrupted_line(handler), as_json)
+        return _fail(e, 130, interrupted_line(args), as_json)
     except BrokenPipeError:
         return 0
     except Exception as e:  # one line for user errors, traceback only when asked
@@ -191,12 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, int(code or 1), str(e), as_json)
 
 
-def interrupted_line(handler: Handler) -> str:
-    """The line for Ctrl-C: a checkpoint or restore already asked of a daemon (a mount's or a
-    session's) runs to its end there, so the line says how to see what happened."""
-    name = getattr(handler, "__name__", "")
-    if name in ("cmd_checkpoint", "cmd_restore"):
-        what = name.removeprefix("cmd_")
+def interrupted_line(args: argparse.Namespace) -> str:
+    """The line for Ctrl-C of the command parsed into ``args``: a command whose parser sets
+    ``daemon_completes`` (a checkpoint or restore, of a mount or a session) asked a daemon
+    for the work, which runs to its end there, so the line says how to see what happened."""
+    if getattr(args, "daemon_completes", False):
+        what = getattr(args, "session_command", None) or args.command
         return (f"interrupted; a {what} the daemon already received still completes there: "
                 "see 'rewindfs list' (or 'rewindfs log ID' for a session); a restore is "
                 "undone by restoring its pre_restore Ref")

@@ -41,7 +41,7 @@ def register(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds to wait for write permits to end (default 60)")
     add_json(p)
-    p.set_defaults(handler=cmd_checkpoint)
+    p.set_defaults(handler=cmd_checkpoint, daemon_completes=True)
 
     p = sub.add_parser("restore", help="repoint a mounted session at a Ref")
     p.add_argument("mountpoint", metavar="MNT")
@@ -61,7 +61,7 @@ def register(sub: Any) -> None:
                         "directory, or absent in REF: then it is removed); repeatable; the "
                         "rest of the tree stays as it is")
     add_json(p)
-    p.set_defaults(handler=cmd_restore)
+    p.set_defaults(handler=cmd_restore, daemon_completes=True)
 
     p = sub.add_parser("status", help="lower Ref, dirty and detached inodes, open handles "
                                       "of a mounted session")

@@ -126,7 +126,7 @@ def register(sub: Any) -> None:
     c.add_argument("--label", help="label kept with the Ref in the snapshot list ('list', "
                                    "'@label')")
     add_json(c)
-    c.set_defaults(handler=cmd_checkpoint)
+    c.set_defaults(handler=cmd_checkpoint, daemon_completes=True)
 
     st = ss.add_parser("step", help="record a step of a running session: journal the paths "
                                     "changed since the previous step")
@@ -150,7 +150,7 @@ def register(sub: Any) -> None:
                     help="restore only this path (relative to the session root; a file, a "
                          "directory, or absent in REF: then it is removed); repeatable")
     add_json(rs)
-    rs.set_defaults(handler=cmd_restore)
+    rs.set_defaults(handler=cmd_restore, daemon_completes=True)
 
     lg = sub.add_parser("log", help="a session's journal, oldest first")
     lg.add_argument("id")

@@ -116,13 +116,15 @@ def test_live_commands_take_any_path_inside_the_mount(mounter: fh.Mounter, fuse_
 def test_ctrl_c_of_a_checkpoint_or_restore_says_the_daemon_may_finish_it() -> None:
     """Ctrl-C after a checkpoint or restore reached the daemon does not stop it there (the
     daemon runs it to its end), so the line says where to look; other commands just say
-    interrupted. The handlers are the ones the real argument parser picks."""
+    interrupted. The arguments are the ones the real argument parser gives."""
     from rewindfs.cli import build_parser, interrupted_line
 
     parser = build_parser()
-    for argv in (["checkpoint", "m"], ["restore", "m", "@x"], ["session", "checkpoint", "s"],
-                 ["session", "restore", "s", "@x"]):
-        line = interrupted_line(parser.parse_args(argv).handler)
-        assert "still completes there" in line and "rewindfs list" in line, argv
-        assert "pre_restore" in line
-    assert interrupted_line(parser.parse_args(["list"]).handler) == "interrupted"
+    for what, argv in (("checkpoint", ["checkpoint", "m"]), ("restore", ["restore", "m", "@x"]),
+                       ("checkpoint", ["session", "checkpoint", "s"]),
+                       ("restore", ["session", "restore", "s", "@x"])):
+        line = interrupted_line(parser.parse_args(argv))
+        assert f"a {what} the daemon already received still completes there" in line, argv
+        assert "rewindfs list" in line and "pre_restore" in line
+    for argv in (["list"], ["status", "m"], ["session", "step", "s"], ["session", "new"]):
+        assert interrupted_line(parser.parse_args(argv)) == "interrupted", argv
