@@ -145,44 +145,43 @@ def _stopped(b: ToolResult, path: str) -> None:
     assert f"{path} was removed, replaced or linked" in b.text, b.text
 
 
-@needs_sandbox
-@needs_fuse
-@pytest.mark.parametrize("change", [_replace, _unlink_and_create, _move_away_and_create,
-                                    _exchange_with_new],
-                         ids=["rename-over", "unlink-create", "rename-away-create",
-                              "exchange"])
-def test_a_running_command_is_stopped_before_its_hidden_file_is_replaced(
-        sessions: Sessions, change: Callable[[Path, str], None]) -> None:
-    """The user replaces a hidden file while a command runs: the daemon kills the command
-    before the change (its cover, a mount on the old dentry, would not survive it); the
-    command never reads the new file, and the user's change takes effect."""
-    sid, root = _new(sessions, "fuse", _seed(sessions), "--hide", ".env")
-    ctx = ToolContext(SessionToolBinding(sessions.store, sid))
-    b = _during(ctx, root, "cat .env; echo rc=$?",
-                lambda: change(root / ".env", NEW_SECRET + "\n"))
-    assert (root / ".env").read_text() == NEW_SECRET + "\n"
-    _stopped(b, ".env")
-    assert NEW_SECRET not in b.text and "rc=" not in b.text, b.text
-    b = run_bash(ctx, "cat .env; echo rc=$?")        # the next call covers the new file
-    assert NEW_SECRET not in b.text and "rc=1" in b.text, b.text
-    ctx.close()
+def _link_as_alias(path: Path) -> None:
+    """A hard link the user makes: a new name (``alias``) no cover sits on."""
+    os.link(path, path.with_name("alias"))
+
+
+_ROTATED = NEW_SECRET + "\n"
 
 
 @needs_sandbox
 @needs_fuse
-def test_a_running_command_is_stopped_before_a_new_link_to_its_hidden_file(
-        sessions: Sessions) -> None:
-    """A hard link the user makes while a command runs is a name no cover sits on: the
-    daemon stops the command before it makes the link."""
+@pytest.mark.parametrize(("change", "name", "seen"), [
+    pytest.param(lambda p: _replace(p, _ROTATED), ".env", NEW_SECRET, id="rename-over"),
+    pytest.param(lambda p: _unlink_and_create(p, _ROTATED), ".env", NEW_SECRET,
+                 id="unlink-create"),
+    pytest.param(lambda p: _move_away_and_create(p, _ROTATED), ".env", NEW_SECRET,
+                 id="rename-away-create"),
+    pytest.param(lambda p: _exchange_with_new(p, _ROTATED), ".env", NEW_SECRET,
+                 id="exchange"),
+    pytest.param(_link_as_alias, "alias", SECRET, id="new-link"),
+])
+def test_a_running_command_is_stopped_before_its_hidden_file_is_changed(
+        sessions: Sessions, change: Callable[[Path], None], name: str, seen: str) -> None:
+    """The user replaces a hidden file, or links it under a new name, while a command runs
+    (``change(root / ".env")``): the daemon kills the command before the change (its cover,
+    a mount on the old dentry, would not survive a replacement; a new link is a name no
+    cover sits on); the command never reads ``name``, the user's change takes effect (the
+    user reads ``seen`` there), and the next call covers ``name`` too."""
     sid, root = _new(sessions, "fuse", _seed(sessions), "--hide", ".env")
     ctx = ToolContext(SessionToolBinding(sessions.store, sid))
-    b = _during(ctx, root, "cat alias; echo rc=$?",
-                lambda: os.link(root / ".env", root / "alias"))
-    assert (root / "alias").read_text() == SECRET + "\n"
+    b = _during(ctx, root, f"cat {name}; echo rc=$?", lambda: change(root / ".env"))
+    assert (root / name).read_text() == seen + "\n"
     _stopped(b, ".env")
-    assert SECRET not in b.text and "rc=" not in b.text, b.text
-    b = run_bash(ctx, "cat alias; echo rc=$?")       # the next call covers the link too
-    assert SECRET not in b.text and "rc=1" in b.text, b.text
+    assert SECRET not in b.text and NEW_SECRET not in b.text, b.text
+    assert "rc=" not in b.text, b.text
+    b = run_bash(ctx, f"cat {name}; echo rc=$?")
+    assert SECRET not in b.text and NEW_SECRET not in b.text, b.text
+    assert "rc=1" in b.text, b.text
     ctx.close()
 
 
