@@ -152,13 +152,14 @@ def configure(root: str, cfg: SharedConfig) -> SharedConfig:
 
 def open_parts(root: str, cfg: SharedConfig) -> tuple[Any, Any]:
     """The (backend, catalog) of shared store ``cfg`` for local directory ``root``: S3
-    through the range cache, and the PostgreSQL catalog. Raises BackendError if the bucket
-    cannot be reached, CatalogError if the catalog cannot."""
+    through the range cache, and the PostgreSQL catalog. Nothing asks the S3 server here:
+    the first request that needs it raises BackendError if it cannot be reached (so a
+    command that needs only the catalog and the cache works while it is down). Raises
+    CatalogError if the catalog cannot be reached."""
     from .blobcache import CachedBackend
     from .pgcatalog import PostgresCatalog
 
     s3 = _s3(cfg)
-    s3.check()
     cache_dir = os.path.join(cfg.cache or default_cache_dir(), _cache_name(cfg.blobs))
     return CachedBackend(s3, cache_dir, cfg.cache_bytes), PostgresCatalog(cfg.catalog)
 

@@ -170,18 +170,11 @@ class Store:
                           os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(init_fd, fcntl.LOCK_EX)
-            try:
-                cfg = json.loads(self.backend.get(CONFIG_KEY))
-            except BlobNotFoundError:
-                if chunk_size & (chunk_size - 1) or not (64 << 10) <= chunk_size <= (8 << 20):
-                    raise StoreError(f"chunk size {chunk_size} is not a power of two "
-                                     "from 64 KiB to 8 MiB") from None
-                cfg = {"format": 1, "chunk_size": chunk_size, "level": level}
-                self.backend.put(CONFIG_KEY, json.dumps(cfg, sort_keys=True).encode())
-                self.backend.sync()
+            fresh_index = not os.path.exists(self.index_path)
+            raw, copied = self._backend_config(chunk_size, level)
+            cfg = json.loads(raw)
             self.chunk_size: int = int(cfg["chunk_size"])
             self.level: int = int(cfg["level"])
-            fresh_index = not os.path.exists(self.index_path)
             try:
                 schema.create(self.conn)
             except sqlite3.DatabaseError as e:
@@ -190,6 +183,12 @@ class Store:
                     raise StoreFullError(f"the index {self.index_path}", e) from None
                 raise StoreError(f"the index {self.index_path} is damaged ({e}); move it away "
                                  "and open the store again to rebuild it from the backend") from None
+            if self.catalog.shared and not copied:
+                try:
+                    self.conn.execute("INSERT OR REPLACE INTO config(key, value) VALUES "
+                                      "('backend_config', ?)", (raw,))
+                except sqlite3.Error:
+                    pass  # only a copy: the next open reads the backend again
             if fresh_index and not self.catalog.shared and self.backend.list("packs/"):
                 # The index is only a cache: one lost next to a backend that holds packs is
                 # rebuilt, never started empty (GC would take every pack for a leftover).
@@ -198,6 +197,34 @@ class Store:
                 rebuild_index(self)
         finally:
             os.close(init_fd)
+
+    def _backend_config(self, chunk_size: int, level: int) -> tuple[str, bool]:
+        """The store's ``config.json`` as text (its chunk size and level), written with
+        ``chunk_size`` and ``level`` if the backend has none, and whether it came from this
+        host's copy. A shared store keeps that copy in this host's index (``config`` row
+        ``backend_config``, written at the first open): the object never changes once
+        written, and with the copy, opening the store makes no S3 request, so what needs
+        only the catalog or the range cache works while the S3 server is down. Raises
+        StoreError for a chunk size out of range, BackendError if the backend fails."""
+        if self.catalog.shared:
+            try:
+                row = self.conn.execute("SELECT value FROM config WHERE key = "
+                                        "'backend_config'").fetchone()
+            except sqlite3.DatabaseError:  # no index yet, or a damaged one (said below)
+                row = None
+            if row is not None:
+                return str(row[0]), True
+        try:
+            raw = self.backend.get(CONFIG_KEY)
+        except BlobNotFoundError:
+            if chunk_size & (chunk_size - 1) or not (64 << 10) <= chunk_size <= (8 << 20):
+                raise StoreError(f"chunk size {chunk_size} is not a power of two "
+                                 "from 64 KiB to 8 MiB") from None
+            raw = json.dumps({"format": 1, "chunk_size": chunk_size, "level": level},
+                             sort_keys=True).encode()
+            self.backend.put(CONFIG_KEY, raw)
+            self.backend.sync()
+        return raw.decode(), False
 
     # -- index connection -------------------------------------------------------------
 

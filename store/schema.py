@@ -158,7 +158,9 @@ TABLES: dict[str, dict[str, str]] = {
               "``located`` row: a later walk does not descend into it (primary key).",
     },
     "config": {
-        "key": "setting name (primary key): schema_version, unverified_rebuild, ...",
+        "key": "setting name (primary key): schema_version, unverified_rebuild, ...; on "
+               "a shared store's host file also backend_config, a copy of the backend's "
+               "config.json (which never changes), so opening the store asks no S3 server.",
         "value": "setting value as text.",
     },
     "sessions": {

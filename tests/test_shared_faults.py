@@ -305,3 +305,61 @@ def test_a_hung_s3_server_fails_a_read_within_the_configured_bounds(
     bad = dict(env, REWINDFS_S3_ATTEMPTS="0")
     r = cli(host_b, "cat", lower_ref, "dir/sub/b.txt", check=False, env=bad)
     assert r.returncode == 2 and "REWINDFS_S3_ATTEMPTS" in r.stderr, r.stderr
+
+
+def _host_b(fuse_store: Path, tmp_path: Path) -> Path:
+    """A second host of ``fuse_store``'s shared store: its own local directory and cache."""
+    import json
+
+    cfg = json.loads((fuse_store / "store.json").read_text())
+    host_b = tmp_path / "host-b"
+    configure(str(host_b), SharedConfig(cfg["blobs"], cfg["catalog"], cfg["s3_endpoint"],
+                                        str(tmp_path / "cache-b")))
+    return host_b
+
+
+def test_read_only_commands_need_s3_only_for_what_is_not_cached(
+        fuse_store: Path, tmp_path: Path, own_seaweed: object) -> None:
+    """S3 stopped: list and session list need only the catalog, ls and cat of what the host
+    read before come from its range cache; cat of a file whose chunks were never read
+    fails with exit 11 in one line naming the S3 object (opening the store probed the
+    bucket first, so every command failed with exit 11)."""
+    import json
+
+    src = tmp_path / "src"
+    (src / "dir").mkdir(parents=True)
+    (src / "dir" / "read.bin").write_bytes(os.urandom(300 << 10))
+    (src / "unread.bin").write_bytes(os.urandom(300 << 10))
+    ref = json.loads(cli(fuse_store, "snapshot", str(src), "--json").stdout)["ref"]
+    host_b = _host_b(fuse_store, tmp_path)
+    assert _cat_bytes(host_b, ref, "dir/read.bin", dict(os.environ)) == \
+        (src / "dir" / "read.bin").read_bytes()  # host B reads it once: now in its cache
+    listing = json.loads(cli(host_b, "list", "--json").stdout)
+    env = dict(os.environ, REWINDFS_S3_ATTEMPTS="1", REWINDFS_S3_CONNECT_TIMEOUT="1")
+    own_seaweed.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        assert json.loads(cli(host_b, "list", "--json", env=env).stdout) == listing
+        assert json.loads(cli(host_b, "session", "list", "--json", env=env).stdout) == []
+        assert _cat_bytes(host_b, ref, "dir/read.bin", env) == \
+            (src / "dir" / "read.bin").read_bytes()
+        names = [e["name"] for e in json.loads(cli(host_b, "ls", ref, "dir", "--json",
+                                                   env=env).stdout)]
+        assert names == ["read.bin"]
+        r = cli(host_b, "cat", ref, "unread.bin", check=False, env=env)
+        assert r.returncode == 11, (r.returncode, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("rewindfs: "), r.stderr
+        assert "s3://" in r.stderr and "packs/" in r.stderr, r.stderr
+    finally:
+        own_seaweed.start()  # type: ignore[attr-defined]
+    assert _cat_bytes(host_b, ref, "unread.bin", env) == (src / "unread.bin").read_bytes()
+
+
+def _cat_bytes(store: Path, ref: str, path: str, env: dict[str, str]) -> bytes:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(store), "cat", ref,
+                        path], capture_output=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    return r.stdout
