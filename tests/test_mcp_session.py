@@ -8,16 +8,13 @@ when its client closes.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
-from test_tools_session import CALC, REPO, Sessions, outside_tmp_sessions
+from test_tools_session import CALC, Sessions, outside_tmp_sessions, tool_text
 
 from fusefs.session.journal import Journal
 from store.objects import Store
@@ -31,17 +28,6 @@ def sessions() -> Iterator[Sessions]:
     yield from outside_tmp_sessions()
 
 
-def text(result: Any) -> str:
-    return "".join(c.text for c in result.content)
-
-
-def server(s: Sessions, sid: str, *extra: str) -> StdioServerParameters:
-    return StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "rewindfs", "--store", str(s.store), "mcp", "--session", sid, *extra],
-        cwd=str(REPO))
-
-
 def test_agent_session_read_edit_test_checkpoint_break_restore(sessions: Sessions) -> None:
     sid, root = sessions.new(sessions.project())
     # -B: no __pycache__, so the diff shows only what the agent changed.
@@ -49,51 +35,51 @@ def test_agent_session_read_edit_test_checkpoint_break_restore(sessions: Session
     seen: dict[str, str] = {}
 
     async def agent() -> None:
-        async with Client(server(sessions, sid, "--allow-restore"),
+        async with Client(sessions.mcp_server(sid, "--allow-restore"),
                           read_timeout_seconds=120) as client:
             names = sorted(t.name for t in (await client.list_tools()).tools)
             assert names == sorted([*TOOL_NAMES, "changes", "checkpoint", "diff", "log", "restore"])
 
             r = await client.call_tool("ReadFile", {"path": "calc.py"})
-            assert text(r) == "     1\tdef add(a, b):\n     2\t    return a - b"
+            assert tool_text(r) == "     1\tdef add(a, b):\n     2\t    return a - b"
             r = await client.call_tool("Bash", {"command": run_tests})
-            assert "FAILED" in text(r) and "rc=1" in text(r), text(r)
+            assert "FAILED" in tool_text(r) and "rc=1" in tool_text(r), tool_text(r)
 
             r = await client.call_tool("EditFile", {"path": "calc.py", "old": "a - b",
                                                     "new": "a + b"})
-            assert not r.is_error, text(r)
+            assert not r.is_error, tool_text(r)
             r = await client.call_tool("Bash", {"command": run_tests})
-            assert "OK" in text(r) and "rc=0" in text(r), text(r)
+            assert "OK" in tool_text(r) and "rc=0" in tool_text(r), tool_text(r)
 
             r = await client.call_tool("checkpoint", {})
-            assert not r.is_error, text(r)
-            good = text(r).removeprefix("checkpointed the workspace as ")
+            assert not r.is_error, tool_text(r)
+            good = tool_text(r).removeprefix("checkpointed the workspace as ")
             seen["good"] = good
 
             # Break the file, see the tests fail and the change in the diff.
             r = await client.call_tool("WriteFile", {"path": "calc.py",
                                                      "content": "def add(a, b):\n    return 0\n"})
-            assert not r.is_error, text(r)
+            assert not r.is_error, tool_text(r)
             r = await client.call_tool("Bash", {"command": run_tests})
-            assert "FAILED" in text(r) and "rc=1" in text(r), text(r)
+            assert "FAILED" in tool_text(r) and "rc=1" in tool_text(r), tool_text(r)
             r = await client.call_tool("diff", {})
-            assert text(r).split("\n")[1:] == ["modified     calc.py"], text(r)
+            assert tool_text(r).split("\n")[1:] == ["modified     calc.py"], tool_text(r)
 
             r = await client.call_tool("restore", {"ref": good})
-            assert not r.is_error, text(r)
-            assert text(r).startswith(f"restored the workspace to {good}; ")
+            assert not r.is_error, tool_text(r)
+            assert tool_text(r).startswith(f"restored the workspace to {good}; ")
 
             r = await client.call_tool("ReadFile", {"path": "calc.py"})
-            assert text(r) == "     1\tdef add(a, b):\n     2\t    return a + b"
+            assert tool_text(r) == "     1\tdef add(a, b):\n     2\t    return a + b"
             r = await client.call_tool("Bash", {"command": run_tests})
-            assert "OK" in text(r) and "rc=0" in text(r), text(r)
+            assert "OK" in tool_text(r) and "rc=0" in tool_text(r), tool_text(r)
 
             r = await client.call_tool("log", {})
-            triggers = [line.strip().split("  ")[2] for line in text(r).split("\n")]
+            triggers = [line.strip().split("  ")[2] for line in tool_text(r).split("\n")]
             assert triggers == ["checkpoint (seed)", "checkpoint (manual)",
                                 "checkpoint (pre_restore)", "restored to"]
             r = await client.call_tool("restore", {"ref": "v1:nonsense"})
-            assert r.is_error and text(r).startswith("error: restore failed: ")
+            assert r.is_error and tool_text(r).startswith("error: restore failed: ")
 
     anyio.run(agent)
     assert (root / "calc.py").read_text() == FIXED
@@ -105,16 +91,16 @@ def test_restore_is_offered_only_with_allow_restore(sessions: Sessions) -> None:
     sid, root = sessions.new()
 
     async def agent() -> None:
-        async with Client(server(sessions, sid), read_timeout_seconds=120) as client:
+        async with Client(sessions.mcp_server(sid), read_timeout_seconds=120) as client:
             names = sorted(t.name for t in (await client.list_tools()).tools)
             assert names == sorted([*TOOL_NAMES, "changes", "checkpoint", "diff", "log"])
             r = await client.call_tool("WriteFile", {"path": "notes.txt", "content": "hi\n"})
-            assert not r.is_error, text(r)
+            assert not r.is_error, tool_text(r)
             r = await client.call_tool("checkpoint", {})
-            assert text(r).startswith("checkpointed the workspace as ")
+            assert tool_text(r).startswith("checkpointed the workspace as ")
             r = await client.call_tool("changes", {})  # a session without FUSE: no steps
             assert not r.is_error
-            assert text(r) == "no steps recorded yet (a session without FUSE records none)"
+            assert tool_text(r) == "no steps recorded yet (a session without FUSE records none)"
 
     anyio.run(agent)
     assert (root / "notes.txt").read_text() == "hi\n"
@@ -137,18 +123,18 @@ def test_mcp_restore_of_one_path(sessions: Sessions) -> None:
     answers: list[str] = []
 
     async def agent() -> None:
-        async with Client(server(sessions, sid, "--allow-restore"),
+        async with Client(sessions.mcp_server(sid, "--allow-restore"),
                           read_timeout_seconds=120) as client:
             r = await client.call_tool("ReadFile", {"path": "calc.py"})  # before writing it
-            assert not r.is_error, text(r)
+            assert not r.is_error, tool_text(r)
             for path, content in (("calc.py", "broken\n"), ("notes.txt", "kept\n")):
                 r = await client.call_tool("WriteFile", {"path": path, "content": content})
-                assert not r.is_error, text(r)
+                assert not r.is_error, tool_text(r)
             r = await client.call_tool("restore", {"ref": seed, "paths": ["calc.py"]})
-            assert not r.is_error, text(r)
-            answers.append(text(r))
+            assert not r.is_error, tool_text(r)
+            answers.append(tool_text(r))
             r = await client.call_tool("restore", {"ref": seed, "paths": ["../etc"]})
-            assert r.is_error and "path_escape" in text(r), text(r)
+            assert r.is_error and "path_escape" in tool_text(r), tool_text(r)
 
     anyio.run(agent)
     assert answers[0].startswith(f"restored the workspace to calc.py from {seed}; ")
@@ -173,35 +159,35 @@ def test_mcp_refs_as_typed_and_path_restores_the_policy_covers(sessions: Session
     answers: dict[str, str] = {}
 
     async def agent() -> None:
-        async with Client(server(sessions, sid, "--allow-restore"),
+        async with Client(sessions.mcp_server(sid, "--allow-restore"),
                           read_timeout_seconds=120) as client:
             r = await client.call_tool("checkpoint", {"label": "good"})
-            assert not r.is_error, text(r)
-            good = text(r).split(" as ")[1].split(" ")[0]
+            assert not r.is_error, tool_text(r)
+            good = tool_text(r).split(" as ")[1].split(" ")[0]
             # The user changes what the agent may not see or change.
             (root / ".env").write_text("API_KEY=2\n")
             (root / "secrets" / "prod.key").write_text("rotated\n")
             r = await client.call_tool("ReadFile", {"path": "calc.py"})
-            assert not r.is_error, text(r)
+            assert not r.is_error, tool_text(r)
             r = await client.call_tool("WriteFile", {"path": "calc.py", "content": "broken\n"})
-            assert not r.is_error, text(r)
+            assert not r.is_error, tool_text(r)
             r = await client.call_tool("diff", {"ref_a": "@good"})
-            assert not r.is_error and "modified     calc.py" in text(r), text(r)
+            assert not r.is_error and "modified     calc.py" in tool_text(r), tool_text(r)
             r = await client.call_tool("diff", {"ref_a": good[len("v1:blake3:"):][:8],
                                                 "ref_b": "@-1"})
-            assert not r.is_error and text(r).startswith("no changes"), text(r)
+            assert not r.is_error and tool_text(r).startswith("no changes"), tool_text(r)
             for paths, refused in (([".env"], ".env: no such file or directory"),
                                    (["secrets"], "secrets: permission denied (EACCES)"),
                                    (["calc.py", "secrets/prod.key"],
                                     "secrets/prod.key: permission denied (EACCES)")):
                 r = await client.call_tool("restore", {"ref": "@good", "paths": paths})
-                answers[paths[-1]] = text(r)
-                assert r.is_error and refused in text(r), text(r)
+                answers[paths[-1]] = tool_text(r)
+                assert r.is_error and refused in tool_text(r), tool_text(r)
             r = await client.call_tool("restore", {"ref": "@nolabel", "paths": ["calc.py"]})
-            assert r.is_error and "no snapshot labelled 'nolabel'" in text(r), text(r)
+            assert r.is_error and "no snapshot labelled 'nolabel'" in tool_text(r), tool_text(r)
             r = await client.call_tool("restore", {"ref": "@-1", "paths": ["calc.py"]})
-            assert not r.is_error, text(r)
-            answers["calc.py"] = text(r)
+            assert not r.is_error, tool_text(r)
+            answers["calc.py"] = tool_text(r)
 
     anyio.run(agent)
     assert "API_KEY" not in "".join(answers.values())

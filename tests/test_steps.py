@@ -21,8 +21,7 @@ import anyio
 import fusehelpers as fh
 import pytest
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
-from test_tools_session import REPO, Sessions, outside_tmp_sessions
+from test_tools_session import Sessions, outside_tmp_sessions, tool_text
 
 from fusefs.session.fallback import fuse_available
 
@@ -66,16 +65,9 @@ def step(s: Sessions, sid: str, label: str | None = None) -> dict[str, Any]:
     return out
 
 
-def text(result: Any) -> str:
-    return "".join(c.text for c in result.content)
-
-
 def test_each_mcp_tool_call_is_one_step_with_exactly_its_paths(sessions: Sessions) -> None:
     sid, root = new_fuse(sessions, {"a.txt": "alpha\n", "b.txt": "beta\n", "keep.txt": "k\n"})
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "rewindfs", "--store", str(sessions.store), "mcp", "--session", sid],
-        cwd=str(REPO))
+    params = sessions.mcp_server(sid)
     answers: dict[str, str] = {}
 
     async def agent() -> None:
@@ -84,18 +76,18 @@ def test_each_mcp_tool_call_is_one_step_with_exactly_its_paths(sessions: Session
             assert "changes" in names
             for name in ("a.txt", "b.txt"):
                 r = await client.call_tool("ReadFile", {"path": name})  # reads: no step
-                assert not r.is_error, text(r)
+                assert not r.is_error, tool_text(r)
                 r = await client.call_tool("EditFile", {"path": name, "old": "a\n",
                                                         "new": "A\n"})
-                assert not r.is_error, text(r)
+                assert not r.is_error, tool_text(r)
             r = await client.call_tool("WriteFile", {"path": "c.txt", "content": "gamma\n"})
-            assert not r.is_error, text(r)
+            assert not r.is_error, tool_text(r)
             r = await client.call_tool("Bash", {"command": "echo delta > d.txt"})
-            assert not r.is_error, text(r)
-            answers["4"] = text(await client.call_tool("changes", {"step": 4}))
-            answers["all"] = text(await client.call_tool("changes", {}))
+            assert not r.is_error, tool_text(r)
+            answers["4"] = tool_text(await client.call_tool("changes", {"step": 4}))
+            answers["all"] = tool_text(await client.call_tool("changes", {}))
             r = await client.call_tool("changes", {"step": 9})
-            assert r.is_error and "has no step 9 (it has 4)" in text(r), text(r)
+            assert r.is_error and "has no step 9 (it has 4)" in tool_text(r), tool_text(r)
 
     anyio.run(agent)
     got = steps(sessions, sid)
@@ -289,18 +281,15 @@ def test_hostile_names_are_quoted_in_every_listing_of_changes(sessions: Sessions
     (root / evil).write_text("evil\n")
     assert sessions.cli("session", "step", sid).stdout.splitlines()[1:] == [f"A\t{quoted}"]
     sessions.cli("session", "step", sid, "--label", "echo a\nadded        forged.txt")
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "rewindfs", "--store", str(sessions.store), "mcp", "--session", sid],
-        cwd=str(REPO))
+    params = sessions.mcp_server(sid)
     answers: dict[str, str] = {}
 
     async def agent() -> None:
         async with Client(params, read_timeout_seconds=120) as client:
-            answers["changes"] = text(await client.call_tool("changes", {"step": 1}))
-            answers["diff"] = text(await client.call_tool("diff", {}))
-            answers["all"] = text(await client.call_tool("changes", {}))
-            answers["log"] = text(await client.call_tool("log", {}))
+            answers["changes"] = tool_text(await client.call_tool("changes", {"step": 1}))
+            answers["diff"] = tool_text(await client.call_tool("diff", {}))
+            answers["all"] = tool_text(await client.call_tool("changes", {}))
+            answers["log"] = tool_text(await client.call_tool("log", {}))
 
     anyio.run(agent)
     assert answers["changes"].splitlines()[1:] == [f"added        {quoted}"]
@@ -328,10 +317,7 @@ def test_a_background_write_goes_to_the_next_step_closed_after_it(sessions: Sess
     writer = subprocess.Popen([sys.executable, "-c", WRITER], cwd=root, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert writer.stdin is not None and writer.stdout is not None
-    params = StdioServerParameters(
-        command=sys.executable,
-        args=["-m", "rewindfs", "--store", str(sessions.store), "mcp", "--session", sid],
-        cwd=str(REPO))
+    params = sessions.mcp_server(sid)
 
     def background(name: str) -> None:
         assert writer.stdin is not None and writer.stdout is not None
@@ -350,11 +336,11 @@ def test_a_background_write_goes_to_the_next_step_closed_after_it(sessions: Sess
             r = await client.call_tool("Bash", {
                 "command": "while [ ! -e go ]; do sleep 0.05; done; echo j > job.txt",
                 "run_in_background": True})
-            assert not r.is_error, text(r)
+            assert not r.is_error, tool_text(r)
             job = r.structured_content["bash_id"]  # type: ignore[index]
             (root / "go").write_text("")
             done = await client.call_tool("BashOutput", {"bash_id": job, "wait": 60})
-            assert done.structured_content["status"] == "exited", text(done)  # type: ignore
+            assert done.structured_content["status"] == "exited", tool_text(done)  # type: ignore
             assert not (await client.call_tool("Bash", {"command": "true"})).is_error
 
     try:

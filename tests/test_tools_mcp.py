@@ -10,21 +10,10 @@ import anyio
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
+from test_tools_session import CALC, REPO, TEST, tool_text
 
 from tools.binding import DirBinding
 from tools.mcp_server import TOOL_NAMES, build_server
-
-REPO = Path(__file__).resolve().parent.parent
-
-CALC = "def add(a, b):\n    return a - b\n"
-TEST = ("import unittest\nfrom calc import add\n\n"
-        "class T(unittest.TestCase):\n"
-        "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
-        "if __name__ == '__main__':\n    unittest.main()\n")
-
-
-def text(result: Any) -> str:
-    return "".join(c.text for c in result.content)
 
 
 def test_end_to_end_over_stdio(tmp_path: Path) -> None:
@@ -51,38 +40,38 @@ def test_end_to_end_over_stdio(tmp_path: Path) -> None:
 
             r = await client.call_tool("ReadFile", {"path": "calc.py"})
             assert not r.is_error
-            assert text(r) == "     1\tdef add(a, b):\n     2\t    return a - b"
+            assert tool_text(r) == "     1\tdef add(a, b):\n     2\t    return a - b"
 
             r = await client.call_tool("Bash", {"command": run_tests})
-            assert "FAILED" in text(r) and "rc=1" in text(r)
+            assert "FAILED" in tool_text(r) and "rc=1" in tool_text(r)
 
             r = await client.call_tool("EditFile", {"path": "calc.py", "old": "a - b",
                                                     "new": "a + b"})
-            assert not r.is_error, text(r)
-            assert text(r).startswith("edited calc.py: 1 replacement\n")
+            assert not r.is_error, tool_text(r)
+            assert tool_text(r).startswith("edited calc.py: 1 replacement\n")
 
             r = await client.call_tool("Bash", {"command": run_tests, "timeout": 60})
-            assert "OK" in text(r) and "rc=0" in text(r), text(r)
-            assert text(r).endswith("[exit code: 0]")
+            assert "OK" in tool_text(r) and "rc=0" in tool_text(r), tool_text(r)
+            assert tool_text(r).endswith("[exit code: 0]")
 
             r = await client.call_tool("ReadFile", {"path": "calc.py"})
-            assert text(r) == "     1\tdef add(a, b):\n     2\t    return a + b"
+            assert tool_text(r) == "     1\tdef add(a, b):\n     2\t    return a + b"
 
             r = await client.call_tool("Grep", {"pattern": "def add",
                                                 "output_mode": "content"})
-            assert text(r) == "calc.py:1:def add(a, b):"
+            assert tool_text(r) == "calc.py:1:def add(a, b):"
             r = await client.call_tool("Glob", {"pattern": "**/*.py"})
-            assert sorted(text(r).split("\n")) == ["calc.py", "test_calc.py"]
+            assert sorted(tool_text(r).split("\n")) == ["calc.py", "test_calc.py"]
 
             r = await client.call_tool("WriteFile", {"path": "calc.py", "content": "x"})
             assert not r.is_error                  # our own edit was recorded
             (root / "calc.py").write_text("changed behind our back\n")
             r = await client.call_tool("WriteFile", {"path": "calc.py", "content": "y"})
             assert r.is_error
-            assert text(r) == ("error: calc.py: changed since it was last read; read it "
+            assert tool_text(r) == ("error: calc.py: changed since it was last read; read it "
                                "again with ReadFile before changing it")
             r = await client.call_tool("ReadFile", {"path": "../outside"})
-            assert r.is_error and "outside the workspace root" in text(r)
+            assert r.is_error and "outside the workspace root" in tool_text(r)
 
     anyio.run(session)
     assert (root / "calc.py").read_text() == "changed behind our back\n"
@@ -117,12 +106,12 @@ def test_session_tools_only_when_the_binding_has_them(tmp_path: Path,
             extra = ["checkpoint", "diff", "log"] + (["restore"] if allow_restore else [])
             assert names == sorted(list(TOOL_NAMES) + extra)
             r = await client.call_tool("checkpoint", {"label": "x"})
-            assert text(r) == "checkpointed x"
-            assert text(await client.call_tool("log", {})) == "1 seed"
+            assert tool_text(r) == "checkpointed x"
+            assert tool_text(await client.call_tool("log", {})) == "1 seed"
             if allow_restore:
                 r = await client.call_tool("restore", {"ref": "bad"})
                 assert r.is_error
-                assert text(r) == "error: restore failed: no such ref"
+                assert tool_text(r) == "error: restore failed: no such ref"
 
     anyio.run(session)
 
@@ -208,7 +197,7 @@ def test_claude_style_arguments_answer_like_native_ones(tmp_path: Path) -> None:
                 for tool, native, claude in CALLS:
                     r = await client.call_tool(tool, native if variant == "native"
                                                else claude)
-                    got.append((text(r).replace(str(root), "ROOT"), bool(r.is_error)))
+                    got.append((tool_text(r).replace(str(root), "ROOT"), bool(r.is_error)))
                 answers[variant] = got
 
         anyio.run(session)
@@ -234,31 +223,31 @@ def test_unknown_and_ill_typed_arguments_are_errors(tmp_path: Path) -> None:
     async def session() -> None:
         async with Client(server) as client:
             r = await client.call_tool("Grep", {"pattern": "hello", "-i": True})
-            assert not r.is_error and text(r) == "a.txt"
+            assert not r.is_error and tool_text(r) == "a.txt"
             r = await client.call_tool("Grep", {"pattern": "hello", "--ignore-case": True})
-            assert r.is_error and text(r) == (
+            assert r.is_error and tool_text(r) == (
                 "error: Grep does not take '--ignore-case'; it accepts: pattern, path, glob, "
                 "type, output_mode, ignore_case, -i, line_numbers, -n, before, -B, after, "
                 "-A, context, -C, multiline, head_limit, offset")
             r = await client.call_tool("ReadFile", {"path": "a.txt", "lines": 3})
-            assert r.is_error and text(r).startswith(
+            assert r.is_error and tool_text(r).startswith(
                 "error: ReadFile does not take 'lines'; it accepts: path, file_path, offset, "
                 "limit")
             r = await client.call_tool("Grep", {"pattern": "x", "output_mode": "lines"})
-            assert r.is_error and text(r) == (
+            assert r.is_error and tool_text(r) == (
                 "error: output_mode must be one of files_with_matches, content, count (got "
                 "'lines')")
             r = await client.call_tool("ReadFile", {"path": "a.txt", "limit": "many"})
-            assert r.is_error and text(r) == "error: limit must be of type integer (got str)"
+            assert r.is_error and tool_text(r) == "error: limit must be of type integer (got str)"
             r = await client.call_tool("ReadFile", {"path": "a.txt", "limit": "5"})
             assert not r.is_error
             r = await client.call_tool("ReadFile", {"path": "a.txt", "file_path": "b.txt"})
-            assert r.is_error and text(r) == (
+            assert r.is_error and tool_text(r) == (
                 "error: path and file_path name the same argument with different values")
             r = await client.call_tool("EditFile", {"file_path": "a.txt", "old": "x"})
-            assert r.is_error and text(r) == "error: EditFile needs 'new' or 'new_string'"
+            assert r.is_error and tool_text(r) == "error: EditFile needs 'new' or 'new_string'"
             r = await client.call_tool("Nope", {})
-            assert r.is_error and text(r).startswith("error: no tool named 'Nope'")
+            assert r.is_error and tool_text(r).startswith("error: no tool named 'Nope'")
 
     anyio.run(session)
 
@@ -358,7 +347,7 @@ def test_read_of_a_1_gib_sparse_file_reads_only_a_prefix(tmp_path: Path) -> None
             r = await client.call_tool("ReadFile", {"file_path": "disk.img"})
             read = _rchar() - before
             assert not r.is_error
-            assert text(r) == f"disk.img: binary file ({1 << 30} bytes); not shown"
+            assert tool_text(r) == f"disk.img: binary file ({1 << 30} bytes); not shown"
             assert r.structured_content is not None
             assert r.structured_content["kind"] == "binary"
             assert read < 4 * 1024 * 1024, read     # not the whole 1 GiB
@@ -372,9 +361,9 @@ def test_checkpoint_label_reaches_the_binding(tmp_path: Path) -> None:
     async def session() -> None:
         async with Client(server) as client:
             r = await client.call_tool("checkpoint", {"label": "before refactor"})
-            assert text(r) == "checkpointed before refactor"
+            assert tool_text(r) == "checkpointed before refactor"
             r = await client.call_tool("checkpoint", {"name": "x"})
-            assert r.is_error and text(r) == (
+            assert r.is_error and tool_text(r) == (
                 "error: checkpoint does not take 'name'; it accepts: label")
 
     anyio.run(session)

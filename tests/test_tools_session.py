@@ -19,8 +19,10 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from mcp.client.stdio import StdioServerParameters
 
 from fusefs.session.control import control_path, hold_write_permit, request, socket_dir
 from fusefs.session.errors import SessionClosedError, SessionNotFoundError
@@ -42,6 +44,11 @@ TEST = ("import unittest\nfrom calc import add\n\n"
         "class T(unittest.TestCase):\n"
         "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
         "if __name__ == '__main__':\n    unittest.main()\n")
+
+
+def tool_text(result: Any) -> str:
+    """The text of an MCP tool call's answer: its content parts, joined."""
+    return "".join(c.text for c in result.content)
 
 
 def _outside_tmp() -> str:
@@ -69,6 +76,14 @@ class Sessions:
         if check and p.returncode != 0:
             raise AssertionError(f"rewindfs {' '.join(args)} -> {p.returncode}: {p.stderr}")
         return p
+
+    def mcp_server(self, sid: str, *extra: str) -> StdioServerParameters:
+        """How an MCP client starts ``rewindfs mcp --session SID EXTRA...`` on this store."""
+        return StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "rewindfs", "--store", str(self.store), "mcp", "--session", sid,
+                  *extra],
+            cwd=str(REPO))
 
     def project(self, name: str = "proj") -> Path:
         """A tiny python project with a failing test."""
