@@ -164,6 +164,36 @@ class GCError(StoreError):
         super().__init__(f"gc {op} {key}: {cause}")
 
 
+class WritersBusyError(GCError):
+    """``gc`` or ``rebuild-index`` on a shared store refused (nothing changed): writers
+    (snapshots, checkpoints, seeds) of some hosts were still uploading to the store when
+    its wait ran out. ``command`` is ``gc`` or ``rebuild-index``; ``writers`` lists each
+    one still pinned as ``(host, pid, expires_in_s)`` (its pin's remaining life by the
+    catalog server's clock, seconds); ``count`` is how many there were, ``wait_s`` the
+    wait that ran out (s). The message says what to do: let them finish and run the
+    command again, or wait longer (``--wait``); a writer that died lets go when its pin
+    expires."""
+
+    def __init__(self, command: str, writers: list[tuple[str, int | None, float]],
+                 count: int, wait_s: float) -> None:
+        self.command = command
+        self.writers = writers
+        self.count = count
+        self.wait_s = wait_s
+        who = ", ".join(f"{host}" + ("" if pid is None else f" pid {pid}")
+                        + f" (pin expires in {max(0, round(left))} s)"
+                        for host, pid, left in writers)
+        more = f" and {count - len(writers)} more" if count > len(writers) else ""
+        what = "writer is" if count == 1 else "writers are"
+        cause = (f"{count} {what} still uploading to this store: {who}{more}; nothing "
+                 f"{'deleted' if command == 'gc' else 'changed'}. Let the snapshot or "
+                 f"checkpoint finish and run {command} again, or give it longer with "
+                 f"--wait SECONDS (waited {wait_s:g} s); a writer that died lets go when "
+                 f"its pin expires")
+        super().__init__("wait", "writers", cause)
+        self.args = (f"{command} refused: {cause}",)
+
+
 class BackendError(StoreError):
     """A blob backend operation failed."""
 

@@ -233,13 +233,14 @@ def rebuild_index(store: Store, *, wait_s: float | None = None) -> RebuildReport
     """Recreate the index from the backend (see the module docstring). Holds gc.lock and,
     on a shared store, the ``gc`` lease with no writer pinned, as GC does
     (``sharedgc.exclusive``: it waits up to ``wait_s`` seconds, default ``sharedgc.WAIT_S``,
-    for writers of every host); GCError if another GC or rebuild runs or writers stay."""
+    for writers of every host); GCError if another GC or rebuild runs, WritersBusyError
+    (a GCError, exit 8) if writers stay."""
     from . import sharedgc
 
     rep = RebuildReport()
     with contextlib.ExitStack() as held:
         hold = held.enter_context(sharedgc.exclusive(
-            store, sharedgc.WAIT_S if wait_s is None else wait_s)
+            store, sharedgc.WAIT_S if wait_s is None else wait_s, "rebuild-index")
         ) if store.catalog.shared else None
         fd = store.lock(exclusive=True)
         assert fd is not None

@@ -92,7 +92,14 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .errors import BlobNotFoundError, GCError, LeaseBusyError, LeaseLostError, StoreError
+from .errors import (
+    BlobNotFoundError,
+    GCError,
+    LeaseBusyError,
+    LeaseLostError,
+    StoreError,
+    WritersBusyError,
+)
 from .ref import ObjectId, Ref
 
 if TYPE_CHECKING:
@@ -277,12 +284,13 @@ class GCHold:
 
 
 @contextmanager
-def exclusive(store: Any, wait_s: float = WAIT_S) -> Iterator[GCHold]:
+def exclusive(store: Any, wait_s: float = WAIT_S, command: str = "gc") -> Iterator[GCHold]:
     """Hold the ``gc`` lease of shared store ``store`` with no writer pinned (module
     docstring: no writer pins and no mount adds a pin while it is held): what GC and
-    ``rebuild-index`` need of every host. Waits up to ``wait_s`` seconds for pinned writers
-    (their expired pins are dropped, which fences them). Raises GCError (nothing done)
-    when another holder has the lease or writers stay pinned; released on exit."""
+    ``rebuild-index`` (``command``, named in the refusal) need of every host. Waits up to
+    ``wait_s`` seconds for pinned writers (their expired pins are dropped, which fences
+    them). Raises GCError (nothing done) when another holder has the lease,
+    WritersBusyError when writers stay pinned; released on exit."""
     import secrets
 
     from .lease import Leaser, holder_name
@@ -296,16 +304,18 @@ def exclusive(store: Any, wait_s: float = WAIT_S) -> Iterator[GCHold]:
                       ) from None
     hold = GCHold(leaser, lease)
     try:
-        hold.lease = _wait_for_writers(store, leaser, lease, wait_s)
+        hold.lease = _wait_for_writers(store, leaser, lease, wait_s, command)
         yield hold
     finally:
         leaser.release(hold.lease)
 
 
-def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float) -> Any:
+def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float,
+                      command: str) -> Any:
     """Holding the GC lease (so no writer pins meanwhile): wait until every pin has
     expired or been released, then delete the expired ones. Returns the renewed lease.
-    GCError naming the writers if some are still pinned after ``wait_s``."""
+    WritersBusyError naming the writers' hosts and pids if some are still pinned after
+    ``wait_s``."""
     deadline = time.monotonic() + wait_s
     while True:
         now = store.catalog.clock_ns()  # the server's, as the pins' expiries
@@ -315,11 +325,17 @@ def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float) -> Any
             store.catalog.drop_writer_pins([p[0] for p in pins])
             return lease
         if time.monotonic() >= deadline:
-            who = ", ".join(f"{h} (host {host})" for h, host, _, _ in live[:5])
-            raise GCError("wait", "writer_pins", f"{len(live)} writer(s) still upload to "
-                                                 f"this store: {who}; nothing deleted")
+            raise WritersBusyError(command, [(host, _pid(holder), (expires - now) / 1e9)
+                                             for holder, host, _, expires in live[:5]],
+                                   len(live), wait_s)
         time.sleep(PIN_POLL_S)
         lease = _renew(leaser, lease)
+
+
+def _pid(holder: str) -> int | None:
+    """The pid of a holder id ``host:pid:nonce`` (store.lease.holder_name), else None."""
+    parts = holder.split(":")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 
 MOUNT_PIN = "mount/"

@@ -343,7 +343,25 @@ def test_rebuild_index_waits_for_the_writers_of_every_host(hosts: tuple[Host, Ho
         assert read_line(w).startswith("uploaded packs/")
         r = b.run("rebuild-index", "--wait", "1", check=False)
         assert r.returncode == 8, r.stderr
-        assert "hostA" in r.stderr and "nothing deleted" in r.stderr, r.stderr
+        # One line naming the command, the writer's host and pid and what to do (it was
+        # 'gc wait writer_pins: 1 writer(s) still upload ...; nothing deleted').
+        assert r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("rewindfs: rebuild-index refused: 1 writer is still "
+                                   f"uploading to this store: hostA pid {w.pid} (pin "
+                                   "expires in "), r.stderr
+        assert "nothing changed" in r.stderr and "run rebuild-index again" in r.stderr
+        assert "--wait SECONDS (waited 1 s)" in r.stderr, r.stderr
+        assert "gc" not in r.stderr.replace("rebuild-index", ""), r.stderr
+        doc = json.loads(b.run("rebuild-index", "--wait", "0", "--json",
+                               check=False).stdout)
+        assert doc["type"] == "WritersBusyError" and doc["exit_code"] == 8, doc
+        assert doc["command"] == "rebuild-index" and doc["count"] == 1, doc
+        assert [w_[:2] for w_ in doc["writers"]] == [["hostA", w.pid]], doc
+        r = b.run("gc", "--wait", "0", check=False)  # gc says the same of itself
+        assert r.returncode == 8 and r.stderr.startswith(
+            "rewindfs: gc refused: 1 writer is still uploading to this store: hostA pid "
+            f"{w.pid} "), r.stderr
+        assert "nothing deleted" in r.stderr and "run gc again" in r.stderr, r.stderr
         assert w.stdin is not None
         w.stdin.write("go\n")
         w.stdin.flush()
