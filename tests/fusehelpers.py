@@ -307,6 +307,29 @@ def kill_all_live() -> list[str]:
 atexit.register(kill_all_live)
 
 
+# -- the CLI as a user runs it -----------------------------------------------------------------
+
+def user_env() -> dict[str, str]:
+    """This process's environment as a user's shell would give it to the CLI: without
+    REWINDFS_DEBUG (tracebacks instead of the one-line errors) and REWINDFS_STORE (a store
+    the test did not choose), with PYTHONPATH at the repository."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_DEBUG", "REWINDFS_STORE")}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def run_cli(store: str | os.PathLike[str] | None, *args: str, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m rewindfs [--store STORE] ARGS...`` in ``cwd`` (default: the repository)
+    with ``env`` (default: :func:`user_env`), output as text, whatever its exit status;
+    raises subprocess.TimeoutExpired after 120 s."""
+    argv = [sys.executable, "-m", "rewindfs"]
+    if store is not None:
+        argv += ["--store", os.fspath(store)]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, cwd=cwd or REPO,
+                          env=user_env() if env is None else env, timeout=120)
+
+
 # -- store and state ---------------------------------------------------------------------------
 
 def snapshot(store_dir: str | os.PathLike[str], src: str | os.PathLike[str]) -> str:

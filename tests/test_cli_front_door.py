@@ -11,24 +11,15 @@ console script in subprocesses and real mounts:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import fusehelpers as fh
 import pytest
+from fusehelpers import run_cli as run
 
 MISSING = "v1:blake3:" + "ab" * 32
-REPO = Path(__file__).resolve().parent.parent
-
-
-def run(store: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_DEBUG", "REWINDFS_STORE")}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(store), *args],
-                          capture_output=True, text=True, cwd=cwd or REPO, env=env, timeout=120)
 
 
 def failure(p: subprocess.CompletedProcess[str], code: int) -> dict[str, Any]:

@@ -14,15 +14,7 @@ from pathlib import Path
 
 import fusehelpers as fh
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def run(store: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_DEBUG", "REWINDFS_STORE")}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(store), *args],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+from fusehelpers import run_cli as run
 
 
 def one_line(p: subprocess.CompletedProcess[str], code: int) -> str:

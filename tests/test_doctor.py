@@ -20,17 +20,13 @@ from typing import Any
 import fusehelpers as fh
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
 ROOT = os.getuid() == 0
 CLONE_NEWNS = 0x00020000
 
 
 def doctor(tmp: Path, *extra: str, runtime: Path) -> tuple[int, dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k != "REWINDFS_STORE"}
-    env["XDG_RUNTIME_DIR"] = str(runtime)
-    p = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(tmp / "store"),
-                        "doctor", "--json", *extra], capture_output=True, text=True,
-                       env=env, cwd=REPO, timeout=120)
+    p = fh.run_cli(tmp / "store", "doctor", "--json", *extra,
+                   env=dict(fh.user_env(), XDG_RUNTIME_DIR=str(runtime)))
     return p.returncode, json.loads(p.stdout)
 
 
@@ -190,10 +186,8 @@ def test_root_is_never_told_sudo(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     env_path = bin_dir(tmp_path / "bin", ("sudo", "apt-get"))
-    env = {k: v for k, v in os.environ.items() if k != "REWINDFS_STORE"}
-    p = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(tmp_path / "store"),
-                        "doctor", "--json"], capture_output=True, text=True, cwd=REPO,
-                       env=dict(env, XDG_RUNTIME_DIR=str(run), PATH=env_path), timeout=120)
+    p = fh.run_cli(tmp_path / "store", "doctor", "--json",
+                   env=dict(fh.user_env(), XDG_RUNTIME_DIR=str(run), PATH=env_path))
     checks = by_name(json.loads(p.stdout))
     assert checks["ripgrep"]["fix"] == "apt-get install ripgrep"
     assert not any("sudo" in c["fix"] for c in checks.values()), checks
@@ -250,13 +244,9 @@ def test_a_dead_mount_is_a_warning_with_the_fix_status_gives(
     say ``ready`` beside it without a word) with the same recovery commands as ``status``."""
     d = mounter.rw(lower_ref)
     assert d.proc is not None
-    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_STORE", "REWINDFS_DEBUG")}
-    env["PYTHONPATH"] = str(REPO)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(fuse_store),
-                               *args], capture_output=True, text=True, env=env, cwd=REPO,
-                              timeout=120)
+        return fh.run_cli(fuse_store, *args)
 
     p = cli("doctor", "--json")
     assert [c["status"] for c in json.loads(p.stdout)["checks"]

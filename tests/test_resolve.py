@@ -7,18 +7,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fusehelpers import run_cli as run
 
 from store.errors import InvalidRefError
 from store.objects import Store
 from store.ref import Ref
 from store.resolve import resolve_ref
 from store.snapshot import snapshot
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def tree(root: Path, text: str) -> Path:
@@ -136,12 +134,6 @@ def test_steps_back_count_checkpoints_of_the_session(store: Store, tmp_path: Pat
         resolve_ref(store, "@-0", session="sess")
 
 
-def run(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_DEBUG", "REWINDFS_STORE")}
-    return subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(store), *args],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
-
-
 def test_the_cli_takes_prefixes_and_labels(tmp_path: Path) -> None:
     st = tmp_path / "store"
     ref = json.loads(run(st, "snapshot", str(tree(tmp_path / "p", "hello\n")), "--label",
@@ -198,11 +190,9 @@ def test_live_commands_inside_a_session_mount_name_refs_as_typed(tmp_path: Path)
     assert new.returncode == 0, new.stderr
     s = json.loads(new.stdout)
     root = Path(s["root"])
-    env = {k: v for k, v in os.environ.items() if k not in ("REWINDFS_DEBUG", "REWINDFS_STORE")}
 
     def here(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "rewindfs", *args], capture_output=True,
-                              text=True, cwd=root, env=env, timeout=120)
+        return run(None, *args, cwd=root)
 
     try:
         (root / "f.txt").write_text("good\n")
