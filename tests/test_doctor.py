@@ -5,7 +5,10 @@ private mount namespace of the child (the host's file is never touched)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import io
 import json
 import os
 import shutil
@@ -14,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,63 +73,41 @@ def test_a_runtime_dir_of_another_user_fails(tmp_path: Path) -> None:
     assert code == 1 and c["status"] == "fail" and "XDG_RUNTIME_DIR" in c["fix"]
 
 
-def _doctor_as_nobody_with(conf: Path, run: Path, store: Path, out: Path,
-                           path: str | None = None) -> int:
-    """In a forked child: a private mount namespace whose /etc/fuse.conf is ``conf``, then
-    uid/gid 65534 and ``rewindfs doctor --allow-other --json`` (output to ``out``; ``path``:
-    its PATH). The venv's interpreter lives under /root, which uid 65534 cannot exec, hence
-    the fork."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        code = 99
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.unshare(CLONE_NEWNS) != 0:
-                os._exit(98)
-            subprocess.run(["mount", "--make-rprivate", "/"], check=True)
-            subprocess.run(["mount", "--bind", str(conf), "/etc/fuse.conf"], check=True)
-            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            os.environ["XDG_RUNTIME_DIR"] = str(run)
-            if path is not None:
-                os.environ["PATH"] = path
-            sys.stdout = os.fdopen(fd, "w")  # pytest's capture replaced sys.stdout
-            from rewindfs.cli import main
+@pytest.fixture
+def nobody_tmp() -> Iterator[Path]:
+    """A fresh directory under /tmp that uid 65534 can reach (mode 0755: pytest's tmp_path
+    lies below a 0700 directory), removed afterwards."""
+    tmp = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))
+    try:
+        os.chmod(tmp, 0o755)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp)
 
-            code = main(["--store", str(store), "doctor", "--allow-other", "--json"])
-            sys.stdout.flush()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+
+def _doctor_as_nobody(tmp: Path, conf: str, path: str | None = None,
+                      binds: Sequence[tuple[Path, str]] = ()) -> tuple[int, dict[str, Any]]:
+    """``rewindfs doctor --allow-other --json`` as uid 65534 (:func:`_as_nobody`) with an
+    /etc/fuse.conf that reads ``conf``, PATH ``path`` (if given) and ``binds`` besides, on a
+    store and runtime directory of its own in ``tmp`` (a ``nobody_tmp``); its exit status
+    and JSON document."""
+    (tmp / "fuse.conf").write_text(conf)
+    for d in ("run", "store"):
+        (tmp / d).mkdir(mode=0o700)
+        os.chown(tmp / d, 65534, 65534)
+    out = tmp / "out.json"
+    code = _as_nobody(["--store", str(tmp / "store"), "doctor", "--allow-other", "--json"], out,
+                      run=tmp / "run", path=path,
+                      binds=[(tmp / "fuse.conf", "/etc/fuse.conf"), *binds])
+    return code, json.loads(out.read_text())
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root for a mount namespace")
 @pytest.mark.parametrize("conf,status", [("# nothing\n", "fail"),
                                          ("user_allow_other\n", "ok")])
-def test_user_allow_other_as_an_unprivileged_user(conf: str, status: str) -> None:
-    tmp_path = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))  # reachable by 65534
-    try:
-        _allow_other_case(tmp_path, conf, status)
-    finally:
-        shutil.rmtree(tmp_path)
-
-
-def _allow_other_case(tmp_path: Path, conf: str, status: str) -> None:
-    os.chmod(tmp_path, 0o755)
-    fake = tmp_path / "fuse.conf"
-    fake.write_text(conf)
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    store = tmp_path / "store"
-    store.mkdir(mode=0o700)
-    for d in (run, store):
-        os.chown(d, 65534, 65534)
-    out = tmp_path / "out.json"
-    code = _doctor_as_nobody_with(fake, run, store, out)
-    doc = json.loads(out.read_text())
+def test_user_allow_other_as_an_unprivileged_user(nobody_tmp: Path, conf: str,
+                                                  status: str) -> None:
+    code, doc = _doctor_as_nobody(nobody_tmp, conf)
     c = by_name(doc)["user_allow_other"]
     assert c["status"] == status, doc
     if status == "fail":
@@ -154,23 +136,11 @@ AS_ROOT_FORMS = [
 @pytest.mark.skipif(not ROOT, reason="needs root for a mount namespace and uid 65534")
 @pytest.mark.parametrize("programs,conf_fix,install_fix", AS_ROOT_FORMS)
 def test_fix_lines_for_a_user_take_the_way_to_root_this_machine_has(
-        programs: tuple[str, ...], conf_fix: str, install_fix: str) -> None:
+        nobody_tmp: Path, programs: tuple[str, ...], conf_fix: str, install_fix: str) -> None:
     """As uid 65534, the fix lines go through sudo only where sudo is installed, else su,
     else say "as root"; packages come from the package manager on PATH."""
-    tmp_path = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))  # reachable by 65534
-    try:
-        os.chmod(tmp_path, 0o755)
-        (tmp_path / "fuse.conf").write_text("# nothing\n")
-        for d in ("run", "store"):
-            (tmp_path / d).mkdir(mode=0o700)
-            os.chown(tmp_path / d, 65534, 65534)
-        out = tmp_path / "out.json"
-        code = _doctor_as_nobody_with(tmp_path / "fuse.conf", tmp_path / "run",
-                                      tmp_path / "store", out,
-                                      bin_dir(tmp_path / "bin", programs))
-        checks = by_name(json.loads(out.read_text()))
-    finally:
-        shutil.rmtree(tmp_path)
+    code, doc = _doctor_as_nobody(nobody_tmp, "# nothing\n", bin_dir(nobody_tmp / "bin", programs))
+    checks = by_name(doc)
     assert code == 1
     assert checks["user_allow_other"]["fix"] == conf_fix
     for name, package in (("ripgrep", "ripgrep"), ("fusermount3", "fuse3"),
@@ -194,47 +164,21 @@ def test_root_is_never_told_sudo(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root for a mount namespace and uid 65534")
-def test_a_tun_device_closed_to_the_user_is_a_warning_with_its_fix() -> None:
+def test_a_tun_device_closed_to_the_user_is_a_warning_with_its_fix(nobody_tmp: Path) -> None:
     """/dev/net/tun 0600 (root's alone), as uid 65534: sandbox_network warns, naming the
     device, and the fix opens it (here, without sudo on PATH, through su)."""
     if not os.path.exists("/dev/net/tun"):
         pytest.skip("no tun device")
-    tmp_path = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))
-    try:
-        os.chmod(tmp_path, 0o755)
-        node = tmp_path / "tun"
-        os.mknod(node, stat.S_IFCHR | 0o600, os.stat("/dev/net/tun").st_rdev)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child: /dev/net/tun is ``node`` in its namespace
-            code = 99
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                if libc.unshare(CLONE_NEWNS) == 0:
-                    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
-                    subprocess.run(["mount", "--bind", str(node), "/dev/net/tun"], check=True)
-                    code = _doctor_as_nobody_for_tun(tmp_path)
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) in (0, 1)
-        c = by_name(json.loads((tmp_path / "out.json").read_text()))["sandbox_network"]
-    finally:
-        shutil.rmtree(tmp_path)
+    node = nobody_tmp / "tun"
+    os.mknod(node, stat.S_IFCHR | 0o600, os.stat("/dev/net/tun").st_rdev)
+    code, doc = _doctor_as_nobody(nobody_tmp, "user_allow_other\n",
+                                  bin_dir(nobody_tmp / "bin", ("su", "slirp4netns")),
+                                  binds=[(node, "/dev/net/tun")])
+    assert code in (0, 1)
+    c = by_name(doc)["sandbox_network"]
     assert c["status"] == "warn" and "/dev/net/tun" in c["detail"], c
     assert "Permission denied" in c["detail"] and "mode 0600" in c["detail"], c
     assert c["fix"] == "su -c 'chmod 0666 /dev/net/tun' (its usual mode)", c
-
-
-def _doctor_as_nobody_for_tun(tmp_path: Path) -> int:
-    """doctor as uid 65534 with PATH holding slirp4netns and su (and not sudo), its JSON
-    into ``tmp_path``/out.json; its exit status."""
-    (tmp_path / "fuse.conf").write_text("user_allow_other\n")
-    for d in ("run", "store"):
-        (tmp_path / d).mkdir(mode=0o700)
-        os.chown(tmp_path / d, 65534, 65534)
-    return _doctor_as_nobody_with(tmp_path / "fuse.conf", tmp_path / "run", tmp_path / "store",
-                                  tmp_path / "out.json",
-                                  bin_dir(tmp_path / "bin", ("su", "slirp4netns")))
 
 
 @pytest.mark.skipif(fh.SELFTEST, reason="needs a real mount")
@@ -273,29 +217,51 @@ def test_a_dead_mount_is_a_warning_with_the_fix_status_gives(
     assert not any(str(d.mnt) in c["detail"] for c in json.loads(p.stdout)["checks"])
 
 
-def _as_nobody(argv: list[str], out: Path, err: Path) -> int:
-    """``rewindfs ARGV`` as uid 65534 in a forked child (stdout to ``out``, stderr to
-    ``err``); its exit status. The modules it needs are imported first, as root: uid 65534
-    cannot read the interpreter's library under /root."""
-    import contextlib
-    import io
-
+@functools.cache
+def _warm_cli_main() -> Callable[[list[str]], int]:
+    """``rewindfs.cli.main``, once a doctor and a list on a scratch store (as this process's
+    user) have imported the modules they need, so a child of uid 65534 need not read them."""
     from rewindfs.cli import main
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        main(["--store", str(out.parent / "warm"), "doctor"])
-        main(["--store", str(out.parent / "warm"), "list"])
+    with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        main(["--store", os.path.join(scratch, "store"), "doctor"])
+        main(["--store", os.path.join(scratch, "store"), "list"])
+    return main
+
+
+def _as_nobody(argv: list[str], out: Path, err: Path | None = None, *, run: Path,
+               path: str | None = None, binds: Sequence[tuple[Path, str]] = ()) -> int:
+    """``rewindfs ARGV`` as uid/gid 65534 in a forked child; its exit status (98: no mount
+    namespace). Its stdout goes to ``out``, its stderr to ``err`` (else the test's), its
+    XDG_RUNTIME_DIR is ``run`` and its PATH ``path`` (if given); with ``binds``, it runs in
+    a private mount namespace where each (file, target) pair's file is bind-mounted over
+    target (the host's target is never touched). uid 65534 cannot exec or read the venv's
+    interpreter and library under /root, hence the fork, and the modules it needs are
+    imported first, as root (:func:`_warm_cli_main`)."""
+    main = _warm_cli_main()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         code = 99
         try:
+            if binds:
+                if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNS) != 0:
+                    os._exit(98)
+                subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+                for file, target in binds:
+                    subprocess.run(["mount", "--bind", str(file), target], check=True)
             o = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-            e = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            e = None if err is None else os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                                 0o666)
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
-            os.environ["XDG_RUNTIME_DIR"] = str(out.parent / "run")
-            sys.stdout, sys.stderr = os.fdopen(o, "w"), os.fdopen(e, "w")
+            os.environ["XDG_RUNTIME_DIR"] = str(run)
+            if path is not None:
+                os.environ["PATH"] = path
+            sys.stdout = os.fdopen(o, "w")  # pytest's capture replaced sys.stdout
+            if e is not None:
+                sys.stderr = os.fdopen(e, "w")
             code = main(argv)
             sys.stdout.flush()
             sys.stderr.flush()
@@ -306,26 +272,22 @@ def _as_nobody(argv: list[str], out: Path, err: Path) -> int:
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root for a store of another user and uid 65534")
-def test_a_store_of_another_user_is_named_not_taken_for_a_bad_store_json() -> None:
+def test_a_store_of_another_user_is_named_not_taken_for_a_bad_store_json(
+        nobody_tmp: Path) -> None:
     """REWINDFS_STORE pointing at root's 0700 store, as uid 65534: doctor fails
     ``store_access`` naming the owner and the mode (not a store.json that does not exist),
     and a command says the same in one line (exit 1), for a directory below it too."""
-    tmp = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))
-    try:
-        os.chmod(tmp, 0o755)
-        store = tmp / "store"
-        store.mkdir(mode=0o700)
-        (tmp / "run").mkdir(mode=0o700)
-        os.chown(tmp / "run", 65534, 65534)
-        out, err = tmp / "out", tmp / "err"
-        code = _as_nobody(["--store", str(store), "doctor", "--json"], out, err)
-        checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
-        list_code = _as_nobody(["--store", str(store), "list"], out, err)
-        list_err = err.read_text()
-        sub_code = _as_nobody(["--store", str(store / "sub"), "list"], out, err)
-        sub_err = err.read_text()
-    finally:
-        shutil.rmtree(tmp)
+    store, run = nobody_tmp / "store", nobody_tmp / "run"
+    store.mkdir(mode=0o700)
+    run.mkdir(mode=0o700)
+    os.chown(run, 65534, 65534)
+    out, err = nobody_tmp / "out", nobody_tmp / "err"
+    code = _as_nobody(["--store", str(store), "doctor", "--json"], out, err, run=run)
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    list_code = _as_nobody(["--store", str(store), "list"], out, err, run=run)
+    list_err = err.read_text()
+    sub_code = _as_nobody(["--store", str(store / "sub"), "list"], out, err, run=run)
+    sub_err = err.read_text()
     assert code == 1 and "shared_config" not in checks, checks
     c = checks["store_access"]
     assert c["status"] == "fail" and c["detail"] == (
