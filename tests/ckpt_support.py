@@ -181,6 +181,18 @@ def cli(store: str | os.PathLike[str], *args: str, check: bool = True,
     return r
 
 
+def read_in(store: str | os.PathLike[str], ref: str, path: str) -> bytes:
+    """The bytes of ``path`` in snapshot ``ref`` of the store at ``store`` (read from the
+    store, not a mount)."""
+    from store.browse import cat
+
+    st = Store(os.fspath(store))
+    try:
+        return b"".join(cat(st, Ref.parse(ref), path))
+    finally:
+        st.close()
+
+
 def client(mnt: str | os.PathLike[str]):  # type: ignore[no-untyped-def]
     """The control client of the session mounted at ``mnt``."""
     from fusefs.control import Client

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import fusehelpers as fh
 import pytest
-from ckpt_support import cli, client, pack_count, recorded_base
+from ckpt_support import cli, client, pack_count, read_in, recorded_base
 
-from store.objects import Store
 from store.ref import Ref
 from store.snapshot import compute_ref
 
@@ -40,16 +39,6 @@ def git(cwd: Path, *args: str) -> str:
     r = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return r.stdout
-
-
-def read_in(store: Path, ref: str, path: str) -> bytes:
-    from store.browse import cat
-
-    st = Store(store)
-    try:
-        return b"".join(cat(st, Ref.parse(ref), path))
-    finally:
-        st.close()
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

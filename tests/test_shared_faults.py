@@ -9,16 +9,16 @@ so the daemon (a separate ``rewindfs mount`` process) opens S3 and the catalog i
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import fusehelpers as fh
 import pytest
-from ckpt_support import cli
+from ckpt_support import cli, read_in
 
 from store.config import SharedConfig, configure
 from store.objects import Store
-from store.ref import Ref
 
 pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
 
@@ -34,12 +34,14 @@ def fuse_store(tmp_path: Path, own_seaweed: object, own_postgres: object) -> Pat
     return local
 
 
-def _read(store: Path, ref: str, path: str) -> bytes:
-    from store.browse import cat
+def _problems(store: Path) -> list[str]:
+    """What ``store.verify`` finds wrong in the store at ``store`` (empty: nothing, so no
+    half-uploaded pack is referenced)."""
+    from store.verify import verify
 
     st = Store(store)
     try:
-        return b"".join(cat(st, Ref.parse(ref), path))
+        return [str(p) for p in verify(st)]
     finally:
         st.close()
 
@@ -64,26 +66,16 @@ def test_s3_gone_during_checkpoint_keeps_every_change(mounter: fh.Mounter, fuse_
         own_seaweed.start()  # type: ignore[attr-defined]
     big = (m / "big.bin").read_bytes()
     r = cli(fuse_store, "checkpoint", str(m), "--json")
-    import json
-
     ref = json.loads(r.stdout)["ref"]
-    assert _read(fuse_store, ref, "new.txt") == b"written before the outage\n"
-    assert _read(fuse_store, ref, "during.txt") == b"written during the outage\n"
-    assert _read(fuse_store, ref, "big.bin") == big
-    st = Store(fuse_store)
-    try:
-        from store.verify import verify
-
-        assert verify(st) == []  # nothing half-uploaded is referenced
-    finally:
-        st.close()
+    assert read_in(fuse_store, ref, "new.txt") == b"written before the outage\n"
+    assert read_in(fuse_store, ref, "during.txt") == b"written during the outage\n"
+    assert read_in(fuse_store, ref, "big.bin") == big
+    assert _problems(fuse_store) == []
 
 
 def test_postgres_restart_mid_session_reconnects(mounter: fh.Mounter, fuse_store: Path,
                                                  lower_ref: str,
                                                  own_postgres: object) -> None:
-    import json
-
     d = mounter.rw(lower_ref)
     m = d.mnt
     (m / "a.txt").write_text("one\n")
@@ -93,15 +85,13 @@ def test_postgres_restart_mid_session_reconnects(mounter: fh.Mounter, fuse_store
     (m / "a.txt").write_text("two\n")
     second = json.loads(cli(fuse_store, "checkpoint", str(m), "--json").stdout)["ref"]
     assert first != second
-    assert _read(fuse_store, second, "a.txt") == b"two\n"
+    assert read_in(fuse_store, second, "a.txt") == b"two\n"
     assert [s["ref"] for s in json.loads(cli(fuse_store, "list", "--json").stdout)][-2:] == \
         [first, second]
 
 
 def test_ro_mount_on_a_new_host_reads_through_its_empty_cache(fuse_store: Path, lower_ref: str,
                                                               tmp_path: Path) -> None:
-    import json
-
     cfg = json.loads((fuse_store / "store.json").read_text())
     host_b = tmp_path / "host-b"  # only store.json: no index, no cache yet
     configure(str(host_b), SharedConfig(cfg["blobs"], cfg["catalog"], cfg["s3_endpoint"],
@@ -123,7 +113,6 @@ def test_ro_mount_on_a_new_host_reads_through_its_empty_cache(fuse_store: Path, 
 def test_s3_killed_mid_multipart_upload_of_a_big_pack(mounter: fh.Mounter, fuse_store: Path,
                                                       lower_ref: str,
                                                       own_seaweed: object) -> None:
-    import json
     import threading
     import time
 
@@ -189,16 +178,10 @@ def test_s3_killed_mid_multipart_upload_of_a_big_pack(mounter: fh.Mounter, fuse_
     # The next checkpoint, with the server back, succeeds with every change.
     r = cli(fuse_store, "checkpoint", str(m), "--json")
     ref = json.loads(r.stdout)["ref"]
-    assert _read(fuse_store, ref, "note.txt") == b"small change\n"
-    assert _read(fuse_store, ref, "during.txt") == b"written while the server was dead\n"
-    assert _read(fuse_store, ref, "big.bin") == big
-    st = Store(fuse_store)
-    try:
-        from store.verify import verify
-
-        assert verify(st) == []
-    finally:
-        st.close()
+    assert read_in(fuse_store, ref, "note.txt") == b"small change\n"
+    assert read_in(fuse_store, ref, "during.txt") == b"written while the server was dead\n"
+    assert read_in(fuse_store, ref, "big.bin") == big
+    assert _problems(fuse_store) == []
     # The killed upload was never completed: its parts stay stored until it is aborted.
     # GC aborts it once it is older than the grace period, never before.
     killed = {str(u["UploadId"]) for u in uploads}
@@ -213,7 +196,7 @@ def test_s3_killed_mid_multipart_upload_of_a_big_pack(mounter: fh.Mounter, fuse_
     report = json.loads(cli(fuse_store, "gc", "--grace", "0", "--json").stdout)
     assert report["uploads_aborted"] >= len(killed)
     assert not killed & unfinished()
-    assert _read(fuse_store, ref, "big.bin") == big  # what is live stays
+    assert read_in(fuse_store, ref, "big.bin") == big  # what is live stays
     assert (m / "note.txt").read_text() == "small change\n"
 
 
@@ -250,8 +233,6 @@ def test_a_mounted_snapshot_reads_without_the_catalog(fuse_store: Path, lower_re
     """A read-only mount on a host that had read nothing of the snapshot: with PostgreSQL
     stopped, every directory and file of it still reads (their locations were copied to the
     host when it mounted), while a command that needs the catalog fails naming it."""
-    import json
-
     cfg = json.loads((fuse_store / "store.json").read_text())
     host_b = tmp_path / "host-b"
     configure(str(host_b), SharedConfig(cfg["blobs"], cfg["catalog"], cfg["s3_endpoint"],
@@ -283,7 +264,6 @@ def test_a_hung_s3_server_fails_a_read_within_the_configured_bounds(
     """SeaweedFS stopped with SIGSTOP (it accepts connections and never answers): a read
     on a host with an empty cache fails with the backend's error, after the attempts and
     timeouts set in the environment, which it names."""
-    import json
     import signal
 
     cfg = json.loads((fuse_store / "store.json").read_text())
@@ -309,8 +289,6 @@ def test_a_hung_s3_server_fails_a_read_within_the_configured_bounds(
 
 def _host_b(fuse_store: Path, tmp_path: Path) -> Path:
     """A second host of ``fuse_store``'s shared store: its own local directory and cache."""
-    import json
-
     cfg = json.loads((fuse_store / "store.json").read_text())
     host_b = tmp_path / "host-b"
     configure(str(host_b), SharedConfig(cfg["blobs"], cfg["catalog"], cfg["s3_endpoint"],
@@ -324,8 +302,6 @@ def test_read_only_commands_need_s3_only_for_what_is_not_cached(
     read before come from its range cache; cat of a file whose chunks were never read
     fails with exit 11 in one line naming the S3 object (opening the store probed the
     bucket first, so every command failed with exit 11)."""
-    import json
-
     src = tmp_path / "src"
     (src / "dir").mkdir(parents=True)
     (src / "dir" / "read.bin").write_bytes(os.urandom(300 << 10))
