@@ -54,8 +54,25 @@ def hosts(s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> tuple[
 
 
 def _writer(host: Host, src: Path, **env: str) -> subprocess.Popen[str]:
-    return child(WRITER, env={"LOCAL": str(host.local), "SRC": str(src),
-                              "REWINDFS_HOST_ID": host.name, **host.env, **env})
+    """WRITER on ``host`` snapshotting ``src`` (``env`` added to its environment), returned
+    once it has uploaded its first pack and waits; reaped if it fails before that."""
+    w = child(WRITER, env={"LOCAL": str(host.local), "SRC": str(src),
+                           "REWINDFS_HOST_ID": host.name, **host.env, **env})
+    try:
+        line = read_line(w)
+        assert line.startswith("uploaded packs/"), line
+    except BaseException:
+        reap(w)
+        raise
+    return w
+
+
+def _go_on(w: subprocess.Popen[str]) -> str:
+    """Let a waiting WRITER go on; its last line (``ref REF`` or ``error TYPE ...``)."""
+    assert w.stdin is not None
+    w.stdin.write("go\n")
+    w.stdin.flush()
+    return read_line(w)
 
 
 def _packs(host: Host) -> int:
@@ -79,7 +96,6 @@ def test_gc_on_b_keeps_what_a_writer_on_a_uploads_and_reuses(hosts: tuple[Host, 
 
     w = _writer(a, again)
     try:
-        assert read_line(w).startswith("uploaded packs/")
         packs = _packs(b)
         r = b.run("gc", "--grace", "0", "--wait", "1", check=False)
         assert r.returncode == 8 and "hostA" in r.stderr and "nothing deleted" in r.stderr
@@ -89,10 +105,7 @@ def test_gc_on_b_keeps_what_a_writer_on_a_uploads_and_reuses(hosts: tuple[Host, 
                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env={**os.environ, **b.env}, cwd=REPO)
         try:
-            assert w.stdin is not None
-            w.stdin.write("go\n")
-            w.stdin.flush()
-            line = read_line(w)
+            line = _go_on(w)
             assert line.startswith("ref "), line
             new = line.split()[1]
             out, err = g.communicate(timeout=300)
@@ -134,15 +147,11 @@ def test_a_writer_paused_past_its_pin_is_fenced_and_a_crashed_one_is_waited_for(
     # is then refused, so nothing indexes the deleted pack.
     w = _writer(a, src, REWINDFS_WRITER_PIN_TTL="2")
     try:
-        assert read_line(w).startswith("uploaded packs/")
         os.kill(w.pid, signal.SIGSTOP)
         report = b.json("gc", "--grace", "0", "--wait", "60")
         assert report["leftover_packs"] == 1  # type: ignore[index]
         os.kill(w.pid, signal.SIGCONT)
-        assert w.stdin is not None
-        w.stdin.write("go\n")
-        w.stdin.flush()
-        assert read_line(w).startswith("error WriterPinLostError"), "late commit indexed"
+        assert _go_on(w).startswith("error WriterPinLostError"), "late commit indexed"
         assert w.wait(60) == 3
     finally:
         if w.poll() is None:
@@ -153,7 +162,6 @@ def test_a_writer_paused_past_its_pin_is_fenced_and_a_crashed_one_is_waited_for(
     # A writer killed mid-upload: GC waits for its pin to expire, then deletes its upload.
     w = _writer(a, src, REWINDFS_WRITER_PIN_TTL="2")
     try:
-        assert read_line(w).startswith("uploaded packs/")
         w.kill()
         w.wait()
     finally:
@@ -340,7 +348,6 @@ def test_rebuild_index_waits_for_the_writers_of_every_host(hosts: tuple[Host, Ho
     a.run("list")
     w = _writer(a, src)
     try:
-        assert read_line(w).startswith("uploaded packs/")
         r = b.run("rebuild-index", "--wait", "1", check=False)
         assert r.returncode == 8, r.stderr
         # One line naming the command, the writer's host and pid and what to do (it was
@@ -362,10 +369,7 @@ def test_rebuild_index_waits_for_the_writers_of_every_host(hosts: tuple[Host, Ho
             "rewindfs: gc refused: 1 writer is still uploading to this store: hostA pid "
             f"{w.pid} "), r.stderr
         assert "nothing deleted" in r.stderr and "run gc again" in r.stderr, r.stderr
-        assert w.stdin is not None
-        w.stdin.write("go\n")
-        w.stdin.flush()
-        line = read_line(w)
+        line = _go_on(w)
         assert line.startswith("ref "), line
         ref = line.split()[1]
         assert w.wait(60) == 0  # its pin released on the way out
