@@ -201,11 +201,13 @@ def test_a_running_command_is_stopped_before_its_protected_file_is_replaced(
 
 @needs_sandbox
 @needs_fuse
-def test_a_background_command_is_stopped_before_a_path_restore_changes_its_hidden_file(
-        sessions: Sessions) -> None:
+@pytest.mark.parametrize("restore", [["--path", ".env"], []], ids=["path-restore", "whole"])
+def test_a_background_command_is_stopped_before_a_restore_changes_its_hidden_file(
+        sessions: Sessions, restore: list[str]) -> None:
     """A foreground call holds a write permit (a restore waits for it); a background
-    command does not, so a restore changes what it covers while it runs: the daemon stops
-    it first, then restores."""
+    command does not, so a restore (of .env alone, or of the whole tree, to the ref before
+    .env was rewritten) changes what it covers while it runs: the daemon stops it first,
+    then restores."""
     sid, root = _new(sessions, "fuse", _seed(sessions), "--hide", ".env")
     ref = json.loads(sessions.cli("log", sid, "--json").stdout)[0]["ref"]
     (root / ".env").write_text(NEW_SECRET + "\n")
@@ -218,40 +220,12 @@ def test_a_background_command_is_stopped_before_a_path_restore_changes_its_hidde
             if (root / "started").exists():
                 break
             time.sleep(0.02)
-        sessions.cli("session", "restore", sid, ref, "--path", ".env")
+        sessions.cli("session", "restore", sid, ref, *restore)
         assert (root / ".env").read_text() == SECRET + "\n"
         (root / "go").touch()
         out = bash_output(ctx, r.data["bash_id"], wait=60)
         assert out.data["status"] == "killed", out.text
         assert ".env was removed, replaced or linked" in out.text, out.text
-        assert not (root / "seen.done").exists() and not (root / "seen").exists()
-    finally:
-        ctx.close()
-
-
-@needs_sandbox
-@needs_fuse
-def test_a_background_command_is_stopped_before_a_whole_restore(sessions: Sessions) -> None:
-    """A whole restore (the ref before .env was rewritten) while a background command that
-    hides .env runs: stopped first, then the tree is restored."""
-    sid, root = _new(sessions, "fuse", _seed(sessions), "--hide", ".env")
-    ref = json.loads(sessions.cli("log", sid, "--json").stdout)[0]["ref"]
-    (root / ".env").write_text(NEW_SECRET + "\n")
-    ctx = ToolContext(SessionToolBinding(sessions.store, sid))
-    try:
-        r = run_bash(ctx, _WAIT_GO + "cat .env > seen 2>&1; mv seen seen.done",
-                     run_in_background=True)
-        assert r.ok, r.text
-        for _ in range(6000):
-            if (root / "started").exists():
-                break
-            time.sleep(0.02)
-        sessions.cli("session", "restore", sid, ref)
-        assert (root / ".env").read_text() == SECRET + "\n"
-        out = bash_output(ctx, r.data["bash_id"], wait=60)
-        assert out.data["status"] == "killed", out.text
-        assert "was removed, replaced or linked" in out.text, out.text
-        (root / "go").touch()
         assert not (root / "seen.done").exists() and not (root / "seen").exists()
     finally:
         ctx.close()
