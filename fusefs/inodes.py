@@ -40,6 +40,8 @@ def content_digest(e: Entry) -> bytes:
     """32 bytes that change whenever the entry's content (not its metadata) changes."""
     if e.kind is Kind.FILE:
         cl = e.chunks
+        if not e.size and not cl:  # the empty file: its digest, computed once below
+            return _EMPTY_FILE
         if cl.repeats <= V1_REPEATS_MAX:  # every slot's id, as before chunk runs existed
             ids = cl.slot_bytes()
         else:  # cost follows the runs, not the slots
@@ -48,6 +50,9 @@ def content_digest(e: Entry) -> bytes:
     if e.kind is Kind.SYMLINK:
         return blake3.blake3(e.target).digest()
     return _ZERO
+
+
+_EMPTY_FILE = blake3.blake3(bytes(8) + EMPTY_CHUNKS.slot_bytes()).digest()
 
 
 def origin_key(parent: int, name: bytes, e: Entry) -> bytes:
@@ -67,6 +72,9 @@ def derive_ino(origin: bytes, salt: int = 0) -> int:
 def allocated(ino: int) -> bool:
     """True if ``ino`` was allocated by the upper layer's counter (not derived, not root)."""
     return 1 < ino < DERIVED_BIT
+
+
+_new = object.__new__
 
 
 class Node:
@@ -125,28 +133,42 @@ class Node:
     @classmethod
     def from_entry(cls, ino: int, e: Entry, origin: bytes | None, parent: int,
                    nlink: int, ctime_ns: int | None = None) -> Node:
-        """A node serving lower entry ``e`` unchanged (no upper row)."""
-        n = cls(ino, e.kind, e.mode, e.uid, e.gid, e.mtime_ns)
-        if ctime_ns is not None:
-            n.ctime_ns = ctime_ns
+        """A node serving lower entry ``e`` unchanged (no upper row). Every slot is set
+        once, here, rather than by ``__init__`` and again: a listing of a huge lower
+        directory makes one per entry."""
+        n = _new(cls)
+        kind = n.kind = e.kind
+        n.ino = ino
+        n.mode = e.mode
+        n.uid = e.uid
+        n.gid = e.gid
+        n.atime_ns = n.mtime_ns = t = e.mtime_ns
+        n.ctime_ns = t if ctime_ns is None else ctime_ns
         n.nlink = nlink
-        n.origin = origin
         n.parent = parent
-        if e.xattrs:  # else the node keeps the empty dict of its own that __init__ made
-            n.xattrs = dict(e.xattrs)
-        if e.kind is Kind.DIR:
+        n.origin = origin
+        n.xattrs = dict(e.xattrs) if e.xattrs else {}
+        n.size = n.lower_len = n.lower_links = n.rdev = 0
+        n.target = b""
+        n.lower_chunks = EMPTY_CHUNKS
+        n.lower_tree = None
+        if kind is Kind.DIR:
             n.lower_tree = e.tree_id
         else:
             n.lower_links = nlink
-            if e.kind is Kind.FILE:
-                n.size = e.size
+            if kind is Kind.FILE:
+                n.size = n.lower_len = e.size
                 n.lower_chunks = e.chunks
-                n.lower_len = e.size
-            elif e.kind is Kind.SYMLINK:
+            elif kind is Kind.SYMLINK:
                 n.size = len(e.target)
                 n.target = e.target
-            elif e.kind.is_device:
+            elif kind.is_device:
                 n.rdev = e.rdev
+        n.present = set()
+        n.entries = None
+        n.upper = n.has_data = False
+        n.nlookup = n.nopen = n.data_blocks = 0
+        n.fd = n.data_blocks_key = n.inline = None
         return n
 
     @property

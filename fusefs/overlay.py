@@ -46,7 +46,7 @@ import os
 import stat
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from store import chunker
 from store.ref import ObjectId, Ref
@@ -71,6 +71,9 @@ UPPER_BASE = 1 << 40
 # state they belong to (``DirListings``): its generation, in the bits from GEN_SHIFT up.
 GEN_SHIFT = 48
 GEN_KEEP = 8  # listing states kept per directory (the newest ones)
+# A listing of lower entries asks the store for the data pages (``Overlay.blocks``) of the
+# next this many entries' chunks at once: one query per 500 chunks, not one per file.
+PAGES_AHEAD = 1024
 INLINE_BUDGET = 256 << 20  # inline content kept in memory at most; beyond, data files
 MAX_FILE_SIZE = 1 << 40  # 1 TiB: larger sizes get EFBIG (a checkpoint lists every chunk)
 
@@ -1613,7 +1616,11 @@ class Overlay:
         if start < UPPER_BASE and h.lower_tree is not None:
             entries = self.lower.tree(h.lower_tree).entries
             listed_above = set(h.names) if folded else set()
+            ahead = 0
             for i in range(max(0, start - 2), len(entries)):
+                if i >= ahead:
+                    ahead = i + PAGES_AHEAD
+                    self._pages_ahead(entries[i:ahead])
                 e = entries[i]
                 if folded:
                     if e.name in listed_above:
@@ -1640,6 +1647,12 @@ class Overlay:
                 now = self._child(d, name)  # now in the new lower
                 if now is not None:
                     yield name, now, UPPER_BASE + c
+
+    def _pages_ahead(self, entries: Sequence[Entry]) -> None:
+        """Have the data pages of the chunks of ``entries``' files known (cached by
+        ``Lower.data_pages``) before their attributes are given one by one."""
+        self.lower.data_pages(cid for e in entries if e.kind is Kind.FILE and e.size
+                              for cid, _k in e.chunks.runs())
 
     def statfs(self) -> dict[str, int]:
         """statvfs(3) figures: the state directory's file system, or none for read-only."""

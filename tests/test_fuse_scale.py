@@ -126,3 +126,59 @@ def test_ls_l_of_a_wide_lower_dir_first_after_mount_matches_its_source(
         failed = False
     finally:
         m.teardown(failed)
+
+
+def test_a_first_listing_gives_each_kind_what_a_lookup_of_it_gives(
+        mounter: fh.Mounter, fuse_store: Path, tmp_path: Path) -> None:
+    """Nodes made for a listing with attributes (READDIRPLUS, ``Node.from_entry``, the data
+    pages of its files asked for ``PAGES_AHEAD`` at a time) are the nodes a lookup makes:
+    for a directory holding every kind (empty files, files with data, one of zeros, a
+    symlink, a subdirectory, a FIFO, a file with an xattr, two names of one file), the
+    attributes after a first listing equal those a lookup by name gives on a fresh mount,
+    inode numbers and st_blocks included, and match the source's; every empty file has a
+    number of its own."""
+    src = tmp_path / "src"
+    d = src / "mixed"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "inner").write_bytes(b"x")
+    for i in range(3):
+        (d / f"empty{i}").write_bytes(b"")
+    (d / "data").write_bytes(b"some bytes\n" * 500)
+    os.symlink("data", d / "link")
+    os.mkfifo(d / "fifo")
+    (d / "tagged").write_bytes(b"t")
+    os.setxattr(d / "tagged", "user.k", b"v")
+    (d / "zeros").write_bytes(bytes(3 * 4096))
+    for i in range(1500):  # more files with data than one look-ahead of their data pages
+        (d / f"w{i:04d}").write_bytes(b"%d\n" % i * (1 + i % 3000))
+    (d / "hard1").write_bytes(b"shared")
+    os.link(d / "hard1", d / "hard2")
+    os.chmod(d / "data", 0o640)
+    os.utime(d / "empty1", ns=(1_000_000_000, 1_234_567_891))
+    ref = fh.snapshot(fuse_store, src)
+    names = sorted(os.listdir(d))
+    fields = ("st_mode", "st_size", "st_nlink", "st_uid", "st_gid", "st_mtime_ns")
+
+    def attrs(root: Path, name: str) -> tuple[int, ...]:
+        st = os.lstat(root / name)
+        return tuple(getattr(st, f) for f in fields) + (st.st_blocks, st.st_ino)
+
+    listed = mounter.rw(ref)
+    assert sorted(e.name for e in os.scandir(listed.mnt / "mixed")) == names
+    after_listing = {n: attrs(listed.mnt / "mixed", n) for n in names}
+    looked_up = mounter.rw(ref)  # a fresh daemon: each name looked up, never listed
+    by_lookup = {n: attrs(looked_up.mnt / "mixed", n) for n in names}
+    assert after_listing == by_lookup
+    # the source's own figures, but a directory's size (ext4 gives its blocks')
+    # the source's own figures (not st_blocks: the source's file system may allocate
+    # otherwise), but a directory's size (ext4 gives its blocks')
+    assert {n: a[:-2] for n, a in after_listing.items() if n != "sub"} == {
+        n: attrs(d, n)[:-2] for n in names if n != "sub"}
+    assert after_listing["sub"][:1] + after_listing["sub"][2:-2] == \
+        attrs(d, "sub")[:1] + attrs(d, "sub")[2:-2]
+    assert after_listing["data"][-2] == 16 and after_listing["zeros"][-2] == 0
+    inos = {n: a[-1] for n, a in after_listing.items()}
+    assert inos["hard1"] == inos["hard2"]
+    assert len(set(inos.values())) == len(names) - 1
+    assert os.getxattr(listed.mnt / "mixed" / "tagged", "user.k") == b"v"
+    assert os.readlink(listed.mnt / "mixed" / "link") == "data"
