@@ -24,8 +24,8 @@ come from the standard AWS environment and files, a PostgreSQL password from lib
 Environment (read by the CLI, rewindfs/cli.py): ``REWINDFS_STORE`` (a directory or an
 ``s3://`` URL), ``REWINDFS_S3_ENDPOINT``, ``REWINDFS_CATALOG``, ``REWINDFS_LOCAL``,
 ``REWINDFS_CACHE_BYTES``, ``REWINDFS_HOST_ID``, and the S3 client's bounds
-``REWINDFS_S3_ATTEMPTS``, ``REWINDFS_S3_CONNECT_TIMEOUT``, ``REWINDFS_S3_READ_TIMEOUT``
-(store/s3.py, read here). Default local directory of a URL store:
+``REWINDFS_S3_ATTEMPTS``, ``REWINDFS_S3_CONNECT_TIMEOUT``, ``REWINDFS_S3_READ_TIMEOUT``,
+``REWINDFS_S3_HOLD_OFF`` (store/s3.py, read here). Default local directory of a URL store:
 ``$XDG_STATE_HOME/rewindfs`` (``~/.local/state/rewindfs``); default cache
 ``$XDG_CACHE_HOME/rewindfs`` (``~/.cache/rewindfs``), 10 GiB.
 """

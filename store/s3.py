@@ -25,6 +25,14 @@ The BlobBackend contract (store/backend.py) on S3:
 - ``delete`` of a missing key raises ``BlobNotFoundError`` (S3 itself would not say).
 - Every other failure (server gone after the retries, access denied, ...) is
   ``BackendError`` naming the operation, key and the S3 error code, never the credentials.
+- Held-off reads: once a read (``get``, ``get_range``) of a key has timed out (every
+  attempt: the server accepts connections and never answers, or never accepts them),
+  further reads of that key fail at once with ``BackendError`` for ``hold_off_s``
+  seconds, without a request; the first read after that asks the server again, and a
+  read of the key that succeeds meanwhile (one begun earlier) ends the hold-off. A read
+  through a mount so fails after one request's bounds, not one per retry of the kernel
+  (it retries a failed read-ahead as a plain read). The state is this object's, in
+  memory: another process asks the server itself.
 
 Keys are those of the protocol, stored as ``PREFIX/key``.
 """
@@ -34,6 +42,7 @@ from __future__ import annotations
 import builtins
 import io
 import threading
+import time
 from typing import Any
 
 from .backend import check_key
@@ -42,9 +51,11 @@ from .errors import BackendError, BlobConflictError, BlobNotFoundError
 DEFAULT_ATTEMPTS = 3
 DEFAULT_CONNECT_TIMEOUT = 3.0
 DEFAULT_READ_TIMEOUT = 10.0
+DEFAULT_HOLD_OFF = 30.0
 TIMEOUT_ENV = {"max_attempts": "REWINDFS_S3_ATTEMPTS",
                "connect_timeout": "REWINDFS_S3_CONNECT_TIMEOUT",
-               "read_timeout": "REWINDFS_S3_READ_TIMEOUT"}
+               "read_timeout": "REWINDFS_S3_READ_TIMEOUT",
+               "hold_off_s": "REWINDFS_S3_HOLD_OFF"}
 MULTIPART_THRESHOLD = 16 << 20
 PART_SIZE = 8 << 20
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -65,8 +76,8 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 
 def timeouts() -> dict[str, Any]:
-    """``S3Backend``'s ``max_attempts``, ``connect_timeout`` and ``read_timeout`` as the
-    environment sets them (``TIMEOUT_ENV``: attempts a whole number from 1, seconds above
+    """``S3Backend``'s ``max_attempts``, ``connect_timeout``, ``read_timeout`` and
+    ``hold_off_s`` as the environment sets them (``TIMEOUT_ENV``: attempts a whole number from 1, seconds above
     0), each unset one left out. Raises ValueError naming a variable with another value."""
     import math
     import os
@@ -97,14 +108,16 @@ class S3Backend:
     to connect and its longest silence while reading. A server that accepts connections
     and never answers so fails one request after about ``max_attempts * read_timeout``
     seconds plus botocore's backoff between attempts (random, at most 1, 2, 4, ... s);
-    ``timeouts()`` gives the defaults from the environment. Thread-safe (one botocore
-    client, which is).
+    ``hold_off_s`` is how long reads of a key whose read timed out fail without a request
+    (module docstring). ``timeouts()`` gives the defaults from the environment.
+    Thread-safe (one botocore client, which is).
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
                  region: str | None = None, max_attempts: int = DEFAULT_ATTEMPTS,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT,
+                 hold_off_s: float = DEFAULT_HOLD_OFF) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -114,7 +127,7 @@ class S3Backend:
         self.endpoint_url = endpoint_url
         self.bounds = (f"{max_attempts} attempts, each {connect_timeout:g} s to connect and "
                        f"{read_timeout:g} s of silence while reading")
-        cfg = Config(retries={"mode": "standard", "max_attempts": max_attempts},
+        cfg = Config(retries={"mode": "standard", "total_max_attempts": max_attempts},
                      connect_timeout=connect_timeout, read_timeout=read_timeout,
                      max_pool_connections=32,
                      s3={"addressing_style": "path" if endpoint_url else "auto"})
@@ -126,6 +139,9 @@ class S3Backend:
                                         multipart_chunksize=PART_SIZE, max_concurrency=4,
                                         use_threads=True)
         self._lock = threading.Lock()
+        self.hold_off_s = hold_off_s
+        # key -> (time.monotonic() its read timed out, that failure's text)
+        self._timed_out: dict[str, tuple[float, str]] = {}
 
     def __repr__(self) -> str:
         return f"S3Backend(s3://{self.bucket}/{self.prefix}, endpoint={self.endpoint_url})"
@@ -134,14 +150,53 @@ class S3Backend:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self.prefix + '/' if self.prefix else ''}{key}"
+
     def _fail(self, op: str, key: str, e: Exception) -> BackendError:
         code = _code(e)
-        where = f"s3://{self.bucket}/{self.prefix + '/' if self.prefix else ''}{key}"
+        where = self._where(key)
         # No answer at all (timeouts, refused connections): say what was waited for.
         waited = "" if code else (f" (gave up after {self.bounds}; to change: "
                                   f"{', '.join(TIMEOUT_ENV.values())})")
         return BackendError(f"cannot {op} {where}: {code or type(e).__name__}: "
                             f"{_message(e)}{waited}")
+
+    def _check_held_off(self, key: str) -> None:
+        """Raise BackendError, without a request, if a read of ``key`` timed out less than
+        ``hold_off_s`` seconds ago."""
+        if not self._timed_out:
+            return
+        with self._lock:
+            got = self._timed_out.get(key)
+        if got is None:
+            return
+        ago = time.monotonic() - got[0]
+        if ago >= self.hold_off_s:
+            return
+        raise BackendError(f"cannot get {self._where(key)}: not asked again for "
+                           f"{self.hold_off_s - ago:.1f} s (REWINDFS_S3_HOLD_OFF), its read "
+                           f"{ago:.1f} s ago timed out: {got[1]}")
+
+    def _read_failed(self, key: str, e: Exception, err: BackendError) -> BackendError:
+        """``err`` (the failure of a read of ``key``), remembered for the hold-off if the
+        read timed out."""
+        from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+        if isinstance(e, (ReadTimeoutError, ConnectTimeoutError)):
+            now = time.monotonic()
+            with self._lock:
+                for k in [k for k, (t, _) in self._timed_out.items()
+                          if now - t >= self.hold_off_s]:
+                    del self._timed_out[k]
+                self._timed_out[key] = (now, str(err).removeprefix(
+                    f"cannot get {self._where(key)}: "))
+        return err
+
+    def _read_ok(self, key: str) -> None:
+        if self._timed_out:
+            with self._lock:
+                self._timed_out.pop(key, None)
 
     # -- protocol --------------------------------------------------------------------
 
@@ -171,12 +226,15 @@ class S3Backend:
 
     def get(self, key: str) -> bytes:
         k = self._k(key)
+        self._check_held_off(key)
         try:
-            return bytes(self._client.get_object(Bucket=self.bucket, Key=k)["Body"].read())
+            data = bytes(self._client.get_object(Bucket=self.bucket, Key=k)["Body"].read())
         except Exception as e:
             if _code(e) in _NOT_FOUND:
                 raise BlobNotFoundError(key) from None
-            raise self._fail("get", key, e) from None
+            raise self._read_failed(key, e, self._fail("get", key, e)) from None
+        self._read_ok(key)
+        return data
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         """``length`` bytes from ``offset`` (fewer at the end of the blob), in one ranged GET."""
@@ -185,17 +243,20 @@ class S3Backend:
             if not self.exists(key):
                 raise BlobNotFoundError(key)
             return b""
+        self._check_held_off(key)
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=k,
                                            Range=f"bytes={offset}-{offset + length - 1}")
-            return bytes(resp["Body"].read())
+            data = bytes(resp["Body"].read())
         except Exception as e:
             code = _code(e)
             if code in _NOT_FOUND:
                 raise BlobNotFoundError(key) from None
             if code == "InvalidRange":
                 return b""
-            raise self._fail("get", key, e) from None
+            raise self._read_failed(key, e, self._fail("get", key, e)) from None
+        self._read_ok(key)
+        return data
 
     def delete(self, key: str) -> None:
         k = self._k(key)

@@ -300,3 +300,56 @@ def test_frames_read_inside_records_keep_the_read_ahead(s3_env: object, s3_bucke
         assert c.get_range("packs/fr.pack", off, _MIB) == data[off:off + _MIB]
     assert 0 < c.prefetched <= len(data) // SEGMENT + READAHEAD_DEPTH + 1
     assert c.fetched_bytes <= len(data) + 6 * _MIB
+
+
+def test_a_read_that_timed_out_holds_off_reads_of_that_key(own_seaweed: object) -> None:
+    """SeaweedFS stopped with SIGSTOP (it accepts connections and never answers): a read of
+    a key times out after its attempts; further reads of that key fail at once, sending no
+    request, also after the server is back, until the hold-off ends; another key is still
+    asked. Requests are counted at botocore's ``before-send`` event: what goes on the wire."""
+    import signal
+    import time
+
+    bucket = own_seaweed.new_bucket()  # type: ignore[attr-defined]
+    sent: list[str] = []
+
+    def backend(hold_off_s: float) -> S3Backend:
+        b = _s3(own_seaweed, bucket, "p", max_attempts=2, connect_timeout=0.5,
+                read_timeout=0.5, hold_off_s=hold_off_s)
+        b._client.meta.events.register(
+            "before-send.s3", lambda request, **_: sent.append(request.url))
+        return b
+
+    b, quick = backend(3600.0), backend(0.2)
+    for key in ("packs/a.pack", "packs/b.pack"):
+        b.put(key, key.encode() * 100)
+    group = own_seaweed.proc.pid  # type: ignore[attr-defined]
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        sent.clear()
+        with pytest.raises(BackendError, match="gave up after 2 attempts"):
+            b.get_range("packs/a.pack", 0, 10)
+        assert len(sent) == 2  # the first and its retry
+        for read in (lambda: b.get_range("packs/a.pack", 100, 10),
+                     lambda: b.get("packs/a.pack")):
+            with pytest.raises(BackendError) as raised:
+                read()
+            msg = str(raised.value)
+            assert "not asked again for" in msg and "REWINDFS_S3_HOLD_OFF" in msg, msg
+            assert "s3://" in msg and "packs/a.pack" in msg and "\n" not in msg, msg
+        assert len(sent) == 2  # held off: no request
+        with pytest.raises(BackendError, match="gave up after"):
+            b.get_range("packs/b.pack", 0, 10)  # another key is asked
+        assert len(sent) == 4
+        with pytest.raises(BackendError, match="gave up after"):
+            quick.get_range("packs/a.pack", 0, 10)
+        assert len(sent) == 6
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    with pytest.raises(BackendError, match="not asked again"):
+        b.get_range("packs/a.pack", 0, 10)  # still held off, though the server is back
+    assert len(sent) == 6
+    time.sleep(0.3)  # past quick's hold-off: it asks again, and the server answers
+    assert quick.get_range("packs/a.pack", 0, 10) == b"packs/a.pack"[:10]
+    assert quick.get("packs/a.pack") == b"packs/a.pack" * 100
+    assert len(sent) == 8

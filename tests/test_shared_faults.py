@@ -339,3 +339,44 @@ def _cat_bytes(store: Path, ref: str, path: str, env: dict[str, str]) -> bytes:
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr
     return r.stdout
+
+
+def test_a_read_through_a_mount_on_a_hung_s3_server_asks_it_once(
+        fuse_store: Path, tmp_path: Path, own_seaweed: object) -> None:
+    """SeaweedFS stopped with SIGSTOP under a read-only mount of a host with an empty
+    cache: the first read of a file fails with EIO after one request's attempts; the
+    kernel's retry of it as a plain read and a later read of the file fail with EIO
+    without a request (each was a request of its own, 81 s to EIO with the default
+    bounds). The daemon's log says so: one request timed out, every other failure was
+    held off."""
+    import errno
+    import json
+    import signal
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.bin").write_bytes(os.urandom(300 << 10))
+    ref = json.loads(cli(fuse_store, "snapshot", str(src), "--json").stdout)["ref"]
+    host_b = _host_b(fuse_store, tmp_path)
+    env = dict(os.environ, REWINDFS_S3_ATTEMPTS="2", REWINDFS_S3_READ_TIMEOUT="0.5",
+               REWINDFS_S3_CONNECT_TIMEOUT="0.5", REWINDFS_S3_HOLD_OFF="3600")
+    mnt = tmp_path / "ro-b"
+    mnt.mkdir()
+    log = tmp_path / "daemon-b.log"
+    cli(host_b, "mount", "--ro", ref, str(mnt), "--log", str(log), env=env)
+    try:
+        group = own_seaweed.proc.pid  # type: ignore[attr-defined]
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            for _ in range(2):
+                with pytest.raises(OSError) as raised:
+                    (mnt / "data.bin").read_bytes()
+                assert raised.value.errno == errno.EIO
+        finally:
+            os.killpg(group, signal.SIGCONT)
+    finally:
+        cli(host_b, "umount", str(mnt))
+    failed = [x for x in log.read_text().splitlines() if "read failed: BackendError" in x]
+    held = [x for x in failed if "not asked again for" in x]  # they name the timeout too
+    asked = [x for x in failed if "gave up after 2 attempts" in x and x not in held]
+    assert len(asked) == 1 and len(held) == len(failed) - 1 >= 1, failed
