@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from fusefs.session import (
     session_workspaces,
     shared_workspace,
 )
+from fusefs.session.control import control_path, request
 from fusefs.session.fallback import fuse_available
 from store.lease import Leaser
 from store.objects import Store
@@ -111,6 +114,25 @@ def child(code: str, *, env: dict[str, str] | None = None) -> subprocess.Popen[s
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=e,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+
+
+def stop_hosts(state: Path, shutdown: Callable[[str], object]) -> None:
+    """Stop every session host that still answers under ``state`` (a store's ``sessions``
+    directory): ``shutdown(session_id)`` (the CLI's ``session shutdown``, whatever it
+    returns), then SIGKILL of the pid it answered with, in case it did not go."""
+    for d in state.iterdir() if state.is_dir() else ():
+        path = control_path(str(d))
+        if path is None:
+            continue
+        try:
+            pid = int(request(path, {"op": "status"}, 30)["pid"])
+        except (OSError, ValueError, KeyError):
+            continue
+        shutdown(d.name)
+        try:
+            os.kill(pid, signal.SIGKILL)  # normally gone already
+        except ProcessLookupError:
+            pass
 
 
 def read_line(p: subprocess.Popen[str]) -> str:

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from session_support import REPO, ref_of
+from session_support import REPO, ref_of, stop_hosts
 
-from fusefs.session.control import control_path, request
 from fusefs.session.registry import Registry
 from store.objects import Store
 
@@ -44,22 +42,8 @@ class Cli:
         return out
 
     def cleanup(self) -> None:
-        state = self.store / "sessions"
-        if not state.is_dir():
-            return
-        for d in state.iterdir():
-            path = control_path(str(d))
-            if path is None:
-                continue
-            try:
-                pid = int(request(path, {"op": "status"}, 30)["pid"])
-            except (OSError, ValueError, KeyError):
-                continue
-            self.run("session", "shutdown", d.name, check=False)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_hosts(self.store / "sessions",
+                   lambda sid: self.run("session", "shutdown", sid, check=False))
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from session_support import ref_of
+from session_support import ref_of, stop_hosts
 from test_shared_store import Host, two_hosts
 
 from fusefs.session.control import control_path, request
@@ -59,20 +59,8 @@ class SessionHost(Host):
         return int(request(path, {"op": "status"}, 30)["pid"])
 
     def cleanup(self) -> None:
-        state = self.local / "sessions"
-        for d in state.iterdir() if state.is_dir() else []:
-            path = control_path(str(d))
-            if path is None:
-                continue
-            try:
-                pid = int(request(path, {"op": "status"}, 30)["pid"])
-            except (OSError, ValueError, KeyError):
-                continue
-            self.session("shutdown", d.name, "--force", check=False)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_hosts(self.local / "sessions",
+                   lambda sid: self.session("shutdown", sid, "--force", check=False))
         for root in self.killed:
             subprocess.run(["fusermount3", "-uz", root], capture_output=True)
 

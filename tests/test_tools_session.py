@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,8 +22,9 @@ from typing import Any
 
 import pytest
 from mcp.client.stdio import StdioServerParameters
+from session_support import stop_hosts
 
-from fusefs.session.control import control_path, hold_write_permit, request, socket_dir
+from fusefs.session.control import control_path, hold_write_permit, socket_dir
 from fusefs.session.errors import SessionClosedError, SessionNotFoundError
 from fusefs.session.journal import Journal
 from store.browse import cat
@@ -103,22 +103,8 @@ class Sessions:
         return out["id"], Path(out["root"])
 
     def close(self) -> None:
-        state = self.store / "sessions"
-        if not state.is_dir():
-            return
-        for d in state.iterdir():
-            path = control_path(str(d))
-            if path is None:
-                continue
-            try:
-                pid = int(request(path, {"op": "status"}, 30)["pid"])
-            except (OSError, ValueError, KeyError):
-                continue
-            self.cli("session", "shutdown", d.name, check=False)
-            try:
-                os.kill(pid, signal.SIGKILL)  # normally gone already
-            except ProcessLookupError:
-                pass
+        stop_hosts(self.store / "sessions",
+                   lambda sid: self.cli("session", "shutdown", sid, check=False))
 
 
 def outside_tmp_sessions() -> Iterator[Sessions]:
