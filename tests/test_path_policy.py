@@ -27,14 +27,15 @@ needs_sandbox = pytest.mark.skipif(not HAS_BWRAP, reason="no bubblewrap sandbox 
 SECRET = "TOKEN=hunter2-secret"
 
 
-@pytest.fixture(params=["before-bwrap", "bwrap-binds"])
+@pytest.fixture(params=["in-sandbox", "bwrap-binds"])
 def cover_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways the sandbox makes the policy's covers: before bwrap starts, in a namespace
-    of the process that becomes bwrap (where the kernel allows it), and bwrap's own binds
-    (``REWINDFS_BWRAP_COVERS=1``, and wherever the first cannot be made)."""
+    """Both ways the sandbox makes the policy's covers: in the sandbox's mount namespace
+    once bwrap has built it, before the command runs (where the kernel allows it), and
+    bwrap's own binds (``REWINDFS_BWRAP_COVERS=1``, and wherever the first cannot be
+    made)."""
     mode = str(request.param)
-    if mode == "before-bwrap" and not sandbox.covers_before_bwrap():
-        pytest.skip("covers cannot be made before bwrap here")
+    if mode == "in-sandbox" and not sandbox.covers_in_sandbox():
+        pytest.skip("covers cannot be made in the sandbox here")
     monkeypatch.setenv("REWINDFS_BWRAP_COVERS", "1" if mode == "bwrap-binds" else "0")
     return mode
 
@@ -146,13 +147,55 @@ def test_hidden_and_protected_inside_bash(ws: ToolContext, cover_mode: str) -> N
 
 
 @needs_sandbox
-def test_paths_matching_at_call_start(ws: ToolContext) -> None:
-    """A hidden path that appears after one call is hidden from the next."""
+def test_paths_matching_at_call_start(ws: ToolContext, cover_mode: str) -> None:
+    """A hidden or protected path that appears after one call (made by the user, or by
+    that call's command) is covered in the next."""
     root = Path(ws.root.path)
+    first = run_bash(ws, "mkdir -p src/made && echo " + SECRET + " > src/made/.env; "
+                         "cat src/made/.env")
+    assert SECRET in first.text, first.text     # not covered while the call that made it runs
     (root / "src" / "late").mkdir()
     (root / "src" / "late" / ".env").write_text(SECRET)
-    r = run_bash(ws, "cat src/late/.env")
-    assert SECRET not in r.text and r.data["exit_code"] != 0
+    (root / "secrets" / "late.txt").write_text("late\n")
+    r = run_bash(ws, "cat src/late/.env; echo a=$?; cat src/made/.env; echo b=$?; "
+                     "echo x > secrets/late.txt; echo c=$?; cat secrets/late.txt")
+    assert SECRET not in r.text and "late" in r.text, r.text
+    for k in "abc":
+        assert f"{k}=0" not in r.text, r.text
+    assert (root / "secrets" / "late.txt").read_text() == "late\n"
+
+
+# Inside the sandbox: umount2, a read-write remount and a move of a cover, by system call.
+_UNMOUNT_BY_SYSCALL = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for name, call in (("umount2", lambda p: libc.umount2(p, 2)),
+                   ("remount", lambda p: libc.mount(None, p, None, 0x20 | 0x1000, None)),
+                   ("open_tree", lambda p: libc.syscall(428, -100, p, 1, 0, 0))):
+    for path in sys.argv[1:]:
+        rc = call(path.encode())
+        print(name, path, rc, os.strerror(ctypes.get_errno()) if rc < 0 else "done")
+"""
+
+
+@needs_sandbox
+def test_a_command_cannot_remove_a_cover_by_system_call(tmp_path: Path, cover_mode: str
+                                                         ) -> None:
+    """Root inside the sandbox calling umount2, mount (a read-write remount) or open_tree
+    on a cover directly fails with EPERM, and the covers stay."""
+    root = tmp_path / "root"
+    (root / "conf").mkdir(parents=True)
+    (root / ".env").write_text(SECRET + "\n")
+    (root / "conf" / "app.toml").write_text("x = 1\n")
+    ws = ToolContext(DirBinding(root, policy=PathPolicy(hide=(".env",), protect=("conf/",))))
+    (root / "prog.py").write_text(_UNMOUNT_BY_SYSCALL)
+    b = run_bash(ws, f"python3 prog.py {root}/.env {root}/conf; cat .env; echo a=$?; "
+                     "echo y > conf/app.toml; echo b=$?")
+    if "python3: command not found" in b.text:
+        pytest.skip("no python3 inside the sandbox")
+    assert b.text.count("Operation not permitted") == 6 and "done" not in b.text, b.text
+    assert SECRET not in b.text and "a=0" not in b.text and "b=0" not in b.text, b.text
+    assert (root / "conf" / "app.toml").read_text() == "x = 1\n"
 
 
 @pytest.mark.parametrize("patterns", [
@@ -311,10 +354,10 @@ def test_covers_inside_a_protected_directory(tmp_path: Path, cover_mode: str) ->
 
 @needs_sandbox
 def test_a_cover_on_a_changed_object_runs_nothing(tmp_path: Path) -> None:
-    """The covers made before bwrap are made on the objects the scan saw: a path that is
+    """The covers made in the sandbox are made on the objects the scan saw: a path that is
     another object by then (here: a stale identity) fails the start, and nothing runs."""
-    if not sandbox.covers_before_bwrap():
-        pytest.skip("covers cannot be made before bwrap here")
+    if not sandbox.covers_in_sandbox():
+        pytest.skip("covers cannot be made in the sandbox here")
     root = tmp_path / "root"
     root.mkdir()
     (root / ".env").write_text(SECRET + "\n")
@@ -349,12 +392,12 @@ def test_hidden_file_covers_of_either_source(tmp_path: Path, monkeypatch: pytest
     kernel clones detached mounts, else each with its own clone of the empty file: both
     give every hidden file an unreadable, unwritable, empty, mode-0000 object, on many
     files at once, and a protected file beside them stays readable but not writable."""
-    if not sandbox.covers_before_bwrap():
-        pytest.skip("covers cannot be made before bwrap here")
+    if not sandbox.covers_in_sandbox():
+        pytest.skip("covers cannot be made in the sandbox here")
     import subprocess
 
     if source == "each from the empty file":
-        monkeypatch.setattr(sandbox, "_hidden_source", lambda api, empty: (empty, False))
+        monkeypatch.setattr(sandbox, "_CLONE_DETACHED", False)
     root = tmp_path / "root"
     root.mkdir()
     covers = []
@@ -384,3 +427,21 @@ def test_hidden_file_covers_of_either_source(tmp_path: Path, monkeypatch: pytest
     for i in range(20):
         assert (root / f"{i}.env").read_text() == SECRET + "\n"
     assert (root / "deps.lock").read_text() == "pinned\n"
+
+
+@needs_sandbox
+def test_the_cover_maker_is_started_again_when_it_ended(ws: ToolContext) -> None:
+    """The helper that makes the covers in the sandbox is a process the server keeps; when
+    it is gone (killed), the next call starts another and still covers everything."""
+    if not sandbox.covers_in_sandbox():
+        pytest.skip("covers cannot be made in the sandbox here")
+    first = run_bash(ws, "cat .env; echo rc=$?")
+    assert SECRET not in first.text and "rc=1" in first.text, first.text
+    assert sandbox._maker, "no cover maker runs"
+    gone = sandbox._maker[0].proc
+    gone.kill()
+    gone.wait()
+    again = run_bash(ws, "cat .env; echo rc=$?; echo x > secrets/prod.txt; echo w=$?")
+    assert SECRET not in again.text and "rc=1" in again.text, again.text
+    assert "w=0" not in again.text, again.text
+    assert sandbox._maker and sandbox._maker[0].proc is not gone

@@ -106,23 +106,50 @@ def _start_shell(ctx: ToolContext, script: str, cwd: str,
     """Start ``script`` in ``cwd`` (canonical, inside the root), stdout and stderr into one
     pipe: the one place Bash asks tools.sandbox for a shell. ``pass_fds`` are inherited by
     the shell. The session's path policy (hide, protect) covers the paths matching now
-    (tools.policyview). Raises SandboxUnavailable, NetworkUnavailable, OSError."""
+    (tools.policyview): where ``sandbox.covers_in_sandbox``, scanned while bwrap builds the
+    sandbox and covered in it before the command runs; else scanned first and covered by
+    bwrap's binds. Raises SandboxUnavailable, NetworkUnavailable, OSError."""
     hidden = [os.path.realpath(h) for h in ctx.binding.hidden_paths()]
-    view = policy_view(ctx.root)
+    guard = ctx.binding if isinstance(ctx.binding, GuardsSandboxes) \
+        and sandbox.unavailable_reason() is None else None
     reg = None
+
+    def started(pid: int) -> None:
+        if reg is None:
+            return
+        changed = reg.bind(pid)
+        if changed is not None:
+            raise OSError(errno.ESTALE, M.BASH_COVER_CHANGED.format(path=changed))
+
+    pol = ctx.root.policy
+    if (pol.hide or pol.protect) and sandbox.covers_in_sandbox():
+        def covers() -> sandbox.CoverSet | None:
+            nonlocal reg
+            view = policy_view(ctx.root)
+            view.close()
+            if guard is not None:
+                reg = guard.guard_sandbox(_guarded(ctx, view))
+            return view.cover_set()
+
+        try:
+            run = sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
+                                      pass_fds=pass_fds, covers=covers,
+                                      on_start=started if guard is not None else None,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      close_fds=True)
+        except BaseException:
+            if reg is not None:
+                reg.close()
+            raise
+        run.guard = reg
+        return run
+    view = policy_view(ctx.root)
     try:
-        if isinstance(ctx.binding, GuardsSandboxes) and sandbox.unavailable_reason() is None:
-            reg = ctx.binding.guard_sandbox(_guarded(ctx, view))
-
-        def started(pid: int) -> None:
-            assert reg is not None
-            changed = reg.bind(pid)
-            if changed is not None:
-                raise OSError(errno.ESTALE, M.BASH_COVER_CHANGED.format(path=changed))
-
+        if guard is not None:
+            reg = guard.guard_sandbox(_guarded(ctx, view))
         run = sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
                                   pass_fds=pass_fds + tuple(view.fds), view=view.argv,
-                                  covers=view.cover_set(),
                                   on_start=started if reg is not None else None,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, start_new_session=True,
@@ -139,7 +166,7 @@ def _start_shell(ctx: ToolContext, script: str, cwd: str,
 
 def _guarded(ctx: ToolContext, view: PolicyView) -> list[tuple[int, str]]:
     """What the sandbox covers as (inode number, workspace path) pairs, for the session's
-    guard (``tools.binding.GuardsSandboxes``): the covers made before bwrap, else the
+    guard (``tools.binding.GuardsSandboxes``): the covers made in the sandbox, else the
     objects at the paths bwrap covers."""
     if view.covers:
         return [(c.ino, os.fsdecode(c.rel)) for c in view.covers]

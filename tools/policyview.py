@@ -11,12 +11,12 @@ later by the command is not covered until the next call):
 - a ``protect`` match is bound read-only over itself: changes fail with EROFS (EBUSY for
   removing or renaming the match itself).
 
-How. Where ``sandbox.covers_before_bwrap`` (an unprivileged user namespace with mount
-rights and the kernel's mount API), each cover is a ``sandbox.Cover`` naming the object by
-its path and its identity (st_dev, st_ino, taken here without following links); the
-process that becomes bwrap makes them in a mount namespace of its own, on the object found
-beneath the root without following any link and only if it is still that object (else
-nothing runs), and bwrap's bind of the root carries them into the sandbox, locked there.
+How. Where ``sandbox.covers_in_sandbox`` (the kernel's mount API, and entering a
+sandbox's namespaces), each cover is a ``sandbox.Cover`` naming the object by its path and
+its identity (st_dev, st_ino, taken here without following links); once bwrap has built
+the sandbox, and before the command runs, a helper makes them in the sandbox's mount
+namespace, on the object found beneath the root without following any link and only if it
+is still that object (else nothing runs).
 Elsewhere they are bwrap arguments: ``--perms 0000 --tmpfs`` over a hidden directory,
 ``--ro-bind`` of the empty file over a hidden file, ``--ro-bind-fd`` from a descriptor
 opened here without following links for a protected path (so a path swapped for a
@@ -39,26 +39,22 @@ Cost. One ``open`` and ``fstat`` per directory of the workspace; a directory's l
 when the directory changed (its inode, mtime or ctime differ, which every entry created,
 removed or renamed in it changes, and which nothing unprivileged can set back), or changed
 less than a second before it was listed (times come from a coarse clock). Plus one mount
-per covered path: a few system calls each when made before bwrap, about 1 ms each through
+per covered path: a few system calls each when made in the sandbox, about 1 ms each through
 bwrap's binds (bwrap reads the whole mount table after every bind, so n binds cost
 O(n^2)); nothing when the policy has no hide and no protect patterns.
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import os
-import shutil
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tools.paths import Root
-from tools.sandbox import Cover, CoverSet, covers_before_bwrap
+from tools.sandbox import Cover, CoverSet, covers_in_sandbox, empty_file
 from tools.walk import list_dir, open_subdir
 
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -71,7 +67,7 @@ _SETTLED_NS = 1_000_000_000
 @dataclass
 class PolicyView:
     """How the sandbox covers the policy for one call: ``covers`` (``sandbox.Cover``, made
-    before bwrap starts, see :meth:`cover_set`) where ``sandbox.covers_before_bwrap``, else
+    in the sandbox, see :meth:`cover_set`) where ``sandbox.covers_in_sandbox``, else
     bwrap arguments (``argv``) and the descriptors they name (``fds``, owned: pass them to
     ``sandbox.start_shell``, which closes them, or call :meth:`close`). ``hidden`` and
     ``protected``: the workspace paths covered, in walk order; ``root_id``: the root's
@@ -88,7 +84,7 @@ class PolicyView:
         """The covers for ``sandbox.start_shell(covers=...)``; None when there are none."""
         if not self.covers:
             return None
-        return CoverSet(tuple(self.covers), self.root_id[0], self.root_id[1], _empty_file())
+        return CoverSet(tuple(self.covers), self.root_id[0], self.root_id[1], empty_file())
 
     def close(self) -> None:
         for fd in self.fds:
@@ -120,18 +116,6 @@ class _Cache:
     def __init__(self) -> None:
         self.dirs: dict[str, _Listing] = {}
         self.lock = threading.Lock()
-
-
-@functools.cache
-def _empty_file() -> str:
-    """An empty mode-0000 file of this process (in a private 0700 directory, removed at
-    exit), the source bound over hidden files."""
-    d = tempfile.mkdtemp(prefix="rewindfs-hidden-")
-    path = os.path.join(d, "empty")
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
-    os.chmod(path, 0)
-    atexit.register(shutil.rmtree, d, True)
-    return path
 
 
 def policy_view(root: Root) -> PolicyView:
@@ -204,7 +188,7 @@ class _Walk:
         self.seen: dict[str, _Listing] = {}
         self.view = view
         self.want_view = want_view
-        self.premount = want_view and covers_before_bwrap()
+        self.premount = want_view and covers_in_sandbox()
         self.started = started
         self.hide = root.policy.matcher("hide")
         self.protect = root.policy.matcher("protect")
@@ -340,7 +324,7 @@ class _Walk:
                 if is_dir:
                     view.argv += ["--perms", "0000", "--tmpfs", self.real + rel]
                 else:
-                    view.argv += ["--ro-bind", _empty_file(), self.real + rel]
+                    view.argv += ["--ro-bind", empty_file(), self.real + rel]
             view.hidden.append(rel)
             self.done.add(rel)
             return True

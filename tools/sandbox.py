@@ -24,9 +24,9 @@ with the host's loopback unreachable unless ``SandboxPolicy.host_loopback``; it 
 NetworkUnavailable before anything starts).
 
 The session's path policy (tools.policyview) covers paths inside the root with mounts
-made before bwrap starts, in a user and mount namespace of the process that becomes bwrap
-(:class:`_CoverStep`; bwrap's recursive bind of the root carries them in, locked), or,
-where the kernel does not allow that, with bwrap's own binds.
+made in the sandbox's mount namespace once bwrap has built it and before the command runs
+(:func:`cover_sandbox`, by the helper :class:`_CoverMaker`), or, where the kernel does not
+allow that, with bwrap's own binds.
 
 Where such a sandbox cannot be built, :func:`unavailable_reason` names the cause and the
 Bash tool refuses unless the operator chose ``--unsafe-no-sandbox``; then commands run
@@ -45,12 +45,15 @@ import fcntl
 import functools
 import glob
 import json
+import marshal
 import os
 import queue
 import select
 import shutil
 import signal
+import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -221,16 +224,20 @@ def _data_fd(data: bytes, name: str) -> int:
     return fd
 
 
-# -- covers made before bwrap: the path policy's mounts -------------------------------------
+# -- covers made in the sandbox: the path policy's mounts -----------------------------------
 
 # Mounting a path policy's covers through bwrap costs one read of /proc/self/mountinfo per
 # bind (bwrap looks the new mount up to set its flags), so n covers cost O(n^2) lines of
-# mountinfo. Instead the process that becomes bwrap first enters a user and mount namespace
-# of its own and makes each cover with the kernel's mount API (open_tree or fsmount,
-# mount_setattr, move_mount: a few calls per cover, no table read); bwrap's recursive bind
-# of the root carries them into the sandbox, whose namespace (owned by bwrap's nested user
-# namespace) gets them locked: the command can neither unmount one nor make it writable,
-# even with the capabilities seccomp and --cap-drop already deny it.
+# mountinfo; covers made before bwrap starts (in a namespace of its own, carried in by its
+# bind of the root) still sit in the mount table each of bwrap's other binds reads. Instead
+# they are made once bwrap has built the sandbox and before the command runs (the sandbox's
+# first program waits for a byte: the gate of :func:`confined_shell`), in the sandbox's own
+# mount namespace, by a child of a small helper process (:class:`_CoverMaker`) that enters
+# it, with the kernel's mount API: a few calls per cover, no table read, and bubblewrap
+# starts without a preexec_fn (the fast spawn path). The sandbox's user namespace is owned
+# by this process's user, so the helper holds every capability there; the command holds
+# none (bwrap drops the bounding set, no_new_privs) and seccomp refuses every mount call, so
+# it can neither unmount a cover nor make it writable, even as uid 0 of its namespace.
 _CLONE_NEWNS = 0x00020000
 # System call numbers: one numbering on every architecture.
 _NR_OPEN_TREE, _NR_MOVE_MOUNT, _NR_FSOPEN, _NR_FSCONFIG, _NR_FSMOUNT = 428, 429, 430, 431, 432
@@ -261,9 +268,10 @@ class Cover:
 
 @dataclasses.dataclass(frozen=True)
 class CoverSet:
-    """What :func:`start_shell` covers before bwrap starts: the ``covers``, the root's
-    identity (``root_dev``, ``root_ino``) as the scan saw it, and ``empty``: the path of
-    an empty mode-0000 file of this process (bound over hidden non-directories)."""
+    """What :func:`start_shell` covers in the sandbox: the ``covers``, the root's identity
+    (``root_dev``, ``root_ino``) as the scan saw it, and ``empty``: the path of an empty
+    mode-0000 file of this process (bound into the sandbox at ``SANDBOX_EMPTY``, its clones
+    cover hidden non-directories)."""
 
     covers: tuple[Cover, ...]
     root_dev: int
@@ -272,19 +280,16 @@ class CoverSet:
 
 
 class _MountApi:
-    """The kernel calls the cover step makes, through ctypes, resolved once in the parent:
-    ``sys(nr, a1, ..., a5)`` is syscall(2) with six longs (a negative result sets errno),
-    and every argument the child passes is an int computed before the fork (addresses of
-    buffers this object or the step's plan keeps alive), so that the loop between fork and
-    exec converts nothing and touches few of the parent's pages (each one it writes is a
-    copy-on-write fault of the server's memory)."""
+    """The kernel calls the cover maker makes, through ctypes: ``sys(nr, a1, ..., a5)`` is
+    syscall(2) with six longs (a negative result sets errno), ``setns(fd, kind)``; the
+    constant buffers (mount_attr, open_how, strings) are built once and kept here."""
 
     def __init__(self) -> None:
         import ctypes
 
         self.c = ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        self.unshare = libc.unshare
+        self.setns = libc.setns
         long = ctypes.c_long
         self.sys = ctypes.CFUNCTYPE(long, long, long, long, long, long, long,
                                     use_errno=True)(("syscall", libc))
@@ -328,21 +333,6 @@ def _mount_api() -> _MountApi:
     return _MountApi()
 
 
-def _enter_namespace(api: _MountApi, uid: int, gid: int) -> None:
-    """This (single-threaded, forked) process into a new user namespace mapping only its
-    own uid and gid, and a new mount namespace owned by it."""
-    if api.unshare(_CLONE_NEWUSER | _CLONE_NEWNS) != 0:
-        e = api.c.get_errno()
-        raise OSError(e, f"unshare: {os.strerror(e)}")
-    for name, data in ((b"setgroups", b"deny"), (b"uid_map", b"%d %d 1" % (uid, uid)),
-                       (b"gid_map", b"%d %d 1" % (gid, gid))):
-        fd = os.open(b"/proc/self/" + name, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-
-
 def _clone(api: _MountApi, fd: int, recursive: bool = False) -> int:
     """A detached clone of the mount at ``fd`` (open_tree OPEN_TREE_CLONE)."""
     m = api.sys(_NR_OPEN_TREE, fd, api.empty_path, _OPEN_TREE_CLONE | os.O_CLOEXEC
@@ -362,11 +352,13 @@ def _set_attr(api: _MountApi, m: int, attr: tuple[int, int]) -> None:
         raise err
 
 
-def _hidden_source(api: _MountApi, empty: int) -> tuple[int, bool]:
+def _hidden_source(api: _MountApi, empty: int, detached: bool = True) -> tuple[int, bool]:
     """What hidden files are covered with: (a detached read-only clone of the empty file,
-    True) where the kernel clones a detached mount (Linux 6.15), so that each cover is one
-    clone of it; else (``empty``, False): each cover clones the empty file's own mount and
-    sets its attributes."""
+    True) where the kernel clones a detached mount (Linux 6.15) and ``detached``, so that
+    each cover is one clone of it; else (``empty``, False): each cover clones the empty
+    file's own mount and sets its attributes."""
+    if not detached:
+        return empty, False
     m = _clone(api, empty)
     _set_attr(api, m, api.hidden_attr)
     probe = api.sys(_NR_OPEN_TREE, m, api.empty_path, _OPEN_TREE_CLONE | os.O_CLOEXEC
@@ -425,80 +417,271 @@ def _make_cover(api: _MountApi, top: int, hidden: tuple[int, bool], rel: int,
         os.close(dst)
 
 
-class _CoverStep:
-    """The function the process that becomes bwrap runs between fork and exec
-    (``preexec_fn``): a namespace of its own (:func:`_enter_namespace`), then every cover
-    in turn; each path is resolved through the covers made before it, so one below a
-    protected directory lands in the read-only view of it. Anything failing raises, and
-    then nothing is executed. Each cover's path is copied into a C buffer here, before
-    the fork (kept by this object)."""
-
-    def __init__(self, root: str, cs: CoverSet) -> None:
-        self.api = _mount_api()
-        self.uid, self.gid = os.getuid(), os.getgid()
-        self.cs = cs
-        self._buffers: list[Any] = []
-        self.order = [(self.api.string(c.rel, self._buffers), c) for c in cs.covers]
-        self.root_b = os.fsencode(root)
-        self.empty_b = os.fsencode(cs.empty)
-
-    def __call__(self) -> None:
-        api = self.api
-        _enter_namespace(api, self.uid, self.gid)
-        top = os.open(self.root_b, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        st = os.fstat(top)
-        if (st.st_dev, st.st_ino) != (self.cs.root_dev, self.cs.root_ino):
-            raise OSError(errno.ESTALE, "the workspace root changed")
-        empty = os.open(self.empty_b, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-        hidden = _hidden_source(api, empty)
-        for rel, c in self.order:
-            _make_cover(api, top, hidden, rel, c)
+# In the sandbox: /dev/.rewindfs-hidden, the empty mode-0000 file hidden files are covered
+# with (bound read-only from :func:`empty_file`; the helper finds it there, inside the
+# sandbox's namespace, and clones it).
+SANDBOX_EMPTY = "/dev/.rewindfs-hidden"
+# Test hook: False makes every hidden file's cover clone the empty file's own mount (what
+# kernels before 6.15 do) instead of one detached clone of it.
+_CLONE_DETACHED = True
+_NS_USER, _NS_MOUNT = 0x10000000, 0x00020000      # CLONE_NEWUSER, CLONE_NEWNS for setns
 
 
-def covers_before_bwrap() -> bool:
-    """Whether the path policy's covers are made before bwrap here (:class:`_CoverStep`)
-    rather than by bwrap arguments: where :func:`premount_available`, unless
+@functools.cache
+def empty_file() -> str:
+    """An empty mode-0000 file of this process (in a private 0700 directory, removed at
+    exit): what hidden non-directories are covered with."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="rewindfs-hidden-")
+    path = os.path.join(d, "empty")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+    os.chmod(path, 0)
+    atexit.register(shutil.rmtree, d, True)
+    return path
+
+
+def cover_sandbox(api: _MountApi, user_fd: int, mnt_fd: int, root: bytes, root_id: tuple[int, int],
+                  covers: Sequence[tuple[bytes, bool, bool, int, int]], detached: bool) -> None:
+    """In this (single-threaded, forked) process: enter the sandbox's user namespace
+    ``user_fd`` and mount namespace ``mnt_fd``, then make every cover (``Cover`` fields as a
+    tuple) in turn with :func:`_make_cover`; each path is resolved beneath the workspace
+    root (``root``, which must still be the object ``root_id`` = (st_dev, st_ino)) through
+    the covers made before it, so one below a protected directory lands in the read-only
+    view of it. Raises OSError (ESTALE: a path is another object than the scan saw); the
+    caller then runs nothing."""
+    for fd, kind in ((user_fd, _NS_USER), (mnt_fd, _NS_MOUNT)):
+        if api.setns(fd, kind) != 0:
+            raise api.fail("setns")
+    top = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    st = os.fstat(top)
+    if (st.st_dev, st.st_ino) != root_id:
+        raise OSError(errno.ESTALE, "the workspace root changed")
+    empty = os.open(SANDBOX_EMPTY, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    est = os.fstat(empty)
+    if not stat.S_ISREG(est.st_mode) or est.st_size:
+        raise OSError(errno.ESTALE, f"{SANDBOX_EMPTY} is not an empty file")
+    hidden = _hidden_source(api, empty, detached)
+    keep: list[Any] = []
+    for rel, hide, is_dir, dev, ino in covers:
+        _make_cover(api, top, hidden, api.string(rel, keep), Cover(rel, hide, is_dir, dev, ino))
+
+
+# The helper, run as ``python -S -I -c COVER_MAKER FD``. Its first message on the unix
+# socket FD is this module's source as the server read it when it imported it (the helper
+# imports nothing from disk: the workspace may hold this very checkout, which a command may
+# have changed since). For each further request (a length-prefixed marshal of the
+# cover_sandbox arguments but the first three, which are the API and the two descriptors
+# sent with it) it forks a child that calls cover_sandbox, and answers (0, "") or (errno,
+# message). It ends when the socket closes (its server ended).
+COVER_MAKER = r"""
+import marshal, os, socket, struct, sys, types
+sock = socket.socket(fileno=int(sys.argv[1]))
+def read(n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            sys.exit(0)
+        data += chunk
+    return data
+source = read(struct.unpack("=I", read(4))[0])
+sandbox = types.ModuleType("rewindfs_cover_maker")
+sys.modules[sandbox.__name__] = sandbox
+exec(compile(source, "tools/sandbox.py", "exec"), sandbox.__dict__)
+api = sandbox._mount_api()
+while True:
+    try:
+        head, fds, _, _ = socket.recv_fds(sock, 4, 2)
+    except OSError:
+        break
+    if len(head) < 4:
+        break
+    body = read(struct.unpack("=I", head)[0])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            sandbox.cover_sandbox(api, fds[0], fds[1], *marshal.loads(body))
+            out = (0, "")
+        except OSError as e:
+            out = (e.errno or 5, str(e))
+        except BaseException as e:
+            out = (5, repr(e))
+        os.write(w, marshal.dumps(out))
+        os._exit(0)
+    os.close(w)
+    for fd in fds:
+        os.close(fd)
+    got = b""
+    while True:
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        got += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    data = marshal.dumps(marshal.loads(got) if got else (5, "the cover maker's child died"))
+    sock.sendall(struct.pack("=I", len(data)) + data)
+"""
+_OWN_SOURCE = b""
+if "__file__" in globals():                 # not in the helper itself
+    with open(__file__, "rb") as _f:
+        _OWN_SOURCE = _f.read()
+
+
+class _CoverMaker:
+    """The helper process making covers in sandboxes (``COVER_MAKER``), started on first
+    use and kept (and started again if it ended): forking this (large, threaded) server
+    per call is slow, a fresh interpreter per call slower still. One request at a time
+    (the caller holds ``_maker_lock``)."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-S", "-I", "-c", COVER_MAKER, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, start_new_session=True)
+            mine.sendall(struct.pack("=I", len(_OWN_SOURCE)) + _OWN_SOURCE)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = mine
+        self.broken = False
+
+    def cover(self, user_fd: int, mnt_fd: int, root: str, cs: CoverSet) -> None:
+        """Make ``cs`` in the sandbox whose namespaces are ``user_fd`` and ``mnt_fd``;
+        OSError when it cannot (the helper's errno and message)."""
+        body = marshal.dumps((os.fsencode(root), (cs.root_dev, cs.root_ino),
+                              [(c.rel, c.hide, c.is_dir, c.dev, c.ino) for c in cs.covers],
+                              _CLONE_DETACHED))
+        try:
+            socket.send_fds(self.sock, [struct.pack("=I", len(body)) + body],
+                            [user_fd, mnt_fd])
+            (size,) = struct.unpack("=I", self._read(4))
+            code, text = marshal.loads(self._read(size))
+        except (OSError, ValueError, EOFError) as e:
+            self.broken = True
+            raise OSError(errno.EIO, f"the sandbox's cover maker failed: {e}") from e
+        if code:
+            raise OSError(code, text)
+
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError("it ended")
+            data += chunk
+        return data
+
+    def alive(self) -> bool:
+        return not self.broken and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Close the socket (the helper then ends) and reap it; killed if it lingers."""
+        self.sock.close()
+        try:
+            self.proc.wait(0 if self.broken else 5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_maker_lock = threading.Lock()
+_maker: list[_CoverMaker] = []
+
+
+def _make_covers(pid: int, root: str, cs: CoverSet) -> None:
+    """The covers ``cs`` made in the mount namespace of the sandbox whose first process is
+    ``pid`` (by the helper, :class:`_CoverMaker`). Raises OSError when one cannot be made."""
+    mnt_fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        user_fd = fcntl.ioctl(mnt_fd, NS_GET_USERNS)
+        try:
+            with _maker_lock:
+                if not _maker or not _maker[0].alive():
+                    if _maker:
+                        _maker.pop().stop()
+                    _maker.append(_CoverMaker())
+                maker = _maker[0]
+                try:
+                    maker.cover(user_fd, mnt_fd, root, cs)
+                finally:
+                    if maker.broken:
+                        _maker.clear()
+                        maker.stop()
+        finally:
+            os.close(user_fd)
+    finally:
+        os.close(mnt_fd)
+
+
+@atexit.register
+def _stop_maker() -> None:
+    with _maker_lock:
+        while _maker:
+            _maker.pop().stop()
+
+
+def _forget_maker() -> None:
+    # A forked child must not talk to its parent's helper.
+    for m in _maker:
+        with contextlib.suppress(OSError):
+            m.sock.close()
+    _maker.clear()
+
+
+os.register_at_fork(after_in_child=_forget_maker)
+
+
+def covers_in_sandbox() -> bool:
+    """Whether the path policy's covers are made in the sandbox here (:func:`cover_sandbox`)
+    rather than by bwrap arguments: where :func:`in_sandbox_covers_work`, unless
     ``REWINDFS_BWRAP_COVERS=1`` asks for bwrap's own binds (for tests of that path)."""
     if os.environ.get("REWINDFS_BWRAP_COVERS") == "1" or unavailable_reason() is not None:
         return False
     bw = shutil.which("bwrap")
-    return bw is not None and premount_available(bw)
+    return bw is not None and in_sandbox_covers_work(bw)
 
 
 @functools.lru_cache(maxsize=4)
-def premount_available(bw: str) -> bool:
-    """Whether covers can be made before bwrap here (:class:`_CoverStep`): an unprivileged
-    user namespace with mount rights (some systems confine those to bwrap), the mount API
-    (Linux 5.12), and bwrap working nested inside that namespace. Probed once per bwrap
-    path with a real cover of each kind in a scratch directory."""
+def in_sandbox_covers_work(bw: str) -> bool:
+    """Whether covers can be made in the sandbox here (:func:`cover_sandbox`): the mount API
+    (Linux 5.12) and entering a sandbox's namespaces. Probed once per bwrap path with a
+    real cover of each kind in a scratch directory."""
     import tempfile
 
-    try:
-        program = seccomp_program()
-    except (ImportError, OSError, RuntimeError):
-        return False
+    del bw                                   # start_shell finds the same one
     with tempfile.TemporaryDirectory(prefix="rewindfs-cover-probe-") as d:
-        for name in ("dir", "file", "empty"):
+        for name in ("dir", "file"):
             p = os.path.join(d, name)
             os.mkdir(p) if name == "dir" else open(p, "w").close()
         ids = {n: os.lstat(os.path.join(d, n)) for n in ("dir", "file")}
         st = os.stat(d)
         cs = CoverSet((Cover(b"dir", True, True, ids["dir"].st_dev, ids["dir"].st_ino),
                        Cover(b"file", False, False, ids["file"].st_dev, ids["file"].st_ino)),
-                      st.st_dev, st.st_ino, os.path.join(d, "empty"))
-        fd = _data_fd(program, "rewindfs-seccomp")
-        argv = [bw, *_namespaces(), *_system_view(), "--dev", "/dev", "--proc", "/proc",
-                "--bind", d, d, "--seccomp", str(fd), "--", "sh", "-c",
-                f'! ls {d}/dir/ 2>/dev/null && ! (: > {d}/file) 2>/dev/null']
+                      st.st_dev, st.st_ino, empty_file())
         try:
-            r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, timeout=_PROBE_TIMEOUT_S,
-                               pass_fds=(fd,), preexec_fn=_CoverStep(d, cs))
-        except (OSError, subprocess.SubprocessError):
+            run = start_shell(SandboxPolicy(), d, d, [],
+                              f'! ls {d}/dir/ 2>/dev/null && ! (: > {d}/file) 2>/dev/null',
+                              covers=cs, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+        except (OSError, SandboxUnavailable):
             return False
+        try:
+            code = run.proc.wait(_PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            run.proc.kill()
+            run.proc.wait()
+            code = -1
         finally:
-            os.close(fd)
-    return r.returncode == 0
+            run.close()
+    return code == 0
 
 
 # -- availability --------------------------------------------------------------------------
@@ -647,20 +830,23 @@ def _proc_view() -> list[str]:
 def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
                    command: str, policy: SandboxPolicy = SandboxPolicy(),
                    seccomp_fd: int | None = None, info_fd: int | None = None,
-                   block_fd: int | None = None, net_fds: tuple[int, int] | None = None,
-                   resolv_fd: int | None = None, view: Sequence[str] = ()) -> list[str]:
+                   block_fd: int | None = None, gate_fds: tuple[int, int] | None = None,
+                   resolv_fd: int | None = None, view: Sequence[str] = (),
+                   hidden_source: str | None = None) -> list[str]:
     """argv running ``bash -c command`` in the sandbox described in the module docstring.
 
     ``root``, ``cwd`` and ``hidden`` are canonical absolute paths; ``hidden`` paths inside
     the view (under the root) are masked. ``seccomp_fd``: a descriptor of
     :func:`seccomp_program` (passed to the child). ``info_fd``: bwrap writes its child's pid
     there as JSON; ``block_fd``: bwrap waits for a byte there before it sets up the view
-    and runs anything (to move the child into a cgroup first). ``net_fds``: (ready write
+    and runs anything (to move the child into a cgroup first). ``gate_fds``: (ready write
     end, go read end): once the sandbox is set up, a byte is written to the first, and the
-    command runs after a byte arrived on the second (meanwhile its network is configured:
-    bwrap's own loopback setup and slirp4netns's must not overlap). ``resolv_fd``: contents
+    command runs after a byte arrived on the second (meanwhile the path policy's covers are
+    made and its network is configured: bwrap's own loopback setup and slirp4netns's must
+    not overlap); nothing runs when the second closes first. ``resolv_fd``: contents
     for /etc/resolv.conf. ``view``: further bwrap arguments applied after the root and its
-    masks (the session's path policy, see tools.policyview)."""
+    masks (the session's path policy, see tools.policyview). ``hidden_source``: a file
+    bound read-only at ``SANDBOX_EMPTY`` (the source of hidden files' covers)."""
     argv = [bwrap_path, *_namespaces(), *_system_view(), *_etc_view()]
     if resolv_fd is not None and os.path.isfile("/etc/resolv.conf") \
             and not os.path.islink("/etc/resolv.conf"):
@@ -668,7 +854,10 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
     # /dev's own tmpfs is read-only and /dev/shm and /tmp are sized: each would otherwise
     # hold up to half of the host's memory, which no limit of a process counts.
     tmp_size = str(policy.max_tmp_bytes)
-    argv += ["--dev", "/dev", "--size", tmp_size, "--tmpfs", "/dev/shm",
+    argv += ["--dev", "/dev"]
+    if hidden_source is not None:
+        argv += ["--ro-bind", hidden_source, SANDBOX_EMPTY]
+    argv += ["--size", tmp_size, "--tmpfs", "/dev/shm",
              "--remount-ro", "/dev", *_proc_view(), "--size", tmp_size, "--tmpfs", "/tmp",
              "--bind", root, root]
     for h in hidden:
@@ -684,14 +873,14 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
     argv += ["--chdir", cwd, "--", "prlimit", f"--nproc={policy.max_processes}",
              f"--as={policy.max_memory_bytes}", f"--fsize={policy.max_file_bytes}",
              "--", "bash", "-c"]
-    if net_fds is None:
+    if gate_fds is None:
         return argv + [command]
-    return argv + [_NET_WAIT, "bash", str(net_fds[0]), str(net_fds[1]), command]
+    return argv + [_GATE, "bash", str(gate_fds[0]), str(gate_fds[1]), command]
 
 
-# Runs in the sandbox before a command with a network: says it is set up, waits until its
-# network is configured, closes both descriptors and runs the command.
-_NET_WAIT = ('printf 1 >&"$1" && eval "exec $1>&-" && read -r -n 1 _ <&"$2" '
+# Runs in the sandbox before a gated command: says it is set up, waits until its covers are
+# made and its network is configured, closes both descriptors and runs the command.
+_GATE = ('printf 1 >&"$1" && eval "exec $1>&-" && read -r -n 1 _ <&"$2" '
              '&& eval "exec $2<&-" && exec bash -c "$3"')
 
 
@@ -1079,7 +1268,7 @@ def _stop_network(net: subprocess.Popen[bytes]) -> None:
 
 def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str],
                 command: str, pass_fds: Sequence[int] = (), view: Sequence[str] = (),
-                covers: CoverSet | None = None,
+                covers: CoverSet | Callable[[], CoverSet | None] | None = None,
                 on_start: Callable[[int], object] | None = None,
                 **popen_kw: Any) -> ShellRun:
     """Start ``bash -c command`` in the sandbox (module docstring) with working directory
@@ -1089,12 +1278,15 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
     ``policy.unsafe_no_sandbox``, else raises SandboxUnavailable naming the cause. Raises
     OSError when the command cannot be started. ``view``: further bwrap arguments
     (:func:`confined_shell`; descriptors they name go in ``pass_fds``). ``covers``: the
-    path policy's covers, made before bwrap starts (:class:`_CoverStep`; only where
-    :func:`premount_available`); a cover that cannot be made (its object changed since the
-    scan) is an OSError and nothing runs. ``on_start(pid)``: called with the pid of the
-    sandbox's first process (its pid namespace's init) once bwrap reported it, before the
-    command runs (bwrap waits for it); when it raises, the sandbox is killed and the error
-    raised (not called when unconfined)."""
+    path policy's covers, made in the sandbox once bwrap has built it and before the
+    command runs (:func:`cover_sandbox`; only where :func:`covers_in_sandbox`), or a
+    function returning them, called once bwrap is started (so that the caller's scan runs
+    while bwrap builds the sandbox); a cover that cannot be made (its object changed since
+    the scan) is an OSError and nothing runs. ``on_start(pid)``: called with the pid of the
+    sandbox's first process (its pid namespace's init) once bwrap reported it (after
+    ``covers()``), before the covers are made and before the command runs (it waits for
+    it); when it raises, the sandbox is killed and the error raised (not called when
+    unconfined)."""
     reason = unavailable_reason()
     if reason is not None:
         if not policy.unsafe_no_sandbox:
@@ -1128,37 +1320,35 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
         child_fds.append(theirs)
         return theirs
 
+    # The command waits at the gate while covers are made and its network is configured;
+    # without one, bwrap waits (block fd) until the cgroup is joined and on_start ran.
+    gated = policy.network or covers is not None
     try:
         if spawner is not None:
             # bwrap and the sandbox's init besides the command's own processes
             spawner.limit(policy.max_processes + 2)
         seccomp_fd = _data_fd(seccomp_program(), "rewindfs-seccomp")
         child_fds.append(seccomp_fd)
-        waits = cg_parent is not None or on_start is not None   # bwrap waits for a byte
-        info_fd = pipe("info") if waits or policy.network else None
+        waits = cg_parent is not None or (on_start is not None and not gated)
+        info_fd = pipe("info") if waits or gated else None
         block_fd = pipe("block_w") if waits else None
-        net_fds = (pipe("ready"), pipe("go_w")) if policy.network else None
+        gate_fds = (pipe("ready"), pipe("go_w")) if gated else None
         resolv_fd = None
         if policy.network:
             resolv_fd = _data_fd(f"nameserver {SLIRP_DNS}\n".encode(), "rewindfs-resolv")
             child_fds.append(resolv_fd)
         if cg_parent is not None:
             cgroup = _PidsCgroup(cg_parent, policy.max_processes)
+        source = None
+        if covers is not None:
+            source = covers.empty if isinstance(covers, CoverSet) else empty_file()
         argv = confined_shell(bw, root, cwd, hidden, command, policy, seccomp_fd, info_fd,
-                              block_fd, net_fds, resolv_fd, view)
+                              block_fd, gate_fds, resolv_fd, view, source)
         env = sandbox_env(policy)
 
-        pre = _CoverStep(root, covers) if covers is not None and covers.covers else None
-
         def popen() -> subprocess.Popen[bytes]:
-            try:
-                return subprocess.Popen(argv, cwd=root, env=env, preexec_fn=pre,
-                                        pass_fds=tuple(child_fds) + tuple(pass_fds),
-                                        **popen_kw)
-            except subprocess.SubprocessError as e:   # the cover step failed: nothing ran
-                raise OSError(errno.ESTALE, "the session's path policy could not be "
-                              "applied in the sandbox (a covered path changed while the "
-                              "command started); nothing ran") from e
+            return subprocess.Popen(argv, cwd=root, env=env,
+                                    pass_fds=tuple(child_fds) + tuple(pass_fds), **popen_kw)
 
         proc = spawner.call(popen) if spawner is not None else popen()
     except BaseException:
@@ -1184,14 +1374,26 @@ def start_shell(policy: SandboxPolicy, root: str, cwd: str, hidden: Sequence[str
         pid = _read_child_pid(own["info"])
         if cgroup is not None:
             cgroup.join(pid)
-        if on_start is not None:
+        if on_start is not None and not gated:
             on_start(pid)
         if waits:
             os.write(own["block_w"], b"1")
-        if policy.network:
+        if gated:
+            cs = covers() if callable(covers) else covers
+            if on_start is not None:
+                on_start(pid)
             _wait_byte(own["ready"], "the sandbox did not start")
-            net = _start_network(pid, policy)
-            run._cleanups.append(lambda: _stop_network(net))
+            if cs is not None and cs.covers:
+                try:
+                    _make_covers(pid, root, cs)
+                except OSError as e:
+                    raise OSError(e.errno or errno.ESTALE, "the session's path policy could "
+                                  "not be applied in the sandbox (a covered path changed "
+                                  f"while the command started: {e.strerror or e}); nothing "
+                                  "ran") from e
+            if policy.network:
+                net = _start_network(pid, policy)
+                run._cleanups.append(lambda: _stop_network(net))
             os.write(own["go_w"], b"1")
     except BaseException as e:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -304,7 +304,7 @@ def main() -> int:
     # the native tree would not show them there); the second row's ratio is against the
     # first (goal: 2), both servers running at once and called in turn.
     # A third server makes the covers with bubblewrap's own binds (what the sandbox falls
-    # back to where they cannot be made before it starts), for comparison.
+    # back to where they cannot be made in the sandbox), for comparison.
     policy_paths(args.root or tree)
     pol = ("--hide-glob", ".env", "--protect", "*.lock")
     (t_mcp, t_pol, t_binds), t_bash = bash_latency(
