@@ -2,9 +2,9 @@
 one-line cause when it cannot be made.
 
 ``os.makedirs`` reports only an errno and one path (``[Errno 17] File exists``); a user
-needs to know which path is in the way and why. ``make_private_dir`` raises
-``DirectoryError`` (exit 1) naming the directory's role, the path at fault and a fix; a
-caller of another layer re-raises its message under its own error type.
+needs to know which path is in the way and why. ``make_dir`` (and ``make_private_dir``,
+mode 0700) raises ``DirectoryError`` (exit 1) naming the directory's role, the path at
+fault and a fix; a caller of another layer re-raises its cause under its own error type.
 """
 
 from __future__ import annotations
@@ -58,13 +58,18 @@ def access_problem(path: str) -> str | None:
 
 
 def make_private_dir(path: str, what: str) -> None:
-    """Make ``path`` (absolute) and its missing parents, mode 0700; a directory already
-    there is kept as it is. Raises DirectoryError (exit 1) when ``path`` or one of its
-    parents is not a directory, this user cannot use it (``access_problem``), a level
-    cannot be made (no permission, a read-only or virtual file system such as /proc) or a
-    name is too long."""
+    """``make_dir`` with mode 0700."""
+    make_dir(path, what, 0o700)
+
+
+def make_dir(path: str, what: str, mode: int) -> None:
+    """Make ``path`` (absolute) and its missing parents with ``mode`` (less the umask); a
+    directory already there is kept as it is. ``what``: its role in the messages. Raises
+    DirectoryError (exit 1) when ``path`` or one of its parents is not a directory, this
+    user cannot use it (``access_problem``), a level cannot be made (no permission, a
+    read-only or virtual file system such as /proc) or a name is too long."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.makedirs(path, mode=mode, exist_ok=True)
     except OSError as e:
         err = e
     else:

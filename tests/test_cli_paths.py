@@ -1,7 +1,7 @@
 """A path the user gives that cannot serve (a store or state directory that is a file or
 cannot be made, a mount point that is missing or has a name too long, a mount still in use
-at ``umount``) is one line naming the cause and a fix, with the README's exit code (1 for
-the store, 9 for a mount), through the console script in subprocesses; nothing is mounted
+at ``umount``, a session base where no root can be made) is one line naming the cause and
+a fix, with the README's exit code (1 for the store, 9 for a mount, 10 for a session), through the console script in subprocesses; nothing is mounted
 and nothing is left behind."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 import fusehelpers as fh
 import pytest
 from fusehelpers import run_cli as run
+
+from fusefs.session.fallback import fuse_available
 
 
 def one_line(p: subprocess.CompletedProcess[str], code: int) -> str:
@@ -33,6 +35,25 @@ def test_store_path_that_is_a_file_or_cannot_be_made(tmp_path: Path) -> None:
     assert f"its parent {f} is a file" in err
     err = one_line(run("/proc/nope/x", "list"), 1)
     assert "/proc/nope cannot be created in /proc" in err and "you can write" in err
+    assert f.read_text() == "x\n"
+
+
+@pytest.mark.parametrize("backend", ["--no-fuse"] + (["fuse"] if fuse_available() else []))
+def test_a_session_root_that_cannot_be_made(tmp_path: Path, backend: str) -> None:
+    """``session new`` with a base where no root can be made (below /proc, below a file)
+    is one line naming the root, the path in the way and a fix, exit 10 (it was the raw
+    ``[Errno 2] No such file or directory: '/proc/nope'``, exit 1); no session is left."""
+    store = tmp_path / "store"
+    new = ["session", "new", "--json", *([backend] if backend == "--no-fuse" else [])]
+    err = one_line(run(store, *new, "--base", "/proc/nope"), 10)
+    assert "rewindfs: workspace root /proc/nope/" in err, err
+    assert "/proc/nope cannot be created in /proc (No such file or directory); choose a " \
+           "path under a directory you can write" in err, err
+    f = tmp_path / "file"
+    f.write_text("x\n")
+    err = one_line(run(store, *new, "--base", str(f / "sub" / "deeper")), 10)
+    assert f"{f} is not a directory" in err, err
+    assert json.loads(run(store, "session", "list", "--json").stdout) == []
     assert f.read_text() == "x\n"
 
 

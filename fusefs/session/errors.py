@@ -66,6 +66,16 @@ class SnapshotPolicyError(SessionError, ValueError):
         super().__init__(f"snapshot policy error ({kind})" + (f": {detail}" if detail else ""))
 
 
+class WorkspaceRootError(SessionError):
+    """The session's root directory ``root`` (or a missing parent of it) cannot be made:
+    ``cause`` names the path at fault and what to do (from ``store.dirs``)."""
+
+    def __init__(self, root: str, cause: str) -> None:
+        self.root = root
+        self.cause = cause
+        super().__init__(f"workspace root {root}: {cause}")
+
+
 class PersistenceOverlapError(SessionError, ValueError):
     """A store, index, state or spool path is equal to or under a managed root, or (with
     ``root_inside``) the managed root is equal to or under the store ``path``."""

@@ -55,11 +55,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from store.dirs import DirectoryError, make_dir
 from store.errors import SnapshotError
 from store.ref import Ref
 
 from . import reconcile as rc
-from .errors import RestoreError
+from .errors import RestoreError, WorkspaceRootError
 from .live import OnCommit, RollForward
 from .registry import write_json_atomic
 
@@ -113,6 +114,18 @@ def _is_empty_dir(path: str) -> bool:
         return True
 
 
+def make_root(root: str, path: str | None = None) -> None:
+    """Make the directory ``path`` (default: the workspace root ``root`` itself; a caller
+    that makes the root in another way gives its parent) and its missing parents, mode
+    0755. Raises WorkspaceRootError (exit 10) naming ``root``, the path in the way (a file,
+    a parent this user cannot write, a virtual file system such as /proc, a name too long)
+    and a fix."""
+    try:
+        make_dir(root if path is None else path, "workspace root", 0o755)
+    except DirectoryError as e:
+        raise WorkspaceRootError(root, e.cause) from None
+
+
 def _check_root(path: str) -> None:
     """Raise RestoreError symlink_root / symlink_component unless ``path`` is reached
     without any symlink (missing trailing components are fine)."""
@@ -149,7 +162,7 @@ class _DirTree:
     def _ensure_root(self) -> None:
         _check_root(self.root)
         if not os.path.lexists(self.root):
-            os.makedirs(self.root, 0o755, exist_ok=True)
+            make_root(self.root)
 
     def capture(self, origin: str) -> Ref:
         """Snapshot the root (created empty if missing). Raises RestoreError for a symlinked
@@ -171,7 +184,7 @@ class _DirTree:
         from store.materialize import materialize
 
         _check_root(self.root)
-        os.makedirs(os.path.dirname(self.root), 0o755, exist_ok=True)
+        make_root(self.root, os.path.dirname(self.root))
         materialize(self.store, ref, self.root)
 
     def close(self) -> None:

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 from store.ref import ObjectId, Ref
 
 from .errors import RestoreError, SessionError
-from .fallback import FixedTree, _is_empty_dir, force_rmtree
+from .fallback import FixedTree, _is_empty_dir, force_rmtree, make_root
 from .journal import Journal
 from .live import OnCommit, RollForward
 
@@ -377,7 +377,7 @@ class FuseMount:
     def prepare_root(self) -> None:
         """Create a missing per-session root and, for a fixed root, keep a handle on the
         real directory before anything is mounted over it."""
-        os.makedirs(self.mountpoint, mode=0o755, exist_ok=True)
+        make_root(self.mountpoint)
         if self.fixed and self.root_fd is None:
             self.root_fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY
                                    | os.O_NOFOLLOW | os.O_CLOEXEC)

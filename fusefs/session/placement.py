@@ -68,6 +68,9 @@ def canonical_path(path: str | os.PathLike[str]) -> str:
             os.lstat(cand)
         except FileNotFoundError:
             break
+        except NotADirectoryError:  # ``existing`` is a file with components below it
+            raise WorkspacePlacementError(WorkspacePlacementError.CANONICALIZE_FAILED,
+                                          f"{existing} is not a directory") from None
         except OSError as e:
             raise WorkspacePlacementError(WorkspacePlacementError.CANONICALIZE_FAILED,
                                           f"{cand}: {e.strerror}") from None
