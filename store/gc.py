@@ -69,6 +69,7 @@ class GCReport:
     files_cache_pruned: int = 0
     dirs_cache_pruned: int = 0
     uploads_aborted: int = 0  # unfinished multipart uploads aborted (S3, store/sharedgc.py)
+    located_pruned: int = 0  # this host's located rows of deleted packs (store/sharedgc.py)
     unknown_keys: list[str] = field(default_factory=list)
 
 

@@ -340,6 +340,33 @@ class Store:
         except (StoreError, sqlite3.Error):
             pass
 
+    def prune_located(self, packs: Iterable[str]) -> int:
+        """Delete this host's ``located`` rows that name a pack not in ``packs`` (the
+        catalog's pack keys: the others were deleted by a GC) and return how many went.
+        When any go, ``located_trees`` is emptied too: it vouches for every object below a
+        tree, which may no longer hold (the next walk of a snapshot asks the catalog only
+        for what has no row). A no-op on an embedded catalog. Only a cache: a local index
+        that cannot be written (full disk, locked) keeps its rows, which stay harmless (a
+        read through a deleted pack's row asks the catalog again)."""
+        if not self.catalog.shared:
+            return 0
+        keep = set(packs)
+        gone = [r[0] for r in self.conn.execute("SELECT DISTINCT pack FROM located")
+                if r[0] not in keep]
+        if not gone:
+            return 0
+        n = 0
+        try:
+            with write_transaction(self.conn, self.index_path) as c:
+                for i in range(0, len(gone), 500):
+                    batch = gone[i:i + 500]
+                    n += c.execute("DELETE FROM located WHERE pack IN (" + ",".join(
+                        "?" * len(batch)) + ")", batch).rowcount
+                c.execute("DELETE FROM located_trees")
+        except (StoreError, sqlite3.Error):
+            return 0
+        return n
+
     def locate_tree(self, tree_id: ObjectId) -> None:
         """On a shared catalog, copy into this host's ``located`` the catalog rows of every
         object reachable from tree ``tree_id`` (one catalog query per 500 objects without a

@@ -144,7 +144,10 @@ TABLES: dict[str, dict[str, str]] = {
               "catalog's ``objects`` row, taken at the host's first look-up or when a mount "
               "walked a snapshot (``Store.locate_tree``). Packs are immutable and named by "
               "digest and every read is verified, so a row is at worst stale (its pack "
-              "deleted by a GC): the read then asks the catalog again and replaces it.",
+              "deleted by a GC): the read then asks the catalog again and replaces it. "
+              "Rows naming a pack the catalog no longer has are deleted by a GC on this "
+              "host and when a writer of this host sees a new gc_generation "
+              "(``Store.prune_located``), which then also empties ``located_trees``.",
         "kind": "as in objects.",
         "pack": "as in objects.",
         "rec_offset": "as in objects.",

@@ -35,7 +35,10 @@ so the same exclusion is made of catalog rows (store/pgcatalog.py, schema versio
 - **Dirs caches of other hosts** (store/dircache.py trusts an indexed tree to be
   complete): a writer that pins compares the catalog's ``gc_generation`` with the one its
   host last saw and drops its dirs cache when it changed, so no host reuses a tree whose
-  children a GC deleted. Files caches check chunk ids against the catalog already.
+  children a GC deleted. Files caches check chunk ids against the catalog already. The
+  host's ``located`` copy of catalog rows is pruned then too, of rows naming a pack the
+  catalog no longer has (and by GC on its own host), so it does not grow with every pack
+  ever read.
 
 Crash windows, each safe:
 
@@ -179,8 +182,9 @@ class WriterPin:
 
 
 def _sync_generation(store: Any, now: str) -> None:
-    """Drop this host's dirs cache if a GC ran since it last looked (module docstring):
-    ``now`` is the catalog's ``gc_generation``, read with the pin."""
+    """Drop this host's dirs cache if a GC ran since it last looked (module docstring),
+    and its ``located`` rows of packs that GC deleted (``Store.prune_located``): ``now``
+    is the catalog's ``gc_generation``, read with the pin."""
     c = store.conn
     row = c.execute("SELECT value FROM config WHERE key=?", (GENERATION,)).fetchone()
     if row is not None and row[0] == now:
@@ -193,6 +197,7 @@ def _sync_generation(store: Any, now: str) -> None:
     except BaseException:
         c.execute("ROLLBACK")
         raise
+    store.prune_located(k for k, _size, _n in store.catalog.packs())
 
 
 def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
@@ -237,6 +242,9 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
         except LeaseLostError:
             raise GCError("lease", GC_LEASE, "the gc lease was lost before anything was "
                                              "deleted; re-run it") from None
+        # This host's copy of the catalog's rows loses those of every deleted pack (also
+        # of earlier GCs); other hosts prune theirs when they see the new generation.
+        rep.located_pruned = store.prune_located(k for k, _size, _n in cat.packs())
         for key in dead + leftovers:
             if not PACK_KEY.fullmatch(key):
                 rep.unknown_keys.append(key)

@@ -331,3 +331,73 @@ def test_sqlite_catalog_is_the_store_index(tmp_path: Path) -> None:
     st.catalog.set_named_ref("n", "r")
     assert st.conn.execute("SELECT ref FROM named_refs WHERE name='n'").fetchone() == ("r",)
     assert os.path.exists(st.index_path)
+
+
+def _host_store(spec: str, tmp_path: Path, name: str) -> object:
+    """A store on catalog ``spec``: for SQLite the embedded store, for PostgreSQL host
+    ``name``'s store of a shared catalog, its packs in a directory every host shares."""
+    from store.backend import LocalDirBackend
+    from store.objects import Store
+
+    if not spec.startswith("postgresql://"):
+        return Store(tmp_path / "store")
+    return Store(tmp_path / name, backend=LocalDirBackend(tmp_path / "blobs"),
+                 catalog=open_catalog(spec))
+
+
+def _rows_of_deleted_packs(st: object) -> dict[str, int]:
+    """This host's index rows that name a pack the catalog no longer has, by table."""
+    packs = {k for k, _, _ in st.catalog.packs()}  # type: ignore[attr-defined]
+    out = {}
+    for table in ("located", "objects"):
+        rows = st.conn.execute(f"SELECT pack FROM {table}").fetchall()  # type: ignore[attr-defined]
+        out[table] = sum(1 for (p,) in rows if p not in packs)
+    return out
+
+
+def test_gc_leaves_no_location_of_a_deleted_pack(spec: str, tmp_path: Path) -> None:
+    """GC deletes the packs only a forgotten snapshot reached: no index row of the host
+    that ran it names one of them afterwards (a shared store's hosts keep a copy of the
+    catalog's object rows, ``located``, which GC left behind, so it grew with every pack
+    ever read), and another host prunes its copy when its next writer sees that a GC ran.
+    What stays live reads as before."""
+    from store.browse import cat
+    from store.gc import gc
+    from store.snapshot import run_snapshot
+
+    shared = spec.startswith("postgresql://")
+    a = _host_store(spec, tmp_path, "host-a")
+    b = _host_store(spec, tmp_path, "host-b") if shared else None
+    refs = []
+    for name in ("gone", "kept"):
+        src = tmp_path / name
+        (src / "sub").mkdir(parents=True)
+        (src / "sub" / f"{name}.bin").write_bytes(os.urandom(200 << 10))
+        refs.append(run_snapshot(a, src).ref)  # type: ignore[arg-type]
+    gone, kept = refs
+    for st in (a, b) if b is not None else (a,):
+        for ref, name in ((gone, "gone"), (kept, "kept")):
+            assert b"".join(cat(st, ref, f"sub/{name}.bin"))  # type: ignore[arg-type]
+            st.locate_tree(ref.tree_id)  # type: ignore[attr-defined]
+    located = a.conn.execute("SELECT count(*) FROM located").fetchone()[0]  # type: ignore[attr-defined]
+    assert (located > 0) == shared
+    assert a.forget(gone)  # type: ignore[attr-defined]
+    report = gc(a, grace_s=0.0)  # type: ignore[arg-type]
+    assert report.packs_deleted >= 1
+    assert _rows_of_deleted_packs(a) == {"located": 0, "objects": 0}
+    if b is not None:
+        assert report.located_pruned > 0
+        assert _rows_of_deleted_packs(b)["located"] > 0  # until its next writer
+        src = tmp_path / "b-src"
+        src.mkdir()
+        (src / "x").write_text("b writes\n")
+        run_snapshot(b, src)  # type: ignore[arg-type]
+        assert _rows_of_deleted_packs(b) == {"located": 0, "objects": 0}
+        assert b.conn.execute("SELECT count(*) FROM located_trees").fetchone()[0] == 0  # type: ignore[attr-defined]
+    for st in (a, b) if b is not None else (a,):
+        assert b"".join(cat(st, kept, "sub/kept.bin")) == \
+            (tmp_path / "kept" / "sub" / "kept.bin").read_bytes()  # type: ignore[arg-type]
+        st.locate_tree(kept.tree_id)  # type: ignore[attr-defined]
+        st.close()  # type: ignore[attr-defined]
+        if shared:
+            st.catalog.close()  # type: ignore[attr-defined]
