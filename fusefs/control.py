@@ -454,8 +454,8 @@ class Live:
             try:
                 await trio.to_thread.run_sync(self.mount_pins.add, [target])
             except Exception as e:
-                raise RestoreError(RestoreError.SWAP_FAILED, str(target),
-                                   f"cannot pin the target in the catalog: {e}") from e
+                raise RestoreError.because(RestoreError.SWAP_FAILED, str(target),
+                                           "cannot pin the target in the catalog", e) from e
         append_error: BaseException | None = None
         discarded: dict[str, str] = {}
         async with self._busy, self.gate.exclusive():
@@ -483,8 +483,9 @@ class Live:
                         try:
                             done = await self._freeze(origin="pre_restore", label=label)
                         except Exception as e:
-                            raise RestoreError(RestoreError.SWAP_FAILED, str(target),
-                                               f"pre-restore checkpoint failed: {e}") from e
+                            raise RestoreError.because(
+                                RestoreError.SWAP_FAILED, str(target),
+                                "pre-restore checkpoint failed", e) from e
                         pre = done["ref"]
                         if self.on_pre_restore is not None:
                             self.on_pre_restore(pre)
@@ -847,14 +848,23 @@ async def _connection(live: Live, stream: Any) -> None:
 
 # -- client side -----------------------------------------------------------------------------
 
+def _typed(r: dict[str, Any]) -> dict[str, Any]:
+    """The typed cause of a failed reply ``r`` (``cause_type``, ``exit_code``: see
+    ``session.errors.typed_cause``), as keyword arguments of the error rebuilt from it."""
+    fields = r.get("fields") or {}
+    code = r.get("exit_code")
+    return {"cause_type": fields.get("cause_type") or None,
+            "exit_code": code if isinstance(code, int) else None}
+
+
 _ERRORS: dict[str, Callable[[dict[str, Any]], Exception]] = {
     # the cause, not the message (which already says "restore ... failed (kind): ")
     "RestoreError": lambda r: RestoreError(
         r.get("kind") or RestoreError.SWAP_FAILED, str(r.get("ref") or ""),
-        str((r.get("fields") or {}).get("cause") or r.get("message"))),
+        str((r.get("fields") or {}).get("cause") or r.get("message")), **_typed(r)),
     "CheckpointError": lambda r: CheckpointError(
         str(r.get("trigger") or (r.get("fields") or {}).get("trigger") or "manual"),
-        str((r.get("fields") or {}).get("cause") or r.get("message"))),
+        str((r.get("fields") or {}).get("cause") or r.get("message")), **_typed(r)),
     "RefNotFoundError": lambda r: RefNotFoundError(str(r.get("ref") or "")),
 }
 

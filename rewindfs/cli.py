@@ -6,7 +6,9 @@ Imports of heavy modules happen inside handlers so that a short command starts f
 
 Exit codes: 0 success; 1 generic failure; 2 usage error; 3 invalid Ref; 4 not found;
 5 integrity failure; 6 destination problem; 7 limit exceeded; 8 GC refused; 9 mount or
-daemon failure; 10 session or workspace error; 130 interrupted.
+daemon failure; 10 session or workspace error; 11 blob backend failed (``BackendError``);
+12 catalog failed (``CatalogError``), also for a checkpoint or restore either caused;
+130 interrupted.
 """
 
 from __future__ import annotations

@@ -268,13 +268,46 @@ class WorkspaceNotConfiguredError(SessionError):
         super().__init__(f"cannot {op}: the session has no workspace placement")
 
 
+SERVER_EXIT_CODES = frozenset({11, 12})
+"""The exit codes of a failed server of the store (``store.errors``): 11 the blob backend
+(``BackendError``: S3, or the backend directory), 12 the shared catalog (``CatalogError``,
+PostgreSQL). A checkpoint or restore that failed because of one exits with its code."""
+
+
+def typed_cause(cause: BaseException | str, cause_type: str | None = None,
+                exit_code: int | None = None) -> tuple[str | None, int]:
+    """``(cause_type, exit_code)`` of an error with underlying ``cause``: the cause's class
+    name (or ``cause_type``, given when the cause came as text through a control socket)
+    and its exit code when it is a failed server's (``SERVER_EXIT_CODES``), else 10."""
+    if isinstance(cause, BaseException):
+        cause_type = cause_type or getattr(cause, "cause_type", None) or type(cause).__name__
+        if exit_code is None:
+            exit_code = getattr(cause, "exit_code", None)
+    code = exit_code if isinstance(exit_code, int) and exit_code in SERVER_EXIT_CODES else 10
+    return cause_type, code
+
+
 class CheckpointError(SessionError):
     """A checkpoint failed; the journal and the live tree are unchanged. ``trigger`` is what
-    asked for it; ``cause`` is the underlying error."""
+    asked for it; ``cause`` is the underlying error (a CheckpointError given as cause, one
+    raised further down, is unwrapped: its message is said once); ``cause_type`` its class
+    name (None for a refusal of the session's own, as a write permit still held);
+    ``exit_code`` 11 or 12 when the cause is a failed blob backend or catalog
+    (``typed_cause``), else 10. ``cause_type`` and ``exit_code`` are given by a client
+    that rebuilds the error from a control reply."""
 
-    def __init__(self, trigger: str, cause: BaseException | str) -> None:
+    cause: BaseException | str
+    cause_type: str | None
+
+    def __init__(self, trigger: str, cause: BaseException | str, *,
+                 cause_type: str | None = None, exit_code: int | None = None) -> None:
+        if isinstance(cause, CheckpointError):
+            cause_type = cause_type or cause.cause_type
+            exit_code = exit_code or cause.exit_code
+            cause = cause.cause
         self.trigger = trigger
         self.cause = cause
+        self.cause_type, self.exit_code = typed_cause(cause, cause_type, exit_code)
         super().__init__(f"checkpoint ({trigger}) failed: {cause}")
 
 
@@ -283,7 +316,8 @@ class CheckpointError(SessionError):
 
 class RestoreError(SessionError):
     """A restore failed. ``kind`` is one of ``KINDS``; ``ref`` is the target; ``cause`` the
-    underlying error. Unless the kind is rollback_failed or append_failed (which fault the
+    underlying error, ``cause_type`` and ``exit_code`` as for CheckpointError (11 or 12 when
+    a failed blob backend or catalog caused it, else 10). Unless the kind is rollback_failed or append_failed (which fault the
     session), the live tree is as it was before the call."""
 
     CONTEXT_DONE = "context_done"
@@ -303,13 +337,22 @@ class RestoreError(SessionError):
         SYMLINK_COMPONENT, PATH_ESCAPE, PATH_NOT_FOUND, SWAP_FAILED, ROLLBACK_FAILED,
         APPEND_FAILED})
 
-    def __init__(self, kind: str, ref: str = "", cause: BaseException | str = "") -> None:
+    def __init__(self, kind: str, ref: str = "", cause: BaseException | str = "", *,
+                 cause_type: str | None = None, exit_code: int | None = None) -> None:
         assert kind in self.KINDS, kind
         self.kind = kind
         self.ref = ref
         self.cause = cause
+        self.cause_type, self.exit_code = typed_cause(cause, cause_type, exit_code)
         msg = f"restore{' of ' + ref if ref else ''} failed ({kind})"
         super().__init__(msg + (f": {cause}" if str(cause) else ""))
+
+    @classmethod
+    def because(cls, kind: str, ref: str, what: str, e: BaseException) -> RestoreError:
+        """The RestoreError ``kind`` of ``ref`` whose cause is ``what`` failing with ``e``
+        (cause text ``"<what>: <e>"``, typed as ``e``: ``typed_cause``)."""
+        cause_type, code = typed_cause(e)
+        return cls(kind, ref, f"{what}: {e}", cause_type=cause_type, exit_code=code)
 
 
 __all__ = [

@@ -478,8 +478,8 @@ class SessionCore:
                 # is, so it captures it also with ``discard`` (then not journaled).
                 pre = self.tree.capture("checkpoint")
             except Exception as e:
-                raise RestoreError(RestoreError.SWAP_FAILED, sref,
-                                   f"pre-restore checkpoint failed: {e}") from e
+                raise RestoreError.because(RestoreError.SWAP_FAILED, sref,
+                                           "pre-restore checkpoint failed", e) from e
             if not discard:
                 self.journal.checkpointed(pre, "pre_restore", self._consistency(),
                                           self.epoch)

@@ -1,0 +1,168 @@
+"""What the CLI answers when a shared store's server fails under a live mount or session
+(issue 13): the exit code names the server that failed (11: S3, ``BackendError``; 12:
+PostgreSQL, ``CatalogError``) with one clear line, ``session shutdown --checkpoint`` whose
+checkpoint fails leaves the session running with every change, and ``status`` of a live
+mount answers from its daemon while the catalog is down.
+
+Real FUSE, real SeaweedFS and PostgreSQL of each test alone (``own_seaweed``,
+``own_postgres``), stopped and started again by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import fusehelpers as fh
+import pytest
+from ckpt_support import cli
+from session_support import ref_of
+from test_shared_sessions import SessionHost
+from test_shared_store import two_hosts
+
+from store.config import SharedConfig, configure
+
+pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
+
+
+@pytest.fixture
+def fuse_store(tmp_path: Path, own_seaweed: object, own_postgres: object) -> Path:
+    """This host's local directory of a shared store on servers of this test alone."""
+    local = tmp_path / "local"
+    bucket = own_seaweed.new_bucket()  # type: ignore[attr-defined]
+    configure(str(local), SharedConfig(
+        blobs=f"s3://{bucket}/s", catalog=own_postgres.new_database(),  # type: ignore[attr-defined]
+        s3_endpoint=own_seaweed.endpoint, cache=str(tmp_path / "cache")))  # type: ignore[attr-defined]
+    return local
+
+
+@pytest.fixture
+def host(own_seaweed: object, own_postgres: object, tmp_path: Path) -> Iterator[SessionHost]:
+    """One host of a shared store on servers of this test alone; its sessions are stopped
+    at the end."""
+    a, _ = two_hosts(own_seaweed, own_seaweed.new_bucket(),  # type: ignore[attr-defined]
+                     own_postgres.new_database(), tmp_path, SessionHost)  # type: ignore[attr-defined]
+    assert isinstance(a, SessionHost)
+    try:
+        yield a
+    finally:
+        a.cleanup()
+
+
+def _one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def _failed(r: object, code: int, server: str) -> dict[str, object]:
+    """The ``--json`` failure of ``r`` (a CompletedProcess): exit ``code``, one line on
+    stderr naming ``server`` (``postgresql://`` or ``s3://``) once, no doubled prefix."""
+    assert r.returncode == code, (r.returncode, r.stderr)  # type: ignore[attr-defined]
+    line = _one_line(r.stderr)  # type: ignore[attr-defined]
+    assert server in line, line
+    assert "failed: checkpoint" not in line and line.count("checkpoint (") <= 1, line
+    doc = json.loads(r.stdout)  # type: ignore[attr-defined]
+    assert doc["exit_code"] == code and doc["ok"] is False, doc
+    assert isinstance(doc, dict)
+    return doc
+
+
+def _project(tmp: Path) -> Path:
+    src = tmp / "project"
+    (src / "pkg").mkdir(parents=True)
+    (src / "README").write_text("a project\n")
+    (src / "pkg" / "data.bin").write_bytes(os.urandom(1 << 20))
+    return src
+
+
+# -- checkpoint / restore / step exit codes -------------------------------------------------
+
+
+def test_a_mount_checkpoint_with_the_catalog_down_exits_12(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str, own_postgres: object) -> None:
+    d = mounter.rw(lower_ref)
+    (d.mnt / "new.txt").write_text("written before the outage\n")
+    own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        r = cli(fuse_store, "checkpoint", str(d.mnt), "--json", check=False)
+        doc = _failed(r, 12, "postgresql://")
+        assert doc["type"] == "CheckpointError" and doc["cause_type"] == "CatalogError", doc
+        assert str(doc["error"]).startswith("checkpoint (manual) failed: "), doc
+        assert (d.mnt / "new.txt").read_text() == "written before the outage\n"
+    finally:
+        own_postgres.start()  # type: ignore[attr-defined]
+    ref = json.loads(cli(fuse_store, "checkpoint", str(d.mnt), "--json").stdout)["ref"]
+    assert ref != lower_ref
+
+
+def test_a_mount_checkpoint_with_s3_gone_exits_11(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str, own_seaweed: object) -> None:
+    d = mounter.rw(lower_ref)
+    (d.mnt / "big.bin").write_bytes(os.urandom(2 << 20))
+    own_seaweed.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        r = cli(fuse_store, "checkpoint", str(d.mnt), "--json", check=False)
+        doc = _failed(r, 11, "s3://")
+        assert doc["type"] == "CheckpointError" and doc["cause_type"] == "BackendError", doc
+    finally:
+        own_seaweed.start()  # type: ignore[attr-defined]
+
+
+def test_a_mount_checkpoint_with_s3_hung_exits_11(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str, own_seaweed: object,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGSTOPped SeaweedFS (accepts connections, never answers): the daemon gives up
+    after the attempts and timeouts its environment sets."""
+    import signal
+
+    for k, v in (("REWINDFS_S3_ATTEMPTS", "2"), ("REWINDFS_S3_READ_TIMEOUT", "0.5"),
+                 ("REWINDFS_S3_CONNECT_TIMEOUT", "0.5")):
+        monkeypatch.setenv(k, v)  # the daemon's environment
+    d = mounter.rw(lower_ref)
+    (d.mnt / "big.bin").write_bytes(os.urandom(2 << 20))
+    group = own_seaweed.proc.pid  # type: ignore[attr-defined]
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        r = cli(fuse_store, "checkpoint", str(d.mnt), "--json", check=False)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    doc = _failed(r, 11, "s3://")
+    assert doc["cause_type"] == "BackendError", doc
+    ref = json.loads(cli(fuse_store, "checkpoint", str(d.mnt), "--json").stdout)["ref"]
+    assert ref != lower_ref
+
+
+def test_session_checkpoint_restore_and_step_name_the_failed_server(
+        host: SessionHost, tmp_path: Path, own_postgres: object, own_seaweed: object) -> None:
+    s = host.started("new", "--seed", str(_project(tmp_path)))
+    sid, root = s["id"], Path(s["root"])
+    first = json.loads(host.session("checkpoint", sid, "--json").stdout)["ref"]
+    (root / "README").write_text("changed\n")
+    own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        for args in (("session", "checkpoint", sid), ("checkpoint", str(root))):
+            doc = _failed(host.run(*args, "--json", check=False), 12, "postgresql://")
+            assert doc["type"] == "CheckpointError" and doc["cause_type"] == "CatalogError"
+            assert str(doc["error"]).count("checkpoint (manual) failed") == 1, doc
+        r = host.run("restore", str(root), first, "--json", check=False)
+        assert r.returncode == 12, r.stderr
+        _one_line(r.stderr)
+        r = host.run("session", "step", sid, "--json", check=False)
+        assert r.returncode == 12, r.stderr
+        _one_line(r.stderr)
+        assert (root / "README").read_text() == "changed\n"
+    finally:
+        own_postgres.start()  # type: ignore[attr-defined]
+    own_seaweed.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        (root / "pkg" / "more.bin").write_bytes(os.urandom(1 << 20))
+        for args in (("session", "checkpoint", sid), ("checkpoint", str(root))):
+            doc = _failed(host.run(*args, "--json", check=False), 11, "s3://")
+            assert doc["type"] == "CheckpointError" and doc["cause_type"] == "BackendError"
+    finally:
+        own_seaweed.start()  # type: ignore[attr-defined]
+    want = ref_of(root)
+    assert json.loads(host.session("checkpoint", sid, "--json").stdout)["ref"] == str(want)
