@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +17,9 @@ from tools import grep as grep_mod
 from tools import sandbox
 from tools.binding import DirBinding
 from tools.context import ToolContext
+from tools.glob import glob
 from tools.grep import grep
+from tools.readfile import read_file
 
 pytestmark = pytest.mark.skipif(shutil.which("rg") is None, reason="ripgrep is required")
 
@@ -251,3 +256,71 @@ def test_confined_and_unconfined_ripgrep_agree(ws: ToolContext,
     confined = [grep(ws, p, **kw).text for p, kw in calls]      # type: ignore[arg-type]
     monkeypatch.setenv("REWINDFS_NO_SANDBOX", "1")
     assert [grep(ws, p, **kw).text for p, kw in calls] == confined  # type: ignore[arg-type]
+
+
+def _answers_as_another_user(root: Path, calls: list[tuple[str, str]]) -> list[list[Any]]:
+    """[ok, kind, text] of each (tool, path) call, Glob ``*``, Grep ``hi`` or ReadFile, on
+    ``root``: as uid 65534 in a forked child when this is root (for whom no mode denies
+    anything), else in this process."""
+    def answers() -> list[list[Any]]:
+        ctx = ToolContext(DirBinding(root))
+        tools = {"Glob": lambda p: glob(ctx, "*", p), "Grep": lambda p: grep(ctx, "hi", p),
+                 "ReadFile": lambda p: read_file(ctx, p)}
+        out = []
+        for tool, path in calls:
+            r = tools[tool](path)
+            out.append([r.ok, r.data.get("kind"), r.text])
+        return out
+
+    if os.geteuid() != 0:
+        return answers()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, json.dumps(answers()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    out: list[list[Any]] = json.loads(got)
+    return out
+
+
+def test_a_path_this_user_cannot_read_or_name_is_one_typed_line() -> None:
+    """A directory and a file of mode 000, and a name longer than 255 bytes: Glob, Grep
+    and ReadFile answer one line naming the path and the cause, with a kind of its own
+    (they answered the bare strerror with kind ``os``, and Grep ``search failed:
+    Permission denied`` without the path, or ``search failed: ripgrep failed``)."""
+    tmp = Path(tempfile.mkdtemp(prefix="/tmp/rewindfs-test-"))  # reachable by uid 65534
+    try:
+        os.chmod(tmp, 0o755)
+        make(tmp, {"locked/b.txt": "hi\n", "secret.txt": "hi\n", "open.txt": "hi\n"})
+        os.chmod(tmp / "locked", 0)
+        os.chmod(tmp / "secret.txt", 0)
+        long = "n" * 256
+        calls = [("Glob", "locked"), ("Grep", "locked"), ("Grep", "secret.txt"),
+                 ("ReadFile", "secret.txt"), ("Glob", long), ("Grep", long),
+                 ("ReadFile", long), ("Grep", ".")]
+        got = _answers_as_another_user(tmp, calls)
+    finally:
+        os.chmod(tmp / "locked", 0o755)
+        shutil.rmtree(tmp)
+    denied = ": permission denied: its owner and mode keep this user out"
+    for (tool, path), (ok, kind, text) in zip(calls[:4], got[:4], strict=True):
+        assert not ok and kind == "denied" and text.count("\n") == 0, (tool, text)
+        assert text.startswith(f"{path}{denied}"), (tool, text)
+    for (tool, path), (ok, kind, text) in zip(calls[4:7], got[4:7], strict=True):
+        assert not ok and kind == "too_long", (tool, text)
+        assert text == f"{path}: a name in it is too long (255 bytes at most per name)"
+    ok, _, text = got[7]               # a search of the whole tree still finds what it can
+    assert ok and text.splitlines() == ["open.txt"], text

@@ -129,7 +129,8 @@ def edit_file(ctx: ToolContext, path: str, old: str, new: str,
     except Refusal as e:
         return error(NAME, e.text, kind=e.kind)
     except OSError as e:
-        return error(NAME, PathError.from_os(path, e).text, kind="os")
+        failed = PathError.from_os(path, e)
+        return error(NAME, failed.text, kind=failed.kind)
     ctx.record_read(rel, Seen.whole_of(out))
     count = len(where)
     head = M.EDIT_DONE.format(path=rel, count=count, s="" if count == 1 else "s")

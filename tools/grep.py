@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from tools import messages as M
 from tools import sandbox
 from tools.context import ToolContext
-from tools.paths import PathError, locate
+from tools.paths import Located, PathError, locate
 from tools.result import ToolResult, error, ok
 from tools.walk import NOISE_DIRS
 
@@ -246,18 +246,20 @@ def _read_bounded(proc: subprocess.Popen[bytes], deadline: float, cap: int,
     return bytes(out), bytes(err), stopped
 
 
-def _named_file_is_binary(ctx: ToolContext, rel: str) -> bool:
-    """Whether the file named as ``path`` has a NUL byte in its first _BINARY_PROBE bytes
-    (ripgrep skips such files when it finds them by walking; named ones it would search)."""
-    with locate(ctx.root, rel) as loc:
-        try:
-            fd = loc.open(os.O_RDONLY | os.O_NONBLOCK)
-        except PathError:
-            return False
+def _probe(loc: Located) -> bool:
+    """Open what ``loc`` names (the directory or the file to search) for reading, so that
+    one this user cannot read fails here, by name, with the typed PathError (denied, io,
+    disconnected, ...) instead of ripgrep's own text; for a file, whether it has a NUL
+    byte in its first _BINARY_PROBE bytes (ripgrep skips such files when it finds them by
+    walking; named ones it would search)."""
+    if loc.is_dir:
+        os.close(loc.open_dir())
+        return False
+    fd = loc.open(os.O_RDONLY | os.O_NONBLOCK)
     try:
         return b"\0" in os.pread(fd, _BINARY_PROBE, 0)
-    except OSError:
-        return False
+    except OSError as e:
+        raise PathError.from_os(loc.rel, e) from None
     finally:
         os.close(fd)
 
@@ -336,11 +338,12 @@ def grep(ctx: ToolContext, pattern: str, path: str = ".", glob: str | None = Non
             base_rel, is_dir = loc.rel, loc.is_dir
             if not is_dir and not stat.S_ISREG(loc.st.st_mode):
                 raise PathError("not_regular", loc.rel)
+            binary = _probe(loc)
     except PathError as e:
         return error(NAME, e.text, kind=e.kind)
     none = ok(NAME, M.GREP_NONE.format(pattern=pattern, path=base_rel), total=0, shown=0,
               files=0, timed_out=False, capped=False)
-    if not is_dir and _named_file_is_binary(ctx, base_rel):
+    if binary:
         return none
     deadline = time.monotonic() + M.GREP_TIMEOUT_S
     hits, stopped, err = _search_rg(rg, sandbox.bwrap(), ctx, q, base_rel, is_dir, deadline)

@@ -40,6 +40,13 @@ PATH_INVALID = "{path}: invalid path ({reason})"
 PATH_TILDE = ("{path}: '~' is not expanded here (no home directory); use a path relative "
               "to the workspace root")
 PATH_CHANGED = "{path}: changed while being opened; try again"
+PATH_DENIED = ("{path}: permission denied: its owner and mode keep this user out (or the "
+               "file system refuses it)")
+PATH_TOO_LONG = "{path}: a name in it is too long (255 bytes at most per name)"
+PATH_IO = ("{path}: input/output error: the file system could not read or write it (on a "
+           "rewindfs mount, its daemon's log says why)")
+PATH_DISCONNECTED = ("{path}: the file system is not connected: a FUSE mount whose daemon "
+                     "is gone (unmount it, then mount again)")
 PATH_OS_ERROR = "{path}: {reason}"
 PATH_PROTECTED = ("{path}: permission denied (EACCES): protected by the session's path policy; "
                   "the agent may read it but not change it")

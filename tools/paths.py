@@ -35,14 +35,18 @@ _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 class PathError(Exception):
     """A path argument cannot be used. ``kind`` is one of: escape, not_found, not_dir,
-    is_dir, not_regular, loop, invalid, tilde, changed, protected (EACCES), os. ``path`` is the text the caller
-    gave (or the part resolved so far); ``text`` is the message from :mod:`tools.messages`."""
+    is_dir, not_regular, loop, invalid, tilde, changed, protected (EACCES of the path
+    policy), denied (EACCES, EPERM), too_long (ENAMETOOLONG), io (EIO), disconnected
+    (ENOTCONN), os (any other errno: its text is the reason). ``path`` is the text the
+    caller gave (or the part resolved so far); ``text`` is the message from
+    :mod:`tools.messages`."""
 
     _TEMPLATES = {
         "escape": M.PATH_ESCAPE, "not_found": M.PATH_NOT_FOUND, "not_dir": M.PATH_NOT_DIR,
         "is_dir": M.PATH_IS_DIR, "not_regular": M.PATH_NOT_REGULAR, "loop": M.PATH_LOOP,
         "invalid": M.PATH_INVALID, "tilde": M.PATH_TILDE, "changed": M.PATH_CHANGED,
-        "os": M.PATH_OS_ERROR, "protected": M.PATH_PROTECTED,
+        "os": M.PATH_OS_ERROR, "protected": M.PATH_PROTECTED, "denied": M.PATH_DENIED,
+        "too_long": M.PATH_TOO_LONG, "io": M.PATH_IO, "disconnected": M.PATH_DISCONNECTED,
     }
 
     def __init__(self, kind: str, path: str, reason: str = "") -> None:
@@ -56,7 +60,9 @@ class PathError(Exception):
     def from_os(cls, path: str, e: OSError) -> PathError:
         """Map an OSError met while using ``path`` to the closest kind."""
         kinds = {errno.ENOENT: "not_found", errno.ENOTDIR: "not_dir", errno.EISDIR: "is_dir",
-                 errno.ELOOP: "loop"}
+                 errno.ELOOP: "loop", errno.EACCES: "denied", errno.EPERM: "denied",
+                 errno.ENAMETOOLONG: "too_long", errno.EIO: "io",
+                 errno.ENOTCONN: "disconnected"}
         kind = kinds.get(e.errno or 0, "os")
         return cls(kind, path, e.strerror or str(e))
 

@@ -166,7 +166,8 @@ def read_file(ctx: ToolContext, path: str, offset: int = 1,
             return error(NAME, M.PATH_NOT_REGULAR.format(path=rel), kind="not_regular")
         return _read_open(ctx, rel, fd, st, offset, limit)
     except OSError as e:
-        return error(NAME, PathError.from_os(rel, e).text, kind="os")
+        failed = PathError.from_os(rel, e)
+        return error(NAME, failed.text, kind=failed.kind)
     finally:
         os.close(fd)
         loc.close()

@@ -271,7 +271,8 @@ def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
     except Refusal as e:
         return error(NAME, e.text, kind=e.kind)
     except OSError as e:
-        return error(NAME, PathError.from_os(path, e).text, kind="os")
+        failed = PathError.from_os(path, e)
+        return error(NAME, failed.text, kind=failed.kind)
     ctx.record_read(rel, Seen.whole_of(data))
     template = M.WRITE_CREATED if created else M.WRITE_UPDATED
     lines = count_lines(data)
