@@ -123,6 +123,14 @@ def test_cached_listing_follows_every_change_through_the_mount(mounter: fh.Mount
     assert listing(d) == listing(d) == {"h", "s"}
 
 
+def _make_empty_files(d: Path, names: set[str]) -> set[str]:
+    """Create an empty file (mode 0644) for each of ``names`` in ``d``, in name order;
+    returns ``names``."""
+    for name in sorted(names):
+        os.close(os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644))
+    return names
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_listing_read_in_part_across_a_checkpoint_is_not_kept(mounter: fh.Mounter,
                                                                 lower_ref: str,
@@ -133,9 +141,7 @@ def test_a_listing_read_in_part_across_a_checkpoint_is_not_kept(mounter: fh.Moun
     m = mounter.rw(lower_ref, extra=mode).mnt
     d = m / "many"
     d.mkdir()
-    names = {f"entry-{i:05d}-named-at-some-length" for i in range(3000)}
-    for name in sorted(names):
-        os.close(os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644))
+    names = _make_empty_files(d, {f"entry-{i:05d}-named-at-some-length" for i in range(3000)})
     for phase in ("upper entries", "lower entries"):
         with os.scandir(d) as it:
             seen = [next(it).name for _ in range(10)]
@@ -144,10 +150,7 @@ def test_a_listing_read_in_part_across_a_checkpoint_is_not_kept(mounter: fh.Moun
         assert len(seen) == len(set(seen)) and set(seen) == names, phase
         assert listing(d) == listing(d) == names, phase
         # the second round lists a lower directory with new upper entries beside it
-        extra = {f"new-{i:03d}" for i in range(300)}
-        for name in extra:
-            os.close(os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644))
-        names |= extra
+        names |= _make_empty_files(d, {f"new-{i:03d}" for i in range(300)})
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -160,9 +163,7 @@ def test_two_listings_of_one_directory_across_a_checkpoint(mounter: fh.Mounter,
     m = mounter.rw(lower_ref, extra=mode).mnt
     d = m / "many"
     d.mkdir()
-    names = {f"entry-{i:05d}-named-at-some-length" for i in range(3000)}
-    for name in sorted(names):
-        os.close(os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644))
+    names = _make_empty_files(d, {f"entry-{i:05d}-named-at-some-length" for i in range(3000)})
     for phase in ("upper entries", "lower entries"):
         with os.scandir(d) as first:
             seen = [next(first).name for _ in range(10)]
@@ -173,10 +174,7 @@ def test_two_listings_of_one_directory_across_a_checkpoint(mounter: fh.Mounter,
                 again += [e.name for e in second]
         for got in (seen, again):
             assert len(got) == len(set(got)) and set(got) == names, phase
-        extra = {f"new-{i:03d}" for i in range(300)}
-        for name in extra:
-            os.close(os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644))
-        names |= extra
+        names |= _make_empty_files(d, {f"new-{i:03d}" for i in range(300)})
 
 
 @patched_only
