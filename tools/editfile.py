@@ -20,6 +20,7 @@ from tools.paths import PathError, locate
 from tools.result import ToolResult, error, ok
 from tools.writefile import (
     Refusal,
+    change_failed,
     check_fresh,
     read_current,
     replace_existing,
@@ -122,15 +123,8 @@ def edit_file(ctx: ToolContext, path: str, old: str, new: str,
                 after = text.replace(old, new) if replace_all else text.replace(old, new, 1)
                 out = after.encode("utf-8")
                 replace_existing(loc, out, st)
-    except PathError as e:
-        return error(NAME, e.text, kind=e.kind)
-    except PermitError as e:
-        return error(NAME, M.PERMIT_FAILED.format(reason=e), kind="permit")
-    except Refusal as e:
-        return error(NAME, e.text, kind=e.kind)
-    except OSError as e:
-        failed = PathError.from_os(path, e)
-        return error(NAME, failed.text, kind=failed.kind)
+    except (PathError, PermitError, Refusal, OSError) as e:
+        return change_failed(NAME, path, e)
     ctx.record_read(rel, Seen.whole_of(out))
     count = len(where)
     head = M.EDIT_DONE.format(path=rel, count=count, s="" if count == 1 else "s")

@@ -39,6 +39,18 @@ class Refusal(Exception):
         super().__init__(text)
 
 
+def change_failed(tool: str, path: str, e: PathError | PermitError | Refusal | OSError
+                  ) -> ToolResult:
+    """The error answer of ``tool`` (WriteFile, EditFile) whose change of ``path`` (the
+    argument as given) failed with ``e``: its text and kind (``permit`` for a write permit
+    refused, the PathError kind of an OSError)."""
+    if isinstance(e, PermitError):
+        return error(tool, M.PERMIT_FAILED.format(reason=e), kind="permit")
+    if isinstance(e, OSError):
+        e = PathError.from_os(path, e)
+    return error(tool, e.text, kind=e.kind)
+
+
 def _temp_name(name: str) -> str:
     return f".{name[:200]}.{secrets.token_hex(6)}.tmp"
 
@@ -264,15 +276,8 @@ def write_file(ctx: ToolContext, path: str, content: str) -> ToolResult:
                     replace_existing(loc, data, st)
                     created = False
                 rel = loc.rel
-    except PathError as e:
-        return error(NAME, e.text, kind=e.kind)
-    except PermitError as e:
-        return error(NAME, M.PERMIT_FAILED.format(reason=e), kind="permit")
-    except Refusal as e:
-        return error(NAME, e.text, kind=e.kind)
-    except OSError as e:
-        failed = PathError.from_os(path, e)
-        return error(NAME, failed.text, kind=failed.kind)
+    except (PathError, PermitError, Refusal, OSError) as e:
+        return change_failed(NAME, path, e)
     ctx.record_read(rel, Seen.whole_of(data))
     template = M.WRITE_CREATED if created else M.WRITE_UPDATED
     lines = count_lines(data)
