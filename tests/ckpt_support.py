@@ -13,7 +13,9 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import blake3
 
@@ -165,6 +167,33 @@ def strip(listing: dict[bytes, object], *, mtimes: bool = False,
         out[p] = Item(it.kind, it.mode, it.uid if owners else 0, it.gid if owners else 0,
                       it.mtime_ns if mtimes else 0, it.size, it.digest, it.xattrs, it.nlink)
     return out
+
+
+class HasOverlay(Protocol):
+    """What :func:`overlay_env` needs of a test's Env: its store, state directory and the
+    overlay it opened last (None: none yet)."""
+
+    store: Store
+    state: str
+    ov: Overlay | None
+
+
+E = TypeVar("E", bound=HasOverlay)
+
+
+def overlay_env(e: E, check_state: bool = True) -> Iterator[E]:
+    """The body of an ``env`` fixture: yields ``e``, then closes its overlay if it still
+    holds the upper's lock, asserts that ``fusefs.upper.check`` finds no problem in the
+    state directory (``check_state``) and closes the store."""
+    from fusefs.upper import check
+
+    yield e
+    if e.ov is not None and e.ov.upper is not None and e.ov.upper._lock_fd is not None:
+        e.ov.close()
+    if check_state and os.path.exists(e.state):
+        problems = check(e.state, e.store)
+        assert problems == [], "\n".join(map(str, problems))
+    e.store.close()
 
 
 # -- live mounts ----------------------------------------------------------------------------

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ckpt_support import overlay_listing, tree_listing
+from ckpt_support import overlay_env, overlay_listing, tree_listing
 
 from fusefs.checkpoint import checkpoint_overlay
 from fusefs.inodes import ROOT_INO
 from fusefs.lower import Lower
 from fusefs.overlay import Overlay
-from fusefs.upper import Upper, check
+from fusefs.upper import Upper
 from store.materialize import materialize
 from store.objects import Store
 from store.ref import Ref
@@ -80,14 +80,7 @@ class Env:
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
-    e = Env(tmp_path)
-    yield e
-    if e.ov is not None and e.ov.upper is not None and e.ov.upper._lock_fd is not None:
-        e.ov.close()
-    if os.path.exists(e.state):
-        problems = check(e.state, e.store)
-        assert problems == [], "\n".join(map(str, problems))
-    e.store.close()
+    yield from overlay_env(Env(tmp_path))
 
 
 def ino(ov: Overlay, path: str) -> int:

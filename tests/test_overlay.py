@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ckpt_support import overlay_env
 
 from fusefs.errors import BaseMismatchError, NoBaseError, StateLockedError
 from fusefs.inodes import DERIVED_BIT, ROOT_INO, Node
@@ -97,14 +98,7 @@ class Env:
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
-    e = Env(tmp_path)
-    yield e
-    if e.ov is not None and e.ov.upper is not None and e.ov.upper._lock_fd is not None:
-        e.ov.close()
-    if os.path.exists(e.state):
-        problems = check(e.state, e.store)
-        assert problems == [], "\n".join(map(str, problems))
-    e.store.close()
+    yield from overlay_env(Env(tmp_path))
 
 
 @pytest.fixture

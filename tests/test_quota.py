@@ -20,7 +20,7 @@ from pathlib import Path
 
 import fusehelpers as fh
 import pytest
-from ckpt_support import cli, client
+from ckpt_support import cli, client, overlay_env
 from test_overlay import CS, Env, node
 
 from fusefs.checkpoint import checkpoint_overlay
@@ -130,11 +130,7 @@ def test_bad_quota_arguments_are_usage_errors(mounter: fh.Mounter, fuse_store: P
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
-    e = Env(tmp_path)
-    yield e
-    if e.ov is not None and e.ov.upper is not None and e.ov.upper._lock_fd is not None:
-        e.ov.close()
-    e.store.close()
+    yield from overlay_env(Env(tmp_path), check_state=False)
 
 
 def _check_counts(ov: Overlay) -> None:

@@ -13,28 +13,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ckpt_support import overlay_listing, tree_listing
+from ckpt_support import overlay_env, overlay_listing, tree_listing
 from test_checkpoint_overlay import CS, GID, UID, Env, hold, ino, read, write
 
 from fusefs.checkpoint import checkpoint_overlay
 from fusefs.inodes import ROOT_INO
 from fusefs.restore import restore_overlay
 from fusefs.session.fusetree import pinned_refs
-from fusefs.upper import check
 from store.errors import RefNotFoundError
 from store.ref import ObjectId, Ref
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
-    e = Env(tmp_path)
-    yield e
-    if e.ov is not None and e.ov.upper is not None and e.ov.upper._lock_fd is not None:
-        e.ov.close()
-    if os.path.exists(e.state):
-        problems = check(e.state, e.store)
-        assert problems == [], "\n".join(map(str, problems))
-    e.store.close()
+    yield from overlay_env(Env(tmp_path))
 
 
 def test_restore_undoes_every_change_and_can_be_undone(env: Env) -> None:
