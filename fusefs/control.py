@@ -616,9 +616,21 @@ class Live:
             ck.kept_rows(self.ov, rb, rb.ref.tree_id)
             await trio.to_thread.run_sync(ck.reset_upper, self.ov.upper, rb)
 
-    async def current_status(self) -> dict[str, Any]:
-        """``status``, with the writer scan (no-open mode) run in a worker thread."""
-        return self.status(await self.scan_writers())
+    async def current_status(self, catalog: bool = True) -> dict[str, Any]:
+        """``status``, with the writer scan (no-open mode) run in a worker thread; with
+        ``catalog``, on a shared store, also ``catalog``: ``"ok"`` or ``"unreachable:
+        <reason>"`` (``store.catalog.catalog_state``, asked in a worker thread: every other
+        figure is the daemon's own and answers with the catalog down)."""
+        import trio
+
+        from store.catalog import catalog_state
+
+        out = self.status(await self.scan_writers())
+        if catalog:
+            state = await trio.to_thread.run_sync(catalog_state, self.store.catalog)
+            if state is not None:
+                out["catalog"] = state
+        return out
 
     def status(self, seen: Scan | None = None) -> dict[str, Any]:
         """Counts of the live mount (``seen``: a writer scan just made, else one is made

@@ -218,6 +218,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"state:     {r['state']}",
         f"disk:      {_disk_text(r)}",
         f"quota:     {_quota_text(r.get('quota') or {})}",
+        *([f"catalog:   {r['catalog']}"] if r.get("catalog") else []),
         f"daemon:    pid {r['pid']}"])
     emit(args, r, text)
     return 0

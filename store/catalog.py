@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .errors import (
+    CatalogError,
     FencedError,
     IntegrityError,
     LeaseBusyError,
@@ -239,6 +240,21 @@ class Catalog(Protocol):
     def set_config(self, key: str, value: str | None) -> None: ...
 
     def close(self) -> None: ...
+
+
+def catalog_state(catalog: Catalog) -> str | None:
+    """What a live mount's ``status`` says of its catalog: None for one of this host alone
+    (SQLite), else ``"ok"`` when the shared server answers one round trip now, or
+    ``"unreachable: <the CatalogError's message>"`` (within the catalog's timeout: at once
+    for a refused connection, up to its ``timeout_s`` for a server that does not
+    answer)."""
+    if not catalog.shared:
+        return None
+    try:
+        catalog.clock_ns()
+    except CatalogError as e:
+        return f"unreachable: {e}"
+    return "ok"
 
 
 class SQLiteCatalog:

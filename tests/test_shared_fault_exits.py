@@ -166,3 +166,43 @@ def test_session_checkpoint_restore_and_step_name_the_failed_server(
         own_seaweed.start()  # type: ignore[attr-defined]
     want = ref_of(root)
     assert json.loads(host.session("checkpoint", sid, "--json").stdout)["ref"] == str(want)
+
+
+# -- status of a live mount with the catalog down -------------------------------------------
+
+
+def test_status_of_a_session_mount_answers_with_the_catalog_down(
+        host: SessionHost, tmp_path: Path, own_postgres: object) -> None:
+    root = Path(host.started("new", "--seed", str(_project(tmp_path)))["root"])
+    (root / "README").write_text("changed\n")
+    up = json.loads(host.run("status", str(root), "--json").stdout)
+    assert up["catalog"] == "ok", up
+    own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        r = host.run("status", str(root), "--json", check=False)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["dirty_inodes"] >= 1 and doc["pid"] == up["pid"], doc
+        assert doc["ref"] == up["ref"], doc
+        assert str(doc["catalog"]).startswith("unreachable: "), doc
+        assert "postgresql://" in str(doc["catalog"]), doc
+        text = host.run("status", str(root)).stdout
+        assert "catalog:   unreachable: " in text, text
+    finally:
+        own_postgres.start()  # type: ignore[attr-defined]
+    assert json.loads(host.run("status", str(root), "--json").stdout)["catalog"] == "ok"
+
+
+def test_status_of_a_plain_mount_answers_with_the_catalog_down(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str, own_postgres: object) -> None:
+    d = mounter.rw(lower_ref)
+    (d.mnt / "new.txt").write_text("x\n")
+    own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        r = cli(fuse_store, "status", str(d.mnt), "--json", check=False)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["ref"] == lower_ref and doc["dirty_inodes"] >= 1, doc
+        assert str(doc["catalog"]).startswith("unreachable: "), doc
+    finally:
+        own_postgres.start()  # type: ignore[attr-defined]

@@ -82,7 +82,11 @@ class FuseHost(Host):
             out = Host.dispatch(self, req)
             live = mount.live
             if live is not None:  # the mount's own figures (``rewindfs status MNT``)
-                daemon = mount.call(live.current_status)
+                daemon = mount.call(live.current_status, False)  # catalog: asked above
+                if str(out.get("catalog") or "ok") != "ok":
+                    # the journal cannot be read: the Ref the mount serves is the pointer
+                    # (each checkpoint and restore rebases the lower on it)
+                    out["ref"] = daemon["ref"]
                 out.update({k: v for k, v in daemon.items() if k not in out})
             out.update(mountpoint=mount.mountpoint, state=s.record.state_dir,
                        backend="fuse", users=mount.users)

@@ -137,6 +137,7 @@ class Host:
 
     def __init__(self, session: Any) -> None:
         self.session = session
+        self.last_pointer: str | None = None  # the restore pointer ``status`` read last
         self.done = threading.Event()
         self.sock_path = os.path.join(socket_dir(), f"{session.id}.sock")
 
@@ -144,10 +145,12 @@ class Host:
         s = self.session
         op = req.get("op")
         if op == "status":
-            pointer = s.restore_pointer()
-            return {"ok": True, "id": s.id, "root": s.root, "pid": os.getpid(),
-                    "epoch": s.epoch, "fault": s.fault,
-                    "ref": str(pointer) if pointer else None}
+            ref, catalog = self.pointer()
+            out = {"ok": True, "id": s.id, "root": s.root, "pid": os.getpid(),
+                   "epoch": s.epoch, "fault": s.fault, "ref": ref}
+            if catalog is not None:
+                out["catalog"] = catalog
+            return out
         if op == "checkpoint":
             trigger = req.get("trigger") or "manual"
             handle = s._h("checkpoint")
@@ -183,6 +186,23 @@ class Host:
             self.done.set()
             return {"ok": True, "ref": ref}
         raise ValueError(f"unknown control request {op!r}")
+
+    def pointer(self) -> tuple[str | None, str | None]:
+        """``(ref, catalog)`` of a ``status``: the session's restore pointer as text (read
+        from its journal), and on a shared store ``"ok"``. With the catalog unreachable,
+        status still answers (from this process's own state): ``ref`` is then the pointer
+        this host read last (None if none), ``catalog`` ``"unreachable: <reason>"``."""
+        from store.errors import CatalogError
+
+        s = self.session
+        try:
+            p = s.restore_pointer()
+        except CatalogError as e:
+            return self.last_pointer, f"unreachable: {e}"
+        self.last_pointer = str(p) if p else None
+        store = s.workspace.store
+        shared = store is not None and bool(getattr(store.catalog, "shared", False))
+        return self.last_pointer, "ok" if shared else None
 
     def replied(self, req: Any) -> None:
         """Called after the reply to ``req`` was sent (or could not be)."""
