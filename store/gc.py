@@ -177,9 +177,10 @@ def gc(store: Store, *, extra_live: Iterable[Ref] = (),
         store.unlock(fd)
 
 
-def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirsReader | None,
-               repack_below: float) -> GCReport:
-    rep = GCReport()
+def ready_for_gc(store: Any) -> None:
+    """The first step of a GC (local or shared), under its lock: raises GCError ``check``
+    if the index was rebuilt and not verified since, ``catch-up`` if the backend's
+    history cannot be caught up (``rebuild.catch_up``); nothing is deleted either way."""
     if store.config_value(UNVERIFIED):
         raise GCError("check", "index", "the index was rebuilt and has not been verified; "
                                         "run verify first")
@@ -187,6 +188,12 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
         catch_up(store)
     except StoreError as e:
         raise GCError("catch-up", "history", str(e)) from e
+
+
+def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirsReader | None,
+               repack_below: float) -> GCReport:
+    rep = GCReport()
+    ready_for_gc(store)
     live = mark(store, live_roots(store, extra_live, state_dirs_reader))
 
     c = store.conn

@@ -206,20 +206,14 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
     """Collect garbage in a shared store (see the module docstring); returns a
     ``gc.GCReport``. Raises GCError (nothing deleted) when another GC runs, pinned writers
     stay past ``wait_s`` seconds, or a step fails (re-running is safe)."""
-    from .gc import GCReport, backend_leftovers, mark, require_indexed
+    from .gc import GCReport, backend_leftovers, mark, ready_for_gc, require_indexed
     from .hostid import host_id
-    from .rebuild import PACK_KEY, UNVERIFIED, catch_up
+    from .rebuild import PACK_KEY
 
     cat = store.catalog
     rep = GCReport()
     with exclusive(store, wait_s) as hold:
-        if store.config_value(UNVERIFIED):
-            raise GCError("check", "index", "the index was rebuilt and has not been "
-                                            "verified; run verify first")
-        try:
-            catch_up(store)
-        except StoreError as e:
-            raise GCError("catch-up", "history", str(e)) from e
+        ready_for_gc(store)
         _drop_dead_mount_pins(store)
         objects, packs = cat.gc_view()
         young_before = cat.clock_ns() - int(grace_s * 1e9)  # the server's clock
