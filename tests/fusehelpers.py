@@ -14,17 +14,20 @@ an ``atexit`` hook as the last resort) can unmount and kill whatever a crashed t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
+import multiprocessing
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_TIMEOUT_S = 60.0
@@ -415,6 +418,45 @@ def renameat2(src: str | os.PathLike[str], dst: str | os.PathLike[str], flags: i
     if _libc.renameat2(AT_FDCWD, s, AT_FDCWD, t, flags) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), os.fspath(src), None, os.fspath(dst))
+
+
+def _exchange_loop(a: str, b: str, stop: Any, count: Any) -> None:
+    """Swap ``a`` and ``b`` until ``stop`` is set; the number of swaps into ``count``. Where
+    RENAME_EXCHANGE is refused, in three renames (a window with no ``a`` at all)."""
+    n, atomic = 0, True
+    while not stop.is_set():
+        if atomic:
+            try:
+                renameat2(a, b, RENAME_EXCHANGE)
+            except OSError:
+                atomic = False
+                continue
+        else:
+            os.rename(a, a + ".tmp")
+            os.rename(b, a)
+            os.rename(a + ".tmp", b)
+        n += 1
+    count.value = n
+
+
+@contextlib.contextmanager
+def exchanging(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> Iterator[Callable[[], int]]:
+    """For the ``with`` block, a forked process swaps the names ``a`` and ``b`` over and
+    over (renameat2 RENAME_EXCHANGE: a race against what the block does); yields a function
+    that gives the number of swaps once the block has ended. The process is stopped and
+    reaped on the way out, killed if it does not stop within 30 s."""
+    ctx = multiprocessing.get_context("fork")
+    stop, count = ctx.Event(), ctx.Value("l", 0)
+    proc = ctx.Process(target=_exchange_loop, args=(os.fspath(a), os.fspath(b), stop, count))
+    proc.start()
+    try:
+        yield lambda: int(count.value)
+    finally:
+        stop.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def errno_of(fn, *args, **kw) -> int:  # type: ignore[no-untyped-def]

@@ -7,11 +7,10 @@ swapped for a link to the outside while the tool runs (a few thousand times).
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing
 import os
 from pathlib import Path
 
+import fusehelpers as fh
 import pytest
 
 from tools.binding import DirBinding
@@ -127,30 +126,6 @@ def test_invalid_path(env: tuple[ToolContext, Path, Path]) -> None:
 
 # --- the swap race ------------------------------------------------------------------------
 
-_RENAME_EXCHANGE = 2
-
-
-def _swapper(root: str, stop: multiprocessing.synchronize.Event,  # type: ignore[name-defined]
-             count: multiprocessing.sharedctypes.Synchronized) -> None:  # type: ignore[name-defined]
-    """Flip ``root/a`` between the real directory and a link to the outside, atomically."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    a, alt = os.path.join(root, "a"), os.path.join(root, "a_alt")
-    n = 0
-    while not stop.is_set():
-        if renameat2 is not None:
-            rc = renameat2(-100, a.encode(), -100, alt.encode(), _RENAME_EXCHANGE)
-            if rc != 0:
-                renameat2 = None
-                continue
-        else:                      # two steps: a window with no ``a`` at all
-            os.rename(a, a + ".tmp")
-            os.rename(alt, a)
-            os.rename(a + ".tmp", alt)
-        n += 1
-    count.value = n
-
-
 def test_directory_swapped_for_outside_link_during_tool_calls(tmp_path: Path) -> None:
     root = tmp_path / "root"
     outside = tmp_path / "outside"
@@ -160,13 +135,8 @@ def test_directory_swapped_for_outside_link_during_tool_calls(tmp_path: Path) ->
     (outside / "f.txt").write_text(SECRET + "\n")
     os.symlink(str(outside), root / "a_alt")
     ws = ToolContext(DirBinding(root))
-    ctx = multiprocessing.get_context("fork")
-    stop = ctx.Event()
-    count = ctx.Value("l", 0)
-    proc = ctx.Process(target=_swapper, args=(str(root), stop, count))
-    proc.start()
     seen_inside = refused = 0
-    try:
+    with fh.exchanging(root / "a", root / "a_alt") as swaps:
         for i in range(3000):
             r = read_file(ws, "a/f.txt")
             assert SECRET not in r.render()
@@ -180,10 +150,7 @@ def test_directory_swapped_for_outside_link_during_tool_calls(tmp_path: Path) ->
                 read_file(ws, "a/f.txt")
                 edit_file(ws, "a/f.txt", "inside", "inside")   # refused: same text
                 write_file(ws, "a/f.txt", "inside\n")
-    finally:
-        stop.set()
-        proc.join(30)
-    assert count.value > 100, "the swapper barely ran"
+    assert swaps() > 100, "the swapper barely ran"
     assert seen_inside > 0 and refused > 0, (seen_inside, refused)
     assert sorted(os.listdir(outside)) == ["f.txt"]
     assert (outside / "f.txt").read_text() == SECRET + "\n"
