@@ -206,3 +206,35 @@ def test_status_of_a_plain_mount_answers_with_the_catalog_down(
         assert str(doc["catalog"]).startswith("unreachable: "), doc
     finally:
         own_postgres.start()  # type: ignore[attr-defined]
+
+
+# -- shutdown --checkpoint that fails keeps the session running -----------------------------
+
+
+@pytest.mark.parametrize("server", ["postgres", "seaweed"])
+def test_a_failed_shutdown_checkpoint_keeps_the_session_running(
+        host: SessionHost, tmp_path: Path, own_postgres: object, own_seaweed: object,
+        server: str) -> None:
+    srv, code, name = ((own_postgres, 12, "postgresql://") if server == "postgres"
+                       else (own_seaweed, 11, "s3://"))
+    s = host.started("new", "--seed", str(_project(tmp_path)))
+    sid, root = s["id"], Path(s["root"])
+    (root / "README").write_text("changed before the outage\n")
+    (root / "pkg" / "new.bin").write_bytes(os.urandom(1 << 20))
+    pid = host.pid(sid)
+    srv.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        r = host.session("shutdown", sid, "--checkpoint", "--json", check=False)
+        doc = _failed(r, code, name)
+        assert doc["type"] == "CheckpointError", doc
+        # Still running, with every change, and it takes new ones.
+        assert host.pid(sid) == pid
+        assert (root / "README").read_text() == "changed before the outage\n"
+        (root / "during.txt").write_text("written during the outage\n")
+    finally:
+        srv.start()  # type: ignore[attr-defined]
+    listed = json.loads(host.session("list", "--json").stdout)
+    assert [(x["id"], x["state"]) for x in listed] == [(sid, "running")]
+    want = ref_of(root)
+    out = json.loads(host.session("shutdown", sid, "--checkpoint", "--json").stdout)
+    assert out["ref"] == str(want)

@@ -71,8 +71,11 @@ class FuseHost(Host):
             with self._cv:
                 self._inflight -= 1
                 self._cv.notify_all()
-        if isinstance(req, dict) and req.get("op") == "shutdown":
-            self.done.set()  # only now: the process may exit once this host stops
+        if getattr(self._tls, "stopping", False):
+            # only now: the process may exit once this host stops. A shutdown refused
+            # before anything stopped (its checkpoint failed) leaves the session running.
+            self._tls.stopping = False
+            self.done.set()
 
     def _dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
         s = self.session
@@ -118,7 +121,8 @@ class FuseHost(Host):
             s._h("mutated").mutated()
             return {"ok": True}
         if op == "shutdown":
-            ref = shutdown_checkpoint(s, req)
+            ref = shutdown_checkpoint(s, req)  # raises: nothing stopped
+            self._tls.stopping = True
             s.shutdown()
             return {"ok": True, "ref": ref, "exits": self.process.last_one(self)}
         return Host.dispatch(self, req)
