@@ -15,7 +15,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import blake3
 
@@ -194,6 +195,19 @@ def overlay_env(e: E, check_state: bool = True) -> Iterator[E]:
         problems = check(e.state, e.store)
         assert problems == [], "\n".join(map(str, problems))
     e.store.close()
+
+
+def shared_store_on(tmp: Path, seaweed: Any, postgres: Any) -> Path:
+    """``tmp``/local configured as this host's directory of a new shared store on the
+    given servers (``servers.Seaweed``, ``servers.Postgres``: a new bucket and a new
+    database), with its cache in ``tmp``/cache; returns that directory."""
+    from store.config import SharedConfig, configure
+
+    local = tmp / "local"
+    configure(str(local), SharedConfig(
+        blobs=f"s3://{seaweed.new_bucket()}/s", catalog=postgres.new_database(),
+        s3_endpoint=seaweed.endpoint, cache=str(tmp / "cache")))
+    return local
 
 
 # -- live mounts ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import fusehelpers as fh
 import pytest
-from ckpt_support import cli, read_in
+from ckpt_support import cli, read_in, shared_store_on
 
 from store.config import SharedConfig, configure
 from store.objects import Store
@@ -26,12 +26,7 @@ pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
 @pytest.fixture
 def fuse_store(tmp_path: Path, own_seaweed: object, own_postgres: object) -> Path:
     """This host's local directory of a shared store on servers of this test alone."""
-    local = tmp_path / "local"
-    bucket = own_seaweed.new_bucket()  # type: ignore[attr-defined]
-    configure(str(local), SharedConfig(
-        blobs=f"s3://{bucket}/s", catalog=own_postgres.new_database(),  # type: ignore[attr-defined]
-        s3_endpoint=own_seaweed.endpoint, cache=str(tmp_path / "cache")))  # type: ignore[attr-defined]
-    return local
+    return shared_store_on(tmp_path, own_seaweed, own_postgres)
 
 
 def _problems(store: Path) -> list[str]:
