@@ -172,7 +172,8 @@ class WritersBusyError(GCError):
     catalog server's clock, seconds); ``count`` is how many there were, ``wait_s`` the
     wait that ran out (s). The message says what to do: let them finish and run the
     command again, or wait longer (``--wait``); a writer that died lets go when its pin
-    expires."""
+    expires, or at once where the command runs on its host (a provably dead holder:
+    ``store.lease.holder_is_dead``; such pins are dropped, not listed here)."""
 
     def __init__(self, command: str, writers: list[tuple[str, int | None, float]],
                  count: int, wait_s: float) -> None:
@@ -189,7 +190,7 @@ class WritersBusyError(GCError):
                  f"{'deleted' if command == 'gc' else 'changed'}. Let the snapshot or "
                  f"checkpoint finish and run {command} again, or give it longer with "
                  f"--wait SECONDS (waited {wait_s:g} s); a writer that died lets go when "
-                 f"its pin expires")
+                 f"its pin expires (at once for the {command} of its own host)")
         super().__init__("wait", "writers", cause)
         self.args = (f"{command} refused: {cause}",)
 

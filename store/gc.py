@@ -70,6 +70,8 @@ class GCReport:
     dirs_cache_pruned: int = 0
     uploads_aborted: int = 0  # unfinished multipart uploads aborted (S3, store/sharedgc.py)
     located_pruned: int = 0  # this host's located rows of deleted packs (store/sharedgc.py)
+    # writer pins of this host's dead processes dropped before their expiry (sharedgc.py)
+    dead_writer_pins: list[str] = field(default_factory=list)
     unknown_keys: list[str] = field(default_factory=list)
 
 

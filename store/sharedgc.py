@@ -43,8 +43,9 @@ so the same exclusion is made of catalog rows (store/pgcatalog.py, schema versio
 Crash windows, each safe:
 
 - A writer dies pinned: its pin expires after at most ``PIN_TTL_S``; until then GC waits
-  (or refuses after ``wait_s``). Its uploaded, unindexed packs are leftovers the next GC
-  deletes.
+  (or refuses after ``wait_s``), except a GC on the writer's own host, which proves it
+  dead (``store.lease.holder_is_dead``: same host id, pid gone) and drops its pin at once.
+  Its uploaded, unindexed packs are leftovers the next GC deletes.
 - A writer paused past its pin's expiry (a partitioned host): GC may run and delete
   what it had reused or uploaded; its commit is then refused (fenced), so nothing
   references the missing objects; the checkpoint or snapshot fails with
@@ -213,6 +214,7 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
     cat = store.catalog
     rep = GCReport()
     with exclusive(store, wait_s) as hold:
+        rep.dead_writer_pins = list(hold.dead_pins)
         ready_for_gc(store)
         _drop_dead_mount_pins(store)
         objects, packs = cat.gc_view()
@@ -267,11 +269,14 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
 
 
 class GCHold:
-    """The ``gc`` lease held by ``exclusive``: ``lease`` is its current state."""
+    """The ``gc`` lease held by ``exclusive``: ``lease`` is its current state;
+    ``dead_pins`` the holders of the writer pins it dropped at once because their holder
+    was provably dead (``store.lease.holder_is_dead``)."""
 
     def __init__(self, leaser: Any, lease: Any) -> None:
         self.leaser = leaser
         self.lease = lease
+        self.dead_pins: list[str] = []
         self._renewed = time.monotonic()
 
     def renew(self) -> None:
@@ -306,22 +311,35 @@ def exclusive(store: Any, wait_s: float = WAIT_S, command: str = "gc") -> Iterat
                       ) from None
     hold = GCHold(leaser, lease)
     try:
-        hold.lease = _wait_for_writers(store, leaser, lease, wait_s, command)
+        hold.lease = _wait_for_writers(store, leaser, lease, wait_s, command,
+                                       hold.dead_pins)
         yield hold
     finally:
         leaser.release(hold.lease)
 
 
 def _wait_for_writers(store: Any, leaser: Any, lease: Any, wait_s: float,
-                      command: str) -> Any:
+                      command: str, dead_pins: list[str]) -> Any:
     """Holding the GC lease (so no writer pins meanwhile): wait until every pin has
-    expired or been released, then delete the expired ones. Returns the renewed lease.
+    expired or been released, then delete the expired ones. A pin whose holder is
+    provably dead (``store.lease.holder_is_dead``: a process of this host, same host id,
+    that is gone; the rule a lease's takeover follows) is deleted at once, as if expired,
+    and its holder appended to ``dead_pins``. Returns the renewed lease.
     WritersBusyError naming the writers' hosts and pids if some are still pinned after
     ``wait_s``."""
+    from .lease import holder_is_dead
+
     deadline = time.monotonic() + wait_s
     while True:
         now = store.catalog.clock_ns()  # the server's, as the pins' expiries
         pins = store.catalog.writer_pins()
+        dead = [p[0] for p in pins if p[3] > now and holder_is_dead(p[0])]
+        if dead:
+            store.catalog.drop_writer_pins(dead)  # fenced from now on, as if expired
+            dead_pins.extend(dead)
+            log.info("dropped the writer pins of dead processes of this host: %s",
+                     ", ".join(dead))
+            pins = [p for p in pins if p[0] not in dead]
         live = [p for p in pins if p[3] > now]
         if not live:
             store.catalog.drop_writer_pins([p[0] for p in pins])

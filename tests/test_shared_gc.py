@@ -175,6 +175,35 @@ def test_a_writer_paused_past_its_pin_is_fenced_and_a_crashed_one_is_waited_for(
     assert b.json("verify")["ok"] is True  # type: ignore[index]
 
 
+def test_the_pin_of_a_killed_writer_of_this_host_is_dropped_at_once(
+        hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    """A writer killed mid-upload leaves its pin for its 60 s ttl. A GC on the writer's own
+    host proves its holder dead (same host id, pid gone: the rule leases follow), so it
+    drops the pin at once (``--wait 0`` succeeds) and reports it; another host's GC cannot
+    tell a dead process there from a live one and waits for the expiry."""
+    a, b = hosts
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.bin").write_bytes(os.urandom(1 << 20))
+    a.run("list")
+    b.run("list")
+    w = _writer(a, src)  # the default pin ttl: 60 s
+    pid = w.pid
+    w.kill()
+    reap(w)  # its pid is gone
+    r = b.run("gc", "--grace", "0", "--wait", "0", check=False)
+    assert r.returncode == 8, r.stderr
+    assert f"1 writer is still uploading to this store: hostA pid {pid}" in r.stderr, r.stderr
+    report = a.json("gc", "--grace", "0", "--wait", "0")
+    assert isinstance(report, dict)
+    (dropped,) = report["dead_writer_pins"]
+    assert dropped.startswith(f"hostA:{pid}:"), report
+    assert report["leftover_packs"] == 1, report  # its upload, deleted
+    report = b.json("gc", "--grace", "0", "--wait", "0")  # nothing is pinned any more
+    assert report["dead_writer_pins"] == [], report  # type: ignore[index]
+    assert b.json("verify")["ok"] is True  # type: ignore[index]
+
+
 def test_the_catalog_serializes_pins_with_the_gc_lease(pg_dsn: str) -> None:
     import time
 
