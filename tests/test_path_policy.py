@@ -445,3 +445,29 @@ def test_the_cover_maker_is_started_again_when_it_ended(ws: ToolContext) -> None
     assert SECRET not in again.text and "rc=1" in again.text, again.text
     assert "w=0" not in again.text, again.text
     assert sandbox._maker and sandbox._maker[0].proc is not gone
+
+
+@needs_sandbox
+def test_a_command_started_inside_a_protected_directory_stays_under_its_covers(
+        tmp_path: Path, cover_mode: str) -> None:
+    """A connection whose working directory is a protected directory (``cd conf`` in an
+    earlier call) starts the next command there: it cannot write it, nor read a hidden file
+    below it, neither through its own directory nor through that of the sandbox's first
+    process (/proc/1/cwd)."""
+    root = tmp_path / "root"
+    (root / "conf" / "sub").mkdir(parents=True)
+    (root / "conf" / "app.toml").write_text("x = 1\n")
+    (root / "conf" / "sub" / ".env").write_text(SECRET + "\n")
+    ws = ToolContext(DirBinding(root, policy=PathPolicy(hide=(".env",), protect=("conf/",))))
+    run_bash(ws, "cd conf")
+    b = run_bash(ws, "pwd; echo y > app.toml; echo a=$?; touch new; echo b=$?; "
+                     "cat sub/.env; echo c=$?; cat /proc/1/cwd/sub/.env; echo d=$?; "
+                     "echo y > /proc/1/cwd/app.toml; echo e=$?; "
+                     "cat /proc/1/cwd/conf/sub/.env; echo f=$?; "
+                     "echo y > /proc/1/cwd/conf/app.toml; echo g=$?")
+    assert b.text.startswith(f"{root}/conf\n"), b.text
+    assert SECRET not in b.text and "hunter2" not in b.text, b.text
+    for k in "abcdefg":
+        assert f"{k}=0" not in b.text or k == "e", b.text
+    assert (root / "conf" / "app.toml").read_text() == "x = 1\n"
+    assert sorted(os.listdir(root / "conf")) == ["app.toml", "sub"]

@@ -870,18 +870,24 @@ def confined_shell(bwrap_path: str, root: str, cwd: str, hidden: Sequence[str],
         argv += ["--info-fd", str(info_fd)]
     if block_fd is not None:
         argv += ["--block-fd", str(block_fd)]
-    argv += ["--chdir", cwd, "--", "prlimit", f"--nproc={policy.max_processes}",
+    # A gated command starts in the root and changes to ``cwd`` only once the gate opens:
+    # covers made meanwhile sit on dentries, and a process already inside a covered
+    # directory (bwrap's init keeps the directory it starts in; /proc/1/cwd) would work
+    # beneath the cover.
+    argv += ["--chdir", cwd if gate_fds is None else root, "--", "prlimit",
+             f"--nproc={policy.max_processes}",
              f"--as={policy.max_memory_bytes}", f"--fsize={policy.max_file_bytes}",
              "--", "bash", "-c"]
     if gate_fds is None:
         return argv + [command]
-    return argv + [_GATE, "bash", str(gate_fds[0]), str(gate_fds[1]), command]
+    return argv + [_GATE, "bash", str(gate_fds[0]), str(gate_fds[1]), command, cwd]
 
 
 # Runs in the sandbox before a gated command: says it is set up, waits until its covers are
-# made and its network is configured, closes both descriptors and runs the command.
+# made and its network is configured, closes both descriptors, changes to the command's
+# directory (resolved now, through the covers) and runs the command.
 _GATE = ('printf 1 >&"$1" && eval "exec $1>&-" && read -r -n 1 _ <&"$2" '
-             '&& eval "exec $2<&-" && exec bash -c "$3"')
+         '&& eval "exec $2<&-" && cd -P -- "$4" && exec bash -c "$3"')
 
 
 def _system_view() -> list[str]:
