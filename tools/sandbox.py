@@ -370,21 +370,21 @@ def _hidden_source(api: _MountApi, empty: int, detached: bool = True) -> tuple[i
     return m, True
 
 
-def _make_cover(api: _MountApi, top: int, hidden: tuple[int, bool], rel: int,
-                c: Cover) -> None:
-    """Mount ``c`` (its path at address ``rel``) over its object, found below ``top``
-    without following any link and checked to be the object the scan saw (OSError ESTALE
-    otherwise). ``hidden``: from :func:`_hidden_source`."""
+def _make_cover(api: _MountApi, top: int, hidden: tuple[int, bool], rel: int, hide: bool,
+                is_dir: bool, dev: int, ino: int) -> None:
+    """Mount one cover (a ``Cover``'s fields; its path at address ``rel``) over its object,
+    found below ``top`` without following any link and checked to be the object the scan
+    saw (OSError ESTALE otherwise). ``hidden``: from :func:`_hidden_source`."""
     sys_, e = api.sys, api.empty_path
     dst = sys_(_NR_OPENAT2, top, rel, *api.how, 0)
     if dst < 0:
         raise api.fail("openat2")
     try:
         st = os.fstat(dst)
-        if st.st_ino != c.ino or st.st_dev != c.dev or stat.S_ISLNK(st.st_mode) \
-                or stat.S_ISDIR(st.st_mode) != c.is_dir:
+        if st.st_ino != ino or st.st_dev != dev or stat.S_ISLNK(st.st_mode) \
+                or stat.S_ISDIR(st.st_mode) != is_dir:
             raise OSError(errno.ESTALE, "a covered path changed while the command started")
-        if c.hide and c.is_dir:
+        if hide and is_dir:
             fs = sys_(_NR_FSOPEN, api.tmpfs, 1, 0, 0, 0)   # FSOPEN_CLOEXEC
             if fs < 0:
                 raise api.fail("fsopen")
@@ -398,7 +398,7 @@ def _make_cover(api: _MountApi, top: int, hidden: tuple[int, bool], rel: int,
                     raise api.fail("fsmount")
             finally:
                 os.close(fs)
-        elif c.hide:
+        elif hide:
             m = _clone(api, hidden[0])
             if not hidden[1]:
                 _set_attr(api, m, api.hidden_attr)
@@ -406,7 +406,7 @@ def _make_cover(api: _MountApi, top: int, hidden: tuple[int, bool], rel: int,
             # A directory's clone takes the mounts below it along; nothing is below a file,
             # and a recursive clone of one still walks every mount of the file system's
             # mount (each cover made so far: O(n^2) for n covers).
-            m = _clone(api, dst, recursive=c.is_dir)
+            m = _clone(api, dst, recursive=is_dir)
             _set_attr(api, m, api.protect_attr)
         try:
             if sys_(_NR_MOVE_MOUNT, m, e, dst, e, _MOVE_MOUNT_EMPTY) < 0:
@@ -462,18 +462,22 @@ def cover_sandbox(api: _MountApi, user_fd: int, mnt_fd: int, root: bytes, root_i
     if not stat.S_ISREG(est.st_mode) or est.st_size:
         raise OSError(errno.ESTALE, f"{SANDBOX_EMPTY} is not an empty file")
     hidden = _hidden_source(api, empty, detached)
-    keep: list[Any] = []
+    paths = api.c.create_string_buffer(b"\0".join(c[0] for c in covers) + b"\0")
+    at = api.c.addressof(paths)
     for rel, hide, is_dir, dev, ino in covers:
-        _make_cover(api, top, hidden, api.string(rel, keep), Cover(rel, hide, is_dir, dev, ino))
+        _make_cover(api, top, hidden, at, hide, is_dir, dev, ino)
+        at += len(rel) + 1
 
 
 # The helper, run as ``python -S -I -c COVER_MAKER FD``. Its first message on the unix
 # socket FD is this module's source as the server read it when it imported it (the helper
 # imports nothing from disk: the workspace may hold this very checkout, which a command may
-# have changed since). For each further request (a length-prefixed marshal of the
+# have changed since). It keeps one forked child waiting (so no fork lies between a
+# request and its covers): the child reads one request (a length-prefixed marshal of the
 # cover_sandbox arguments but the first three, which are the API and the two descriptors
-# sent with it) it forks a child that calls cover_sandbox, and answers (0, "") or (errno,
-# message). It ends when the socket closes (its server ended).
+# sent with it), calls cover_sandbox, answers (0, "") or (errno, message) and exits; then
+# the next child is forked. The helper ends when the socket closes (its server ended) or a
+# child dies without answering (the server then sees the socket close).
 COVER_MAKER = r"""
 import marshal, os, socket, struct, sys, types
 sock = socket.socket(fileno=int(sys.argv[1]))
@@ -482,7 +486,7 @@ def read(n):
     while len(data) < n:
         chunk = sock.recv(n - len(data))
         if not chunk:
-            sys.exit(0)
+            os._exit(1)
         data += chunk
     return data
 source = read(struct.unpack("=I", read(4))[0])
@@ -490,40 +494,30 @@ sandbox = types.ModuleType("rewindfs_cover_maker")
 sys.modules[sandbox.__name__] = sandbox
 exec(compile(source, "tools/sandbox.py", "exec"), sandbox.__dict__)
 api = sandbox._mount_api()
-while True:
+def serve():
     try:
         head, fds, _, _ = socket.recv_fds(sock, 4, 2)
     except OSError:
-        break
-    if len(head) < 4:
-        break
+        os._exit(1)
+    if len(head) < 4 or len(fds) != 2:
+        os._exit(1)
     body = read(struct.unpack("=I", head)[0])
-    r, w = os.pipe()
+    try:
+        sandbox.cover_sandbox(api, fds[0], fds[1], *marshal.loads(body))
+        out = (0, "")
+    except OSError as e:
+        out = (e.errno or 5, str(e))
+    except BaseException as e:
+        out = (5, repr(e))
+    data = marshal.dumps(out)
+    sock.sendall(struct.pack("=I", len(data)) + data)
+    os._exit(0)
+while True:
     pid = os.fork()
     if pid == 0:
-        os.close(r)
-        try:
-            sandbox.cover_sandbox(api, fds[0], fds[1], *marshal.loads(body))
-            out = (0, "")
-        except OSError as e:
-            out = (e.errno or 5, str(e))
-        except BaseException as e:
-            out = (5, repr(e))
-        os.write(w, marshal.dumps(out))
-        os._exit(0)
-    os.close(w)
-    for fd in fds:
-        os.close(fd)
-    got = b""
-    while True:
-        chunk = os.read(r, 65536)
-        if not chunk:
-            break
-        got += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    data = marshal.dumps(marshal.loads(got) if got else (5, "the cover maker's child died"))
-    sock.sendall(struct.pack("=I", len(data)) + data)
+        serve()
+    if os.waitpid(pid, 0)[1] != 0:
+        break
 """
 _OWN_SOURCE = b""
 if "__file__" in globals():                 # not in the helper itself
