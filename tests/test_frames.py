@@ -30,7 +30,15 @@ from store.errors import IntegrityError
 from store.gc import gc
 from store.materialize import materialize
 from store.objects import Store
-from store.pack import BLOCK_SIZE, FRAME_SIZE, Codec, FrameTable, Location, table_length
+from store.pack import (
+    BLOCK_SIZE,
+    FRAME_SIZE,
+    Codec,
+    FrameTable,
+    Location,
+    frame_tag,
+    table_length,
+)
 from store.ref import ObjectId, Ref
 from store.snapshot import snapshot
 from store.verify import verify
@@ -341,6 +349,23 @@ def test_frame_table_bounds(tmp_path: Path) -> None:
         FrameTable.parse("t", head, len(head) + 21, 2 * FRAME_SIZE)
     with pytest.raises(IntegrityError):
         FrameTable.parse("t", head, len(head) + 20, 3 * FRAME_SIZE)
+
+
+def test_unit_tags_are_keyed_blake3_of_offset_then_plaintext() -> None:
+    """The tag of a frame or block is what packs already on disk hold: keyed blake3 (key:
+    the chunk id) of its plaintext offset (8 bytes, big endian) followed by its plaintext,
+    whatever the unit's size or where its bytes sit (a view into a record)."""
+    oid = ObjectId(blake3.blake3(b"some chunk").digest())
+    rnd = random.Random(5)
+    for n in (0, 1, BLOCK_SIZE - 1, BLOCK_SIZE, FRAME_SIZE):
+        plain = rnd.randbytes(n)
+        for off in (0, BLOCK_SIZE, 7 * FRAME_SIZE, (1 << 40) + 3):
+            h = blake3.blake3(key=oid)
+            h.update(struct.pack(">Q", off))
+            h.update(plain)
+            want = h.digest()
+            assert frame_tag(oid, off, plain) == want
+            assert frame_tag(oid, off, memoryview(b"x" * 32 + plain)[32:]) == want
 
 
 # -- through a real mount ------------------------------------------------------------------
