@@ -19,7 +19,7 @@ import fusehelpers as fh
 import pytest
 from ckpt_support import cli, shared_store_on
 from session_support import ref_of
-from test_shared_sessions import SessionHost
+from test_shared_sessions import SessionHost, project
 from test_shared_store import two_hosts
 
 pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
@@ -61,14 +61,6 @@ def _failed(r: object, code: int, server: str) -> dict[str, object]:
     assert doc["exit_code"] == code and doc["ok"] is False, doc
     assert isinstance(doc, dict)
     return doc
-
-
-def _project(tmp: Path) -> Path:
-    src = tmp / "project"
-    (src / "pkg").mkdir(parents=True)
-    (src / "README").write_text("a project\n")
-    (src / "pkg" / "data.bin").write_bytes(os.urandom(1 << 20))
-    return src
 
 
 # -- checkpoint / restore / step exit codes -------------------------------------------------
@@ -130,7 +122,7 @@ def test_a_mount_checkpoint_with_s3_hung_exits_11(
 
 def test_session_checkpoint_restore_and_step_name_the_failed_server(
         host: SessionHost, tmp_path: Path, own_postgres: object, own_seaweed: object) -> None:
-    s = host.started("new", "--seed", str(_project(tmp_path)))
+    s = host.started("new", "--seed", str(project(tmp_path, 1 << 20)))
     sid, root = s["id"], Path(s["root"])
     first = json.loads(host.session("checkpoint", sid, "--json").stdout)["ref"]
     (root / "README").write_text("changed\n")
@@ -166,7 +158,7 @@ def test_session_checkpoint_restore_and_step_name_the_failed_server(
 
 def test_status_of_a_session_mount_answers_with_the_catalog_down(
         host: SessionHost, tmp_path: Path, own_postgres: object) -> None:
-    root = Path(host.started("new", "--seed", str(_project(tmp_path)))["root"])
+    root = Path(host.started("new", "--seed", str(project(tmp_path, 1 << 20)))["root"])
     (root / "README").write_text("changed\n")
     up = json.loads(host.run("status", str(root), "--json").stdout)
     assert up["catalog"] == "ok", up
@@ -210,7 +202,7 @@ def test_a_failed_shutdown_checkpoint_keeps_the_session_running(
         server: str) -> None:
     srv, code, name = ((own_postgres, 12, "postgresql://") if server == "postgres"
                        else (own_seaweed, 11, "s3://"))
-    s = host.started("new", "--seed", str(_project(tmp_path)))
+    s = host.started("new", "--seed", str(project(tmp_path, 1 << 20)))
     sid, root = s["id"], Path(s["root"])
     (root / "README").write_text("changed before the outage\n")
     (root / "pkg" / "new.bin").write_bytes(os.urandom(1 << 20))

@@ -77,18 +77,20 @@ def hosts(s3_env: object, s3_bucket: str, pg_dsn: str,
         b.cleanup()
 
 
-def _project(tmp: Path) -> Path:
+def project(tmp: Path, data_bytes: int = 2 << 20) -> Path:
+    """A seed directory ``tmp``/project: a README and ``data_bytes`` random bytes in
+    pkg/data.bin."""
     src = tmp / "project"
     (src / "pkg").mkdir(parents=True)
     (src / "README").write_text("a project\n")
-    (src / "pkg" / "data.bin").write_bytes(os.urandom(2 << 20))
+    (src / "pkg" / "data.bin").write_bytes(os.urandom(data_bytes))
     return src
 
 
 def test_a_session_checkpointed_at_shutdown_moves_to_b_and_back(
         hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
     a, b = hosts
-    s = a.started("new", "--seed", str(_project(tmp_path)))
+    s = a.started("new", "--seed", str(project(tmp_path)))
     sid, root_a = s["id"], Path(s["root"])
     (root_a / "README").write_text("changed on A\n")
     (root_a / "pkg" / "new.py").write_text("print('A')\n")
@@ -129,7 +131,7 @@ def test_a_session_checkpointed_at_shutdown_moves_to_b_and_back(
 def test_changes_left_in_an_upper_keep_the_session_on_its_host(
         hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
     a, b = hosts
-    seed = json.loads(a.run("snapshot", str(_project(tmp_path)), "--json").stdout)["ref"]
+    seed = json.loads(a.run("snapshot", str(project(tmp_path)), "--json").stdout)["ref"]
     s = a.started("new", "--seed", seed)
     sid, root_a = s["id"], Path(s["root"])
     (root_a / "README").write_text("not checkpointed\n")
@@ -160,7 +162,7 @@ def test_a_crashed_session_is_refused_elsewhere_until_its_changes_are_given_up(
         hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
     a, b = hosts
     ttl = 20.0  # renewed every ttl/3: held for at least 2/3 ttl after the kill, at most ttl
-    s = a.started("new", "--seed", str(_project(tmp_path)), "--lease-ttl", str(ttl))
+    s = a.started("new", "--seed", str(project(tmp_path)), "--lease-ttl", str(ttl))
     sid, root_a = s["id"], Path(s["root"])
     (root_a / "README").write_text("checkpointed on A\n")
     last = json.loads(a.run("checkpoint", str(root_a), "--json").stdout)["ref"]
@@ -184,7 +186,7 @@ def test_a_crashed_session_is_refused_elsewhere_until_its_changes_are_given_up(
 def test_a_read_only_mount_of_a_ref_of_a_serves_on_b(hosts: tuple[SessionHost, SessionHost],
                                                      tmp_path: Path) -> None:
     a, b = hosts
-    src = _project(tmp_path)
+    src = project(tmp_path)
     ref = json.loads(a.run("snapshot", str(src), "--json").stdout)["ref"]
     mnt = tmp_path / "ro-on-b"
     mnt.mkdir()
@@ -202,7 +204,7 @@ def test_a_read_only_mount_of_a_ref_of_a_serves_on_b(hosts: tuple[SessionHost, S
 def test_a_session_without_fuse_moves_only_after_a_shutdown_checkpoint(
         hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
     a, b = hosts
-    s = a.started("new", "--no-fuse", "--seed", str(_project(tmp_path)))
+    s = a.started("new", "--no-fuse", "--seed", str(project(tmp_path)))
     sid, root_a = s["id"], Path(s["root"])
     (root_a / "README").write_text("in a plain directory\n")
     a.session("shutdown", sid)
@@ -230,7 +232,7 @@ def test_a_catalog_outage_across_a_lease_renewal_leaves_the_session_its_lease(
     assert isinstance(a, SessionHost) and isinstance(b, SessionHost)
     try:
         ttl = 30.0  # renewed every 10 s; the first failing checkpoint waits up to 10 s
-        s = a.started("new", "--seed", str(_project(tmp_path)), "--lease-ttl", str(ttl))
+        s = a.started("new", "--seed", str(project(tmp_path)), "--lease-ttl", str(ttl))
         sid, root = s["id"], Path(s["root"])
         own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
         try:
