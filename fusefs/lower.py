@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 from store.errors import ObjectNotFoundError, StoreError
 from store.objects import Store
-from store.pack import Location, unit_size
+from store.pack import Codec, Location, unit_size
 from store.ref import ObjectId, Ref
 from store.tree import Kind, Tree
 
@@ -44,7 +44,7 @@ class Lower:
         self.store = store
         self.ref = ref
         self.chunk_size = store.chunk_size
-        # whole chunks by id, frames and blocks by (id, unit size, index)
+        # whole chunks by id, frames by (id, unit size, index) (blocks are not kept: read)
         self._cache: OrderedDict[bytes | tuple[bytes, int, int], bytes] = OrderedDict()
         self._cache_size = 0
         self._cache_max = cache_bytes
@@ -157,16 +157,29 @@ class Lower:
     def read(self, cid: bytes, lo: int, hi: int) -> bytes:
         """Bytes ``[lo, hi)`` of chunk ``cid`` (verified): from the cached chunk, else, for
         at most SMALL_CHUNK bytes of a chunk stored in frames or blocks, from those (each
-        verified and cached), else from the whole chunk. Raises the store's
-        IntegrityError and ObjectNotFoundError."""
+        verified; frames are cached, blocks are not: see below), else from the whole
+        chunk. Raises the store's IntegrityError and ObjectNotFoundError.
+
+        A block is a page (4 KiB): the kernel asks for page-aligned ranges and keeps
+        what a read returns in its page cache, so a block is not asked for twice while
+        that copy lives, and keeping it here too cost every cold random read an
+        allocation that stayed (and pushed frames and whole chunks out of the cache)."""
         data = self.cached(cid)
         if data is not None:
             return data[lo:hi]
-        loc = self._loc(cid)
+        loc = self._locs.get(cid) or self._loc(cid)
         unit = None if loc is None else unit_size(loc.codec)
-        if unit is None or hi <= lo or hi - lo > SMALL_CHUNK:
+        if loc is None or unit is None or hi <= lo or hi - lo > SMALL_CHUNK:
             return self.chunk(cid)[lo:hi]
         first, last = lo // unit, (hi - 1) // unit
+        base = first * unit
+        if loc.codec is Codec.BLOCKS:
+            got = self.store.read_frames(ObjectId(cid), first, last, loc)
+            if got is None:  # repacked otherwise meanwhile
+                self._locs.pop(cid, None)
+                return self.chunk(cid)[lo:hi]
+            one = got[0] if len(got) == 1 else b"".join(got)
+            return one[lo - base:hi - base]
         frames: list[bytes | None] = []
         with self._lock:
             for i in range(first, last + 1):
@@ -174,8 +187,8 @@ class Lower:
                 if f is not None:
                     self._cache.move_to_end((cid, unit, i))
                 frames.append(f)
-        missing = [first + k for k, f in enumerate(frames) if f is None]
-        if missing:
+        if None in frames:
+            missing = [first + k for k, f in enumerate(frames) if f is None]
             got = self.store.read_frames(ObjectId(cid), missing[0], missing[-1], loc)
             if got is None:  # repacked otherwise meanwhile
                 self._locs.pop(cid, None)
@@ -184,8 +197,9 @@ class Lower:
                 i = missing[0] + k
                 self._put((cid, unit, i), f)
                 frames[i - first] = f
-        base = first * unit
-        return b"".join(f for f in frames if f is not None)[lo - base:hi - base]
+        out = frames[0] if len(frames) == 1 else b"".join(f for f in frames if f is not None)
+        assert out is not None
+        return out[lo - base:hi - base]
 
     def _loc(self, cid: bytes) -> Location | None:
         loc = self._locs.get(cid)

@@ -126,9 +126,19 @@ class LocalDirBackend:
         self._pending_files: set[str] = set()
         self._pending_dirs: set[str] = set()
         self._lock = threading.Lock()
+        self._paths: dict[str, str] = {}
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *check_key(key).split("/"))
+        """The file of ``key`` (InvalidKeyError for a key that is not valid). Pack paths
+        are remembered (at most 4096): a read of a few KiB asks for one per read."""
+        path = self._paths.get(key)
+        if path is None:
+            path = os.path.join(self.root, *check_key(key).split("/"))
+            if key.startswith("packs/"):
+                if len(self._paths) >= 4096:
+                    self._paths.clear()
+                self._paths[key] = path
+        return path
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)

@@ -376,6 +376,9 @@ fd = os.open(sys.argv[1], os.O_RDONLY)
 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: each read asks its pages
 for spec in sys.argv[2:]:
     off, n = map(int, spec.split(":"))
+    if off < 0:  # the file's pages leave the page cache: the next reads ask the daemon
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        continue
     try:
         data = os.pread(fd, n, off)
     except OSError as e:
@@ -387,7 +390,8 @@ for spec in sys.argv[2:]:
 
 def _preads(path: Path, spans: list[tuple[int, int]]) -> list[bytes | int]:
     """pread each ``(offset, length)`` of ``path`` in another process: the bytes, or the
-    errno of a failed read."""
+    errno of a failed read. A negative offset drops the file's cached pages instead (no
+    result)."""
     out = subprocess.run([sys.executable, "-c", _PREAD, str(path)]
                          + [f"{o}:{n}" for o, n in spans],
                          capture_output=True, check=True).stdout.splitlines()
@@ -427,13 +431,17 @@ def test_mount_random_reads_are_exact_and_a_damaged_unit_is_eio_only_where_touch
         lo_bad, hi_bad = bad[name]
         spans: list[tuple[int, int]] = []
         while len(spans) < 300:
-            o = rnd.randrange(len(data) // 4096) * 4096
-            if not (o + 4096 <= lo_bad or o >= hi_bad):
-                continue
-            spans.append((o, 4096))
+            # a page, or (straddling two units) half of one and half of the next
+            o = rnd.randrange(len(data) // 4096 - 1) * 4096 + (0 if len(spans) % 3 else 2048)
+            if o + 4096 <= lo_bad or o >= hi_bad:
+                spans.append((o, 4096))
         spans += [(lo_bad, 4096), (hi_bad - 4096, 4096), (len(data) - 777, 4096)]
-        got = _preads(d.mnt / name.decode(), spans)
-        assert got[-3:-1] == [errno.EIO, errno.EIO]
-        assert got[-1] == data[-777:]
-        for (o, ln), g in zip(spans[:-3], got[:-3], strict=True):
-            assert g == data[o:o + ln], (name, o)
+        # Twice, the file's pages dropped in between: every read asks the daemon again,
+        # which keeps no block and verifies each one it reads.
+        got = _preads(d.mnt / name.decode(), spans + [(-1, 0)] + spans)
+        assert len(got) == 2 * len(spans)
+        for g in (got[:len(spans)], got[len(spans):]):
+            assert g[-3:-1] == [errno.EIO, errno.EIO]
+            assert g[-1] == data[-777:]
+            for (o, ln), b in zip(spans[:-3], g[:-3], strict=True):
+                assert b == data[o:o + ln], (name, o)
