@@ -195,6 +195,33 @@ class WritersBusyError(GCError):
         self.args = (f"{command} refused: {cause}",)
 
 
+class GCBusyError(GCError):
+    """``gc`` or ``rebuild-index`` on a shared store refused (nothing changed): another
+    ``gc`` or ``rebuild-index`` holds the store's ``gc`` lease. ``command`` is the refused
+    command (``gc`` or ``rebuild-index``); ``host`` and ``pid`` name the holder (``pid`` None
+    when its holder id has no pid); ``expires_in_s`` is how long its lease runs unless it is
+    renewed (s, by the catalog server's clock; None if unknown), ``ttl_s`` the lease's ttl
+    (s). The message says what to do: let it finish and run the command again; a holder
+    that died lets go when its lease expires (at once for a command on its own host)."""
+
+    def __init__(self, command: str, host: str, pid: int | None,
+                 expires_in_s: float | None, ttl_s: float) -> None:
+        self.command = command
+        self.host = host
+        self.pid = pid
+        self.expires_in_s = expires_in_s
+        self.ttl_s = ttl_s
+        who = host + ("" if pid is None else f" pid {pid}")
+        left = ("" if expires_in_s is None
+                else f" (its lease runs out in {max(0, round(expires_in_s))} s unless renewed)")
+        cause = (f"another gc or rebuild-index is running on this store: {who}{left}; "
+                 f"nothing {'deleted' if command == 'gc' else 'changed'}. Let it finish and "
+                 f"run {command} again; if it died, its lease lapses within {ttl_s:g} s "
+                 f"(at once for the {command} of its own host)")
+        super().__init__("check", "gc", cause)
+        self.args = (f"{command} refused: {cause}",)
+
+
 class BackendError(StoreError):
     """A blob backend operation failed."""
 

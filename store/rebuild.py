@@ -233,7 +233,7 @@ def rebuild_index(store: Store, *, wait_s: float | None = None) -> RebuildReport
     """Recreate the index from the backend (see the module docstring). Holds gc.lock and,
     on a shared store, the ``gc`` lease with no writer pinned, as GC does
     (``sharedgc.exclusive``: it waits up to ``wait_s`` seconds, default ``sharedgc.WAIT_S``,
-    for writers of every host); GCError if another GC or rebuild runs, WritersBusyError
+    for writers of every host); GCBusyError if another GC or rebuild runs, WritersBusyError
     (a GCError, exit 8) if writers stay."""
     from . import sharedgc
 

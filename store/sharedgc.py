@@ -98,6 +98,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     BlobNotFoundError,
+    GCBusyError,
     GCError,
     LeaseBusyError,
     LeaseLostError,
@@ -296,8 +297,8 @@ def exclusive(store: Any, wait_s: float = WAIT_S, command: str = "gc") -> Iterat
     docstring: no writer pins and no mount adds a pin while it is held): what GC and
     ``rebuild-index`` (``command``, named in the refusal) need of every host. Waits up to
     ``wait_s`` seconds for pinned writers (their expired pins are dropped, which fences
-    them). Raises GCError (nothing done) when another holder has the lease,
-    WritersBusyError when writers stay pinned; released on exit."""
+    them). Raises GCBusyError (a GCError, nothing done) when another holder has the
+    lease, WritersBusyError when writers stay pinned; released on exit."""
     import secrets
 
     from .lease import Leaser, holder_name
@@ -307,8 +308,10 @@ def exclusive(store: Any, wait_s: float = WAIT_S, command: str = "gc") -> Iterat
     try:
         lease = leaser.acquire(GC_LEASE, holder, GC_LEASE_TTL_S)
     except LeaseBusyError as e:
-        raise GCError("check", GC_LEASE, f"another gc or rebuild-index runs ({e.holder})"
-                      ) from None
+        left = (None if e.expires_ns is None
+                else (e.expires_ns - store.catalog.clock_ns()) / 1e9)
+        raise GCBusyError(command, e.holder.split(":")[0], _pid(e.holder), left,
+                          GC_LEASE_TTL_S) from None
     hold = GCHold(leaser, lease)
     try:
         hold.lease = _wait_for_writers(store, leaser, lease, wait_s, command,

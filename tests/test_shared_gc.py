@@ -468,3 +468,26 @@ def test_leases_run_on_the_catalog_servers_clock_whatever_a_hosts_clock_says(
     skew, took = _lease_on(b, "session/s2", "hostB:1:b", skew="+10m")
     assert took == "took 60"  # by the server's clock (10 minutes more by B's own)
     assert _lease_on(a, "session/s2", "hostA:1:a")[1] == "busy hostB:1:b"
+
+
+def test_gc_and_rebuild_index_refuse_a_running_gc_in_one_plain_line(
+        hosts: tuple[Host, Host]) -> None:
+    """While host A holds the ``gc`` lease (a gc or rebuild-index of its own), ``gc`` and
+    ``rebuild-index`` on B refuse with exit 8 in one line naming A's host and pid and what
+    to do (it was 'gc check gc: another gc or rebuild-index runs (hostA:4242:a)')."""
+    a, b = hosts
+    a.run("list")
+    assert _lease_on(a, "gc", "hostA:4242:a")[1] == "took 60"
+    for command, nothing in (("gc", "nothing deleted"), ("rebuild-index", "nothing changed")):
+        r = b.run(command, "--wait", "0", check=False)
+        assert r.returncode == 8, r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(
+            f"rewindfs: {command} refused: another gc or rebuild-index is running on this "
+            "store: hostA pid 4242 (its lease runs out in "), r.stderr
+        assert f"{nothing}. Let it finish and run {command} again" in r.stderr, r.stderr
+        assert "hostA:4242:a" not in r.stderr and " check " not in r.stderr, r.stderr
+        doc = json.loads(b.run(command, "--wait", "0", "--json", check=False).stdout)
+        assert doc["type"] == "GCBusyError" and doc["exit_code"] == 8, doc
+        assert (doc["command"], doc["host"], doc["pid"]) == (command, "hostA", 4242), doc
+        assert 0 < doc["expires_in_s"] <= 60, doc
