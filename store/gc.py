@@ -69,6 +69,7 @@ class GCReport:
     files_cache_pruned: int = 0
     dirs_cache_pruned: int = 0
     uploads_aborted: int = 0  # unfinished multipart uploads aborted (S3, store/sharedgc.py)
+    chunk_pages_pruned: int = 0  # this host's chunk_pages rows of chunks no longer stored
     located_pruned: int = 0  # this host's located rows of deleted packs (store/sharedgc.py)
     # writer pins of this host's dead processes dropped before their expiry (sharedgc.py)
     dead_writer_pins: list[str] = field(default_factory=list)
@@ -234,7 +235,8 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
         rep.files_cache_pruned = _prune_files_cache(store)
         rep.dirs_cache_pruned = dircache.prune(c, live)
         # Data page counts (a per-chunk cache for st_blocks) of chunks no longer stored.
-        c.execute("DELETE FROM chunk_pages WHERE id NOT IN (SELECT id FROM objects)")
+        rep.chunk_pages_pruned = c.execute(
+            "DELETE FROM chunk_pages WHERE id NOT IN (SELECT id FROM objects)").rowcount
 
     for key in dead_packs + sparse + leftovers:
         if not PACK_KEY.fullmatch(key):

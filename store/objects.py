@@ -284,6 +284,26 @@ class Store:
         are left out (one query per 500 ids)."""
         return dict(self._rows_in("SELECT id, pages FROM chunk_pages WHERE id IN", ids))
 
+    def prune_chunk_pages(self, kept: set[bytes]) -> int:
+        """Delete this host's ``chunk_pages`` rows of chunks whose id is not in ``kept``
+        (the ids the catalog still indexes after a GC) and return how many went. Only a
+        cache: a local index that cannot be written (full disk, locked) keeps its rows,
+        which stay harmless (a chunk stored again has the same pages)."""
+        gone = [r[0] for r in self.conn.execute("SELECT id FROM chunk_pages")
+                if bytes(r[0]) not in kept]
+        if not gone:
+            return 0
+        n = 0
+        try:
+            with write_transaction(self.conn, self.index_path) as c:
+                for i in range(0, len(gone), 500):
+                    batch = gone[i:i + 500]
+                    n += c.execute("DELETE FROM chunk_pages WHERE id IN (" + ",".join(
+                        "?" * len(batch)) + ")", batch).rowcount
+        except (StoreError, sqlite3.Error):
+            return 0
+        return n
+
     def has(self, oid: ObjectId) -> bool:
         return self.catalog.has(oid)
 

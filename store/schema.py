@@ -134,7 +134,8 @@ TABLES: dict[str, dict[str, str]] = {
     "chunk_pages": {
         "id": "32-byte id of a chunk written (or put again) through this host (primary "
               "key). Only a cache: a chunk without a row counts all its pages; GC deletes "
-              "the rows of chunks it deletes.",
+              "the rows of chunks no longer indexed (on a shared store a GC on this host, "
+              "also of chunks other hosts' GCs deleted).",
         "pages": "4 KiB pages of the chunk's plaintext that hold a non-zero byte "
                  "(store.chunker.data_pages): what st_blocks counts of it, as a file "
                  "system with holes counts allocated pages.",

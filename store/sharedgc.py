@@ -242,6 +242,11 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
         # This host's copy of the catalog's rows loses those of every deleted pack (also
         # of earlier GCs); other hosts prune theirs when they see the new generation.
         rep.located_pruned = store.prune_located(k for k, _size, _n in cat.packs())
+        # This host's data page counts (st_blocks) of chunks no longer indexed, as the
+        # embedded GC does (also of chunks earlier GCs of any host deleted).
+        gone = set(dead)
+        rep.chunk_pages_pruned = store.prune_chunk_pages(
+            {bytes(oid) for oid, _kind, pack in objects if pack not in gone})
         for key in dead + leftovers:
             if not PACK_KEY.fullmatch(key):
                 rep.unknown_keys.append(key)

@@ -401,3 +401,39 @@ def test_gc_leaves_no_location_of_a_deleted_pack(spec: str, tmp_path: Path) -> N
         st.close()  # type: ignore[attr-defined]
         if shared:
             st.catalog.close()  # type: ignore[attr-defined]
+
+
+def test_gc_leaves_no_page_count_of_a_deleted_chunk(spec: str, tmp_path: Path) -> None:
+    """GC deletes the chunks only a forgotten snapshot reached: the host that ran it keeps
+    no data page count (``chunk_pages``, what st_blocks counts) of any chunk no longer
+    indexed (a shared store's GC left them, so they grew with every chunk ever written),
+    and keeps those of what stays live."""
+    from store.gc import gc
+    from store.snapshot import run_snapshot
+
+    shared = spec.startswith("postgresql://")
+    a = _host_store(spec, tmp_path, "host-a")
+    refs = []
+    for name in ("gone", "kept"):
+        src = tmp_path / name
+        src.mkdir()
+        (src / f"{name}.bin").write_bytes(os.urandom(300 << 10) + bytes(64 << 10))
+        refs.append(run_snapshot(a, src).ref)  # type: ignore[arg-type]
+    gone = refs[0]
+
+    def paged() -> set[bytes]:
+        return {bytes(r[0]) for r in a.conn.execute("SELECT id FROM chunk_pages")}  # type: ignore[attr-defined]
+
+    before = paged()
+    assert before and all(a.has(ObjectId(i)) for i in before)  # type: ignore[attr-defined]
+    assert a.forget(gone)  # type: ignore[attr-defined]
+    report = gc(a, grace_s=0.0)  # type: ignore[arg-type]
+    assert report.objects_deleted >= 1
+    after = paged()
+    assert after and after < before and all(a.has(ObjectId(i)) for i in after)  # type: ignore[attr-defined]
+    assert not [i for i in before - after if a.has(ObjectId(i))]  # type: ignore[attr-defined]
+    assert report.chunk_pages_pruned == len(before - after)
+    assert gc(a, grace_s=0.0).chunk_pages_pruned == 0  # type: ignore[arg-type]
+    a.close()  # type: ignore[attr-defined]
+    if shared:
+        a.catalog.close()  # type: ignore[attr-defined]
