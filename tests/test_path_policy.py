@@ -471,3 +471,32 @@ def test_a_command_started_inside_a_protected_directory_stays_under_its_covers(
         assert f"{k}=0" not in b.text or k == "e", b.text
     assert (root / "conf" / "app.toml").read_text() == "x = 1\n"
     assert sorted(os.listdir(root / "conf")) == ["app.toml", "sub"]
+
+
+@needs_sandbox
+def test_a_scan_of_an_unchanged_tree_still_covers_what_appears_later(tmp_path: Path,
+                                                                     cover_mode: str) -> None:
+    """Once directories are settled (kept between scans, with what the scan did in them), a
+    new hidden file in one of them, a hard link to a hidden file made in another, and a
+    protected file's directory renamed are covered in the next call as in the first."""
+    import time
+
+    root = tmp_path / "root"
+    for d in ("a", "b", "c/locks"):
+        (root / d).mkdir(parents=True)
+    (root / "a" / ".env").write_text(SECRET + "\n")
+    (root / "c" / "locks" / "deps.lock").write_text("pinned\n")
+    ws = ToolContext(DirBinding(root, policy=PathPolicy(hide=(".env",), protect=("*.lock",))))
+    time.sleep(1.2)                        # every directory is settled: kept by the scans
+    for _ in range(2):
+        b = run_bash(ws, "cat a/.env; echo a=$?; echo x > c/locks/deps.lock; echo b=$?")
+        assert SECRET not in b.text and "a=0" not in b.text and "b=0" not in b.text, b.text
+    (root / "b" / ".env").write_text(SECRET + "\n")
+    os.link(root / "a" / ".env", root / "b" / "alias")
+    os.rename(root / "c" / "locks", root / "c" / "moved")
+    b = run_bash(ws, "cat b/.env; echo a=$?; cat b/alias; echo b=$?; cat a/.env; echo c=$?; "
+                     "echo x > c/moved/deps.lock; echo d=$?")
+    assert SECRET not in b.text and "hunter2" not in b.text, b.text
+    for k in "abcd":
+        assert f"{k}=0" not in b.text, b.text
+    assert (root / "c" / "moved" / "deps.lock").read_text() == "pinned\n"

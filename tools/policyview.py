@@ -108,14 +108,37 @@ class _Listing:
     subdirs: tuple[str, ...]
     hide: frozenset[str]
     protect: frozenset[str]
+    plan: _Plan | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one scan did in a directory (``_Walk.plan``), under ``mode`` and the covered
+    identities ``was_hidden`` and ``was_protected`` of the scan before it: the covers it
+    made (``sandbox.Cover``, workspace path), the identities it recorded, whether the
+    directory is an uncovered one (``open_dir``: its other names of covered files are
+    covered too, ``_Walk.aliases``), and the subdirectories walked, with their modes."""
+
+    mode: str | None
+    was_hidden: frozenset[int]
+    was_protected: frozenset[int]
+    covers: tuple[tuple[Cover, str], ...]
+    hidden_inos: frozenset[int]
+    protected_inos: frozenset[int]
+    open_dir: bool
+    below: tuple[tuple[str, str | None], ...]
 
 
 class _Cache:
-    """Listings by workspace path (``Root.scans``) and the lock serializing scans."""
+    """Listings by workspace path (``Root.scans``), the lock serializing scans, and the
+    other names of covered files the last scan covered (``aliases``: the covered
+    identities it started from, and its covers; ``_Walk.aliases``)."""
 
     def __init__(self) -> None:
         self.dirs: dict[str, _Listing] = {}
         self.lock = threading.Lock()
+        self.aliases: tuple[frozenset[int], frozenset[int], tuple[tuple[Cover, str], ...]] \
+            | None = None
 
 
 def policy_view(root: Root) -> PolicyView:
@@ -152,8 +175,12 @@ def scan(root: Root, want_view: bool = False) -> PolicyView:
         finally:
             os.close(top)
         covered = root.covered
-        covered.hidden = frozenset(w.hidden_inos)
-        covered.protected = frozenset(w.protected_inos)
+        # The same objects when unchanged: a kept plan is for the identities it was made under.
+        hidden, protected = frozenset(w.hidden_inos), frozenset(w.protected_inos)
+        if hidden != covered.hidden:
+            covered.hidden = hidden
+        if protected != covered.protected:
+            covered.protected = protected
         covered.dev = w.dev
         covered.scanned_ns = started
         cache.dirs = w.seen
@@ -184,7 +211,9 @@ class _Walk:
                  started: int) -> None:
         self.root = root
         self.real = root.real + "/"
+        self.cache = cache
         self.old = cache.dirs
+        self.replanned = False                 # some directory's plan was made anew
         self.seen: dict[str, _Listing] = {}
         self.view = view
         self.want_view = want_view
@@ -200,18 +229,42 @@ class _Walk:
         self.open_dirs: list[tuple[str, _Listing]] = []   # uncovered directories met
         self.done: set[str] = set()                        # paths covered
 
-    def listing(self, fd: int, prefix: str) -> _Listing | None:
+    def listing(self, top: int, prefix: str) -> _Listing | None:
+        """Directory ``prefix`` (``""``: the root ``top``): its kept listing when its
+        inode, mtime and ctime are those it had when listed (a ``stat`` by path, no open:
+        on a FUSE mount an open and a close are two requests to the daemon), else read now
+        from the directory opened one component at a time without following a link. None
+        when it is gone or no directory (any more)."""
+        try:
+            st = os.stat(prefix or ".", dir_fd=top, follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        if self.dev is None:
+            self.dev = st.st_dev
+        got = self.old.get(prefix)
+        if got is not None and got.key == (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) \
+                and got.dev == st.st_dev:
+            self.seen[prefix] = got
+            return got
+        fd = self.open_path(top, prefix)
+        if fd is None:
+            return None
+        try:
+            return self.read_listing(fd, prefix)
+        finally:
+            if fd != top:
+                os.close(fd)
+
+    def read_listing(self, fd: int, prefix: str) -> _Listing | None:
+        """The listing of directory ``fd`` (workspace path ``prefix``), kept for the next
+        scan once the directory is settled (``_SETTLED_NS``)."""
         try:
             st = os.fstat(fd)
         except OSError:
             return None
-        if self.dev is None:
-            self.dev = st.st_dev
         key = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-        got = self.old.get(prefix)
-        if got is not None and got.key == key and got.dev == st.st_dev:
-            self.seen[prefix] = got
-            return got
         pre = prefix + "/" if prefix else ""
         entries: dict[str, tuple[bool, int]] = {}
         by_ino: dict[int, list[str]] = {}
@@ -241,23 +294,53 @@ class _Walk:
             self.seen[prefix] = rec
         return rec
 
-    def dir(self, fd: int, prefix: str, mode: str | None) -> None:
-        """Walk directory ``fd`` (workspace path ``prefix``, ``""`` for the root);
+    def dir(self, top: int, prefix: str, mode: str | None) -> None:
+        """Walk directory ``prefix`` below the root ``top`` (``""`` for the root);
         ``mode``: ``hide`` or ``protect`` when an ancestor is covered so (only identities
         are recorded below it, and hidden matches below a protected one). Per directory
         the work is set operations over its kept listing, plus the covered entries and
         the subdirectories."""
-        rec = self.listing(fd, prefix)
+        rec = self.listing(top, prefix)
         if rec is None:
             return
+        pre = prefix + "/" if prefix else ""
+        plan = rec.plan
+        if plan is None or plan.mode != mode or plan.was_hidden is not self.was_hidden \
+                or plan.was_protected is not self.was_protected \
+                or self.old.get(prefix) is not rec:
+            plan = self.plan(top, rec, prefix, mode)
+        elif plan.covers:                      # unchanged since the last scan: its covers
+            view = self.view
+            for c, rel in plan.covers:
+                view.covers.append(c)
+                (view.hidden if c.hide else view.protected).append(rel)
+                self.done.add(rel)
+        self.hidden_inos |= plan.hidden_inos
+        self.protected_inos |= plan.protected_inos
+        if plan.open_dir:
+            self.open_dirs.append((prefix, rec))
+        for name, sub_mode in plan.below:
+            self.dir(top, pre + name, sub_mode)
+
+    def plan(self, top: int, rec: _Listing, prefix: str, mode: str | None) -> _Plan:
+        """What the walk does in directory ``prefix`` (listing ``rec``, ``mode`` as for
+        :meth:`dir`): its covers made now (added to the view), the identities recorded,
+        the subdirectories to walk. Kept with the listing (``rec.plan``) when the covers
+        are made in the sandbox: a later scan that finds the directory unchanged, under
+        the same identities covered before, reuses it (the covered objects' identities
+        included: a name in an unchanged directory is the same object)."""
         # Identities are those of the root's file system; a file system mounted inside it
         # is covered by the patterns alone.
         same = rec.dev == self.dev
         pre = prefix + "/" if prefix else ""
         below: dict[str, str | None] = {}     # subdirectory -> its mode
+        hidden_inos: set[int] = set()
+        protected_inos: set[int] = set()
+        open_dir = False
+        first = len(self.view.covers)
         if mode == "hide":
             if same:
-                self.hidden_inos |= rec.inos
+                hidden_inos |= rec.inos
             below = dict.fromkeys(rec.subdirs, "hide")
         else:
             hide = set(rec.hide)
@@ -273,43 +356,46 @@ class _Walk:
                 protect -= hide
             for name in sorted(hide):
                 is_dir, ino = rec.entries[name]
-                self.cover(fd, name, pre + name, is_dir, "hide")
+                self.cover(top, pre + name, is_dir, "hide")
                 if same:
-                    self.hidden_inos.add(ino)
+                    hidden_inos.add(ino)
                 if is_dir:
                     below[name] = "hide"
             for name in sorted(protect):
                 is_dir, ino = rec.entries[name]
-                if not self.cover(fd, name, pre + name, is_dir, "protect"):
+                if not self.cover(top, pre + name, is_dir, "protect"):
                     continue
                 if same:
-                    self.protected_inos.add(ino)
+                    protected_inos.add(ino)
                 if is_dir:
                     below[name] = "protect"
             if mode == "protect":
                 if same:
-                    self.protected_inos |= rec.inos - {rec.entries[n][1] for n in hide}
+                    protected_inos |= rec.inos - {rec.entries[n][1] for n in hide}
             elif same:
-                self.open_dirs.append((prefix, rec))
+                open_dir = True
             for name in rec.subdirs:
                 if name not in below and name not in hide:
                     below[name] = mode
-        for name, sub_mode in below.items():
-            sub = open_subdir(fd, name)
-            if sub is None:
-                continue
-            try:
-                self.dir(sub, pre + name, sub_mode)
-            finally:
-                os.close(sub)
+        made = self.view.covers[first:]
+        plan = _Plan(mode, self.was_hidden, self.was_protected,
+                     tuple((c, os.fsdecode(c.rel)) for c in made), frozenset(hidden_inos),
+                     frozenset(protected_inos), open_dir, tuple(below.items()))
+        self.replanned = True
+        if self.premount:
+            rec.plan = plan
+        return plan
 
-    def cover(self, fd: int, name: str, rel: str, is_dir: bool, kind: str) -> bool:
-        """Add the mount covering ``rel`` (entry ``name`` of directory ``fd``); False when
-        it is not covered after all (gone, or a symbolic link now)."""
+    def cover(self, top: int, rel: str, is_dir: bool, kind: str) -> bool:
+        """Add the mount covering workspace path ``rel`` (below the root ``top``); False
+        when it is not covered after all (gone, or a symbolic link now)."""
         view = self.view
         if self.premount:
-            try:                               # the identity the cover step checks
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            # The identity the cover maker checks. A directory on the way swapped for a
+            # link since it was walked makes this another object's: the cover maker, which
+            # follows no link, then finds none there, and nothing runs.
+            try:
+                st = os.stat(rel, dir_fd=top, follow_symlinks=False)
             except OSError:
                 return False
             if stat.S_ISLNK(st.st_mode):
@@ -329,10 +415,17 @@ class _Walk:
             self.done.add(rel)
             return True
         if self.want_view:
+            parent, _, name = rel.rpartition("/")
+            fd = self.open_path(top, parent)
+            if fd is None:
+                return False
             try:
                 pfd = os.open(name, _PATH_FLAGS, dir_fd=fd)
             except OSError:
                 return False
+            finally:
+                if fd != top:
+                    os.close(fd)
             view.fds.append(pfd)
             if stat.S_ISLNK(os.fstat(pfd).st_mode):
                 return False                   # swapped for a link since listed: never bound
@@ -343,7 +436,24 @@ class _Walk:
 
     def aliases(self, top: int) -> None:
         """Cover the other names of covered files met in uncovered directories (hard
-        links), like the files themselves."""
+        links), like the files themselves. When every directory's plan was kept, under
+        the identities the last scan started from, those are the names it covered."""
+        memo, view = self.cache.aliases, self.view
+        if memo is not None and not self.replanned and memo[0] is self.was_hidden \
+                and memo[1] is self.was_protected:
+            for c, rel in memo[2]:
+                view.covers.append(c)
+                (view.hidden if c.hide else view.protected).append(rel)
+                self.done.add(rel)
+            return
+        first = len(view.covers)
+        self.scan_aliases(top)
+        self.cache.aliases = None
+        if self.premount:
+            self.cache.aliases = (self.was_hidden, self.was_protected,
+                                  tuple((c, os.fsdecode(c.rel)) for c in view.covers[first:]))
+
+    def scan_aliases(self, top: int) -> None:
         covered = self.hidden_inos | self.protected_inos
         for prefix, rec in self.open_dirs:
             pre = prefix + "/" if prefix else ""
@@ -354,16 +464,9 @@ class _Walk:
                     if pre + name not in self.done]
             if not todo:
                 continue
-            fd = self.open_path(top, prefix)
-            if fd is None:
-                continue
-            try:
-                for name, ino in todo:
-                    kind = "hide" if ino in self.hidden_inos else "protect"
-                    self.cover(fd, name, pre + name, False, kind)
-            finally:
-                if fd != top:
-                    os.close(fd)
+            for name, ino in todo:
+                kind = "hide" if ino in self.hidden_inos else "protect"
+                self.cover(top, pre + name, False, kind)
 
     def open_path(self, top: int, prefix: str) -> int | None:
         """Directory ``prefix`` opened one component at a time, never following a link."""
