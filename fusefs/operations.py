@@ -571,14 +571,30 @@ class Operations(pyfuse3.Operations):
         ov = self.ov
         entries = (ov.readdir_inode(inode, start_id) if not fh and inode
                    else ov.readdir(fh, start_id))
+        given = 0
+        last = start_id
         for name, n, cookie in entries:
             dot = name in (b".", b"..")
             if not pyfuse3.readdir_reply(token, FileNameT(name), self.attrs(n), cookie):
                 if not dot:
                     ov.release_unused(n)
+                if given and self._nursery is not None:
+                    # The kernel asks for the rest from ``last`` once it has taken in
+                    # this part: make the nodes of the next part meanwhile.
+                    self._nursery.start_soon(self._list_ahead, fh, inode or 0, last, given)
                 break
             if not dot:  # readdirplus counts a lookup per accepted entry (trap 5)
                 ov.remember(n)
+            given += 1
+            last = cookie
+
+    async def _list_ahead(self, fh: int, inode: int, start: int, count: int) -> None:
+        """``Overlay.list_ahead`` as a background task: a failure only loses the head
+        start (the READDIR makes what is missing), so it is logged, never raised."""
+        try:
+            self.ov.list_ahead(fh, inode, start, count)
+        except Exception as e:
+            log.debug("making a listing's next nodes ahead failed: %s", e)
 
     @_boundary
     async def releasedir(self, fh: FileHandleT, inode: InodeT | None = None) -> None:

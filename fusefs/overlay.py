@@ -132,18 +132,22 @@ class DirHandle:
     """An open directory; ``cookies`` and ``names`` list its upper entries and
     ``lower_tree`` is its lower tree, as they were when a listing last started over (a
     checkpoint since then moved the upper entries into a new lower: the listing goes on
-    in the cookies it started with)."""
+    in the cookies it started with). ``ahead`` holds nodes made for lower entries the
+    listing has not reached yet (``Overlay.list_ahead``): by index in the lower tree, each
+    with the entry it was made for."""
 
-    __slots__ = ("node", "cookies", "names", "lower_tree")
+    __slots__ = ("node", "cookies", "names", "lower_tree", "ahead")
 
     def __init__(self, node: Node) -> None:
         self.node = node
         self.cookies: list[int] = []
         self.names: list[bytes] = []
         self.lower_tree: ObjectId | None = None
+        self.ahead: dict[int, tuple[Entry, Node]] = {}
         self.refresh()
 
     def refresh(self) -> None:
+        self.ahead = {}
         ents = self.node.entries or {}
         pairs = [(c, name) for name, (ino, c) in ents.items() if ino]
         self.cookies = [c for c, _ in pairs]
@@ -1616,11 +1620,12 @@ class Overlay:
         if start < UPPER_BASE and h.lower_tree is not None:
             entries = self.lower.tree(h.lower_tree).entries
             listed_above = set(h.names) if folded else set()
-            ahead = 0
+            ahead = h.ahead
+            pages_to = 0
             for i in range(max(0, start - 2), len(entries)):
-                if i >= ahead:
-                    ahead = i + PAGES_AHEAD
-                    self._pages_ahead(entries[i:ahead])
+                if i >= pages_to:
+                    pages_to = i + PAGES_AHEAD
+                    self._pages_ahead(entries[i:pages_to])
                 e = entries[i]
                 if folded:
                     if e.name in listed_above:
@@ -1632,7 +1637,12 @@ class Overlay:
                 ents = d.entries
                 if ents is not None and e.name in ents:
                     continue
-                yield e.name, self._lower_node(d, e.name, e), i + 3
+                pre = ahead.pop(i, None) if ahead else None
+                # made ahead for this very entry, and still the node in memory
+                if pre is not None and pre[0] is e and self.nodes.get(pre[1].ino) is pre[1]:
+                    yield e.name, pre[1], i + 3
+                else:
+                    yield e.name, self._lower_node(d, e.name, e), i + 3
         ents = d.entries
         if ents is None and not folded:
             return
@@ -1647,6 +1657,36 @@ class Overlay:
                 now = self._child(d, name)  # now in the new lower
                 if now is not None:
                     yield name, now, UPPER_BASE + c
+
+    def list_ahead(self, fh: int, ino: int, start: int, count: int) -> None:
+        """Make now the nodes of the ``count`` lower entries a listing of directory ``ino``
+        (by handle ``fh``, or by inode when ``fh`` is 0) reaches next from cookie
+        ``start``, while the kernel takes in the part it was given; the READDIR from
+        ``start`` then only hands them out. Nothing happens for a listing that is not in
+        its lower entries any more or that a checkpoint changed underneath (``_list`` makes
+        those as it goes); never raises for a listing that is gone."""
+        if fh:
+            h: DirHandle | None = self.dirs.get(fh)
+        else:
+            ls = self.inode_dirs.get(ino)
+            h = None if ls is None else ls.gens.get(start >> GEN_SHIFT)
+            start &= (1 << GEN_SHIFT) - 1
+        if h is None or h.lower_tree is None or start >= UPPER_BASE:
+            return
+        d = h.node
+        if d.nlink == 0 or h.lower_tree != d.lower_tree or self.nodes.get(d.ino) is not d:
+            return
+        entries = self.lower.tree(h.lower_tree).entries
+        first = max(0, start - 2)
+        todo = entries[first:first + count]
+        if len(h.ahead) > 4 * count:  # left by listings that went elsewhere
+            h.ahead = {}
+        self._pages_ahead(todo)
+        ents = d.entries
+        ahead = h.ahead
+        for i, e in enumerate(todo, first):
+            if i not in ahead and (ents is None or e.name not in ents):
+                ahead[i] = (e, self._lower_node(d, e.name, e))
 
     def _pages_ahead(self, entries: Sequence[Entry]) -> None:
         """Have the data pages of the chunks of ``entries``' files known (cached by

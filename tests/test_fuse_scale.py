@@ -7,6 +7,7 @@ a wide lower directory, the first after the mount, lists what was snapshotted.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -182,3 +183,45 @@ def test_a_first_listing_gives_each_kind_what_a_lookup_of_it_gives(
     assert len(set(inos.values())) == len(names) - 1
     assert os.getxattr(listed.mnt / "mixed" / "tagged", "user.k") == b"v"
     assert os.readlink(listed.mnt / "mixed" / "link") == "data"
+
+
+def test_a_listing_in_parts_shows_changes_made_between_the_parts(
+        mounter: fh.Mounter, fuse_store: Path, tmp_path: Path) -> None:
+    """A listing of 5,000 lower files read in parts, with changes in between to entries
+    the daemon has already made nodes for ahead of the next READDIR
+    (``Overlay.list_ahead``): removed and renamed-away names are not listed, every other
+    name is listed once, with the attributes it has now (a chmod, a write), and untouched
+    files have the inode numbers a lookup on a fresh mount gives them."""
+    src = tmp_path / "src"
+    (src / "wide").mkdir(parents=True)
+    (src / "other").mkdir()
+    names = [f"f{i:05d}" for i in range(5000)]
+    for i, name in enumerate(names):
+        (src / "wide" / name).write_bytes(b"%d\n" % i)
+    ref = fh.snapshot(fuse_store, src)
+    d = mounter.rw(ref)
+    wide = d.mnt / "wide"
+    it = os.scandir(wide)
+    first = [next(it) for _ in range(500)]  # the first part read: the next is made ahead
+    removed = set(names[1000:1010])
+    for name in removed:
+        os.unlink(wide / name)
+    os.rename(wide / names[1300], d.mnt / "other" / "moved")
+    os.chmod(wide / names[1100], 0o600)
+    with open(wide / names[1200], "ab") as f:
+        f.write(b"more\n")
+    rest = list(it)
+    it.close()
+    listed = [e.name for e in first + rest]
+    gone = removed | {names[1300]}
+    assert sorted(listed) == [n for n in names if n not in gone]
+    assert len(set(listed)) == len(listed)
+    seen = {e.name: e.stat(follow_symlinks=False) for e in first + rest}
+    assert stat.S_IMODE(seen[names[1100]].st_mode) == 0o600
+    assert seen[names[1200]].st_size == len(b"1200\n") + len(b"more\n")
+    fresh = mounter.rw(ref)
+    for name in names[::97] + names[990:1020] + names[1290:1310]:
+        if name not in gone and name not in (names[1100], names[1200]):
+            st = os.lstat(fresh.mnt / "wide" / name)
+            assert (seen[name].st_ino, seen[name].st_mode, seen[name].st_size) == (
+                st.st_ino, st.st_mode, st.st_size), name
