@@ -20,8 +20,11 @@ Connections: a pool of ``max_size`` connections, each checked before it is hande
 after a PostgreSQL restart the next operation reconnects (the operation that was running
 when the server went away fails with ``CatalogError``). Opening connects once directly,
 so a server that refuses (down, no such database or role, a bad password) is a
-``CatalogError`` with the server's own reason at once. While the server is unreachable,
-each operation asks it with one direct connection and fails at once with its reason; the
+``CatalogError`` with the server's own reason at once. An operation the pool gives no
+connection within ``PROBE_AFTER_S`` (0.5 s) asks the server with one direct connection, so
+the first operation of an outage fails within about that, not the pool's timeout (10 s).
+While the server is unreachable, each operation asks it with one direct connection and
+fails at once with its reason; the
 first that gets through puts a fresh pool in place (the old pool's own reconnection
 attempts back off up to minutes), so the next operation after an outage of any length
 succeeds. Every method is one transaction.
@@ -103,6 +106,10 @@ _INSERT_OBJECT = ("INSERT INTO objects(id, kind, pack, rec_offset, rec_length, c
 """One object index row; an id already indexed (another writer's copy) is kept."""
 
 
+PROBE_AFTER_S = 0.5
+"""How long an operation waits for a pooled connection (s) before it asks the server
+directly whether it is still there (``PostgresCatalog._getconn``)."""
+
 _NOW = "(extract(epoch from now()) * 1000000000)::bigint"
 """The server's clock in ns since the epoch, as SQL: leases, pins and ``packs.indexed_ns``
 are stamped and compared with it, never with a host's clock."""
@@ -172,28 +179,43 @@ class PostgresCatalog:
     def _getconn(self) -> tuple[Any, Any]:
         """``(pool, connection)``: a connection of the pool, to give back to that pool.
 
-        When the pool has none to give within the timeout, or the last attempt found the
-        server unreachable, one direct connection asks the server at once: still gone is
-        CatalogError with its reason (so while it is down each operation fails fast, not
-        after the timeout); back is a fresh pool in place of the old one, whose own
-        reconnection attempts back off exponentially (psycopg_pool: 1, 2, 4, ... s, up to
-        its 5 min reconnect timeout), so the next operation after the server returns
-        succeeds."""
+        When the pool has none to give within ``PROBE_AFTER_S`` (a server that went away
+        since the last operation: the pool would retry until its timeout), or the last
+        attempt found the server unreachable, one direct connection asks the server at
+        once: still gone is CatalogError with its reason (so the first operation of an
+        outage fails within about a connection attempt, and each later one at once, not
+        after the pool's timeout); there, the pool is waited for the rest of its timeout
+        (it is busy), and if it still has none, or the server was down before, a fresh
+        pool takes the old one's place, whose own reconnection attempts back off
+        exponentially (psycopg_pool: 1, 2, 4, ... s, up to its 5 min reconnect timeout),
+        so the next operation after the server returns succeeds."""
         from psycopg_pool import PoolClosed, PoolTimeout
 
         pool = self._pool
         if pool is not None and not self._down:
+            first = min(self._timeout_s, PROBE_AFTER_S)
             try:
-                return pool, pool.getconn()
-            except (PoolTimeout, PoolClosed):  # closed: another thread replaced it meanwhile
+                return pool, pool.getconn(timeout=first)
+            except PoolClosed:  # another thread replaced it meanwhile
                 pass
+            except PoolTimeout:
+                self._probe(pool)
+                try:
+                    return pool, pool.getconn(timeout=max(0.0, self._timeout_s - first))
+                except (PoolTimeout, PoolClosed):
+                    pass
+        self._probe(pool)
+        return self._replace_pool(pool, self._new_pool)
+
+    def _probe(self, pool: Any) -> None:
+        """Ask the server with one direct connection; if it is unreachable, retire
+        ``pool`` (its own attempts stop; the first success makes a new one) and raise
+        CatalogError with the reason."""
         try:
             self._connect().close()
         except CatalogError:
-            # Down: the old pool's own attempts stop; the first success makes a new one.
             self._replace_pool(pool, None)
             raise
-        return self._replace_pool(pool, self._new_pool)
 
     def _replace_pool(self, old: Any, make: Callable[[], Any] | None) -> Any:
         """Put ``make()`` (None: no pool) in place of pool ``old`` unless another thread

@@ -309,6 +309,30 @@ def test_pg_restart_reconnects(own_postgres: object) -> None:
         c.close()
 
 
+def test_pg_gone_is_catalog_error_at_once_whatever_the_pool_timeout(
+        own_postgres: object) -> None:
+    """The first operation after the server went away is a CatalogError naming the
+    connection's failure, not a wait for the pool's timeout (here an hour: it waited all of
+    it, 10 s with the default, before `status` of a session could say the catalog is
+    unreachable); the next ones too, and the first after its return reconnects."""
+    from store.pgcatalog import PostgresCatalog
+
+    dsn = own_postgres.new_database()  # type: ignore[attr-defined]
+    c = PostgresCatalog(dsn, timeout_s=3600)
+    try:
+        c.put_snapshot(("r1", 1, "snapshot", None, "k1"))
+        assert [r[0] for r in c.snapshots()] == ["r1"]  # a pooled connection, idle now
+        own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+        for _ in range(2):
+            with pytest.raises(CatalogError, match="cannot reach the catalog at "):
+                c.snapshots()
+        own_postgres.start()  # type: ignore[attr-defined]
+        c.put_snapshot(("r2", 2, "snapshot", None, "k2"))
+        assert [r[0] for r in c.snapshots()] == ["r1", "r2"]
+    finally:
+        c.close()
+
+
 def test_pg_state_dirs_are_per_host(pg_dsn: str) -> None:
     from store.pgcatalog import PostgresCatalog
 
