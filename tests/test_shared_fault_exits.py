@@ -193,6 +193,41 @@ def test_status_of_a_plain_mount_answers_with_the_catalog_down(
         own_postgres.start()  # type: ignore[attr-defined]
 
 
+def test_status_of_a_session_without_fuse_knows_its_ref_with_the_catalog_down(
+        host: SessionHost, tmp_path: Path, own_postgres: object) -> None:
+    """A session in a plain directory (no FUSE) whose status was never asked before the
+    outage still says which Ref it serves: the one it started from, then after a
+    checkpoint or a restore (also never asked about) the new one (it said None: the pointer
+    was only read by status)."""
+    from fusefs.session.control import control_path, request
+
+    s = host.started("new", "--no-fuse", "--seed", str(project(tmp_path, 1 << 20)))
+    sid, root = s["id"], Path(s["root"])
+    path = control_path(str(host.local / "sessions" / sid))
+    assert path is not None
+
+    def status_while_down() -> dict[str, object]:
+        own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+        try:
+            doc = request(path, {"op": "status"}, 60)
+            assert str(doc["catalog"]).startswith("unreachable: "), doc
+            return doc
+        finally:
+            own_postgres.start()  # type: ignore[attr-defined]
+
+    first = status_while_down()["ref"]
+    assert first is not None and first == str(ref_of(root))
+    (root / "README").write_text("changed\n")
+    checkpoint = json.loads(host.session("checkpoint", sid, "--json").stdout)["ref"]
+    assert checkpoint != first
+    assert status_while_down()["ref"] == checkpoint
+    restored = json.loads(host.session("restore", sid, str(first), "--json").stdout)["ref"]
+    assert status_while_down()["ref"] == restored == first
+    assert (root / "README").read_text() != "changed\n"
+    up = request(path, {"op": "status"}, 60)  # reconnected
+    assert (up["ref"], up["catalog"]) == (first, "ok"), up
+
+
 # -- shutdown --checkpoint that fails keeps the session running -----------------------------
 
 

@@ -137,13 +137,29 @@ class Host:
 
     def __init__(self, session: Any) -> None:
         self.session = session
-        self.last_pointer: str | None = None  # the restore pointer ``status`` read last
+        self.last_pointer: str | None = None  # the restore pointer read last
         self.done = threading.Event()
         self.sock_path = os.path.join(socket_dir(), f"{session.id}.sock")
+        self._note_pointer()  # so status knows the Ref served if the catalog goes away
 
     def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
-        s = self.session
         op = req.get("op")
+        try:
+            return self._serve_op(req, op)
+        finally:
+            if op in ("checkpoint", "restore", "turn_done", "step_done"):
+                self._note_pointer()  # the restore pointer may have moved
+
+    def _note_pointer(self) -> None:
+        """Read the restore pointer into ``last_pointer`` while the catalog answers (a
+        failure is logged: ``last_pointer`` keeps what was read before)."""
+        try:
+            self.pointer()
+        except Exception as e:
+            log.warning("reading the restore pointer of %s failed: %s", self.session.id, e)
+
+    def _serve_op(self, req: dict[str, Any], op: Any) -> dict[str, Any]:
+        s = self.session
         if op == "status":
             ref, catalog = self.pointer()
             out = {"ok": True, "id": s.id, "root": s.root, "pid": os.getpid(),
@@ -191,7 +207,8 @@ class Host:
         """``(ref, catalog)`` of a ``status``: the session's restore pointer as text (read
         from its journal), and on a shared store ``"ok"``. With the catalog unreachable,
         status still answers (from this process's own state): ``ref`` is then the pointer
-        this host read last (None if none), ``catalog`` ``"unreachable: <reason>"``."""
+        this host read last (at start, after each checkpoint, restore or step, and at each
+        status; None only if none of them could), ``catalog`` ``"unreachable: <reason>"``."""
         from store.errors import CatalogError
 
         s = self.session
