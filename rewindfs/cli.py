@@ -69,8 +69,9 @@ def resolve_store(args: argparse.Namespace) -> None:
                               cache_bytes=int(cache_bytes) if cache_bytes
                               else config.DEFAULT_CACHE_BYTES)
     local = getattr(args, "local", None) or config.default_local_dir()
+    config.refuse_secrets(cfg.check())  # before any server is asked
     if config.read(local) is None:  # a first binding: written only once both servers answer
-        config.probe(cfg.check())
+        config.probe(cfg)
     config.configure(local, cfg)
     args.store = os.path.abspath(local)
 

@@ -17,9 +17,10 @@ Rules: a remote blob store needs a catalog shared by its hosts, and a shared cat
 a remote blob store (each host's local directory would otherwise hold packs the others
 cannot read); either alone is ``StoreConfigError``. The file is written once by
 ``configure`` (mode 0600, atomically) and a later ``configure`` with other values is
-refused, so a directory never silently changes store. Credentials are not in it: S3 keys
+refused, so a directory never silently changes store. Credentials are never in it: S3 keys
 come from the standard AWS environment and files, a PostgreSQL password from libpq's
-``PGPASSWORD``/``~/.pgpass`` (a password written in the URL is kept, in a 0600 file).
+``PGPASSWORD``, ``~/.pgpass`` or ``PGPASSFILE``; ``configure`` refuses (exit 2) a catalog
+URL with a password (``user:PASSWORD@`` or ``password=``) and an S3 endpoint with one.
 
 Environment (read by the CLI, rewindfs/cli.py): ``REWINDFS_STORE`` (a directory or an
 ``s3://`` URL), ``REWINDFS_S3_ENDPOINT``, ``REWINDFS_CATALOG``, ``REWINDFS_LOCAL``,
@@ -37,7 +38,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import StoreError
+from .errors import StoreError, has_secret, redact
 
 CONFIG_FILE = "store.json"
 DEFAULT_CACHE_BYTES = 10 << 30
@@ -118,12 +119,29 @@ def read(root: str) -> SharedConfig | None:
     return cfg.check()
 
 
+def refuse_secrets(cfg: SharedConfig) -> None:
+    """Raise StoreConfigError (exit 2, the secret masked) if the catalog URL or the S3
+    endpoint of ``cfg`` holds a password: ``store.json`` never holds one, and a command
+    line is visible to every user of the host."""
+    if has_secret(cfg.catalog):
+        raise StoreConfigError(
+            f"--catalog {redact(cfg.catalog)}: a password is never written to store.json; "
+            "leave it out of the URL and give it through PGPASSWORD, ~/.pgpass or PGPASSFILE")
+    if cfg.s3_endpoint and has_secret(cfg.s3_endpoint):
+        raise StoreConfigError(
+            f"--s3-endpoint {redact(cfg.s3_endpoint)}: credentials are never written to "
+            "store.json; leave them out of the URL and give them through AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials")
+
+
 def configure(root: str, cfg: SharedConfig) -> SharedConfig:
     """Make ``root`` the local directory of the shared store ``cfg`` (writing ``store.json``
     if absent; the cache directory defaults to ``default_cache_dir()``). Returns the stored
-    configuration. Raises StoreConfigError if ``cfg`` breaks the rules, if ``root`` already
-    belongs to another store, or if ``root`` is an embedded store holding packs."""
+    configuration. Raises StoreConfigError if ``cfg`` breaks the rules, holds a password
+    (``refuse_secrets``), if ``root`` already belongs to another store, or if ``root`` is
+    an embedded store holding packs."""
     cfg.check()
+    refuse_secrets(cfg)
     if cfg.cache is None:
         cfg = SharedConfig(cfg.blobs, cfg.catalog, cfg.s3_endpoint, default_cache_dir(),
                            cfg.cache_bytes)

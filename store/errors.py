@@ -332,3 +332,23 @@ class CatalogError(StoreError):
     is of another version than this program's."""
 
     exit_code = 12
+
+
+_USERINFO_PASSWORD = r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*):[^\s/@]*@"
+_PASSWORD_PARAM = r"(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&'\"]+)"
+
+
+def redact(text: str) -> str:
+    """``text`` (a URL, a libpq DSN or a message naming one) with every secret replaced by
+    ``***``: the password of a URL's userinfo (``scheme://user:***@host``, an S3 endpoint's
+    or a PostgreSQL URL's) and the value of a ``password=`` parameter (URL query or libpq
+    keyword form; the rest of the query is kept). The one place secrets are masked."""
+    import re
+
+    text = re.sub(_USERINFO_PASSWORD, r"\1:***@", text)
+    return re.sub(_PASSWORD_PARAM, r"\1***", text)
+
+
+def has_secret(url: str) -> bool:
+    """True if ``url`` (a URL or a libpq DSN) holds a password (what ``redact`` masks)."""
+    return redact(url) != url

@@ -52,7 +52,14 @@ from .catalog import (
     location,
     object_row,
 )
-from .errors import CatalogError, FencedError, LeaseLostError, StoreError, WriterPinLostError
+from .errors import (
+    CatalogError,
+    FencedError,
+    LeaseLostError,
+    StoreError,
+    WriterPinLostError,
+    redact,
+)
 from .pack import Location
 
 # Advisory lock key of schema migrations (any constant unique to this product).
@@ -140,13 +147,13 @@ class PostgresCatalog:
         try:
             self._migrate(first)
         except psycopg.Error as e:
-            raise CatalogError(f"catalog {_redact(dsn)}: {_one_line(e)}") from None
+            raise CatalogError(f"catalog {redact(dsn)}: {_one_line(e)}") from None
         finally:
             first.close()
         self._pool: Any = self._new_pool()
 
     def __repr__(self) -> str:
-        return f"PostgresCatalog({_redact(self.dsn)})"
+        return f"PostgresCatalog({redact(self.dsn)})"
 
     def _connect(self) -> Any:
         """A new connection outside the pool; CatalogError naming the server's reason if
@@ -156,7 +163,7 @@ class PostgresCatalog:
                                          connect_timeout=max(1, int(self._timeout_s)))
         except (self._psycopg.Error, OSError) as e:
             self._down = True
-            raise CatalogError(f"cannot reach the catalog at {_redact(self.dsn)}: "
+            raise CatalogError(f"cannot reach the catalog at {redact(self.dsn)}: "
                                f"{_one_line(e)}") from None
         self._down = False
         return conn
@@ -250,11 +257,11 @@ class PostgresCatalog:
         except StoreError:
             raise
         except (psycopg.Error, OSError) as e:
-            raise CatalogError(f"catalog {_redact(self.dsn)}: {type(e).__name__}: "
+            raise CatalogError(f"catalog {redact(self.dsn)}: {type(e).__name__}: "
                                f"{_one_line(e)}") from None
         except Exception as e:
             if type(e).__module__.startswith("psycopg_pool"):
-                raise CatalogError(f"catalog {_redact(self.dsn)}: {e}") from None
+                raise CatalogError(f"catalog {redact(self.dsn)}: {redact(str(e))}") from None
             raise
 
     def _migrate(self, conn: Any) -> None:
@@ -267,7 +274,7 @@ class PostgresCatalog:
                             ).fetchone()
             have = int(row[0]) if row else 0
             if have > SCHEMA_VERSION:
-                raise CatalogError(f"the catalog at {_redact(self.dsn)} has schema version "
+                raise CatalogError(f"the catalog at {redact(self.dsn)} has schema version "
                                    f"{have}; this program knows up to {SCHEMA_VERSION}")
             for sql in MIGRATIONS[have:]:
                 c.execute(sql)
@@ -725,14 +732,15 @@ def probe(dsn: str, timeout_s: float = 5.0) -> int | None:
             row = conn.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
                                ).fetchone()
     except (psycopg.Error, OSError) as e:
-        raise CatalogError(f"cannot reach the catalog at {_redact(dsn)}: "
+        raise CatalogError(f"cannot reach the catalog at {redact(dsn)}: "
                            f"{_one_line(e)}") from None
     return None if row is None else int(row[0])
 
 
 def _one_line(e: BaseException) -> str:
-    """A server's message (often several lines, with a tab-indented hint) as one line."""
-    return " ".join(str(e).split())
+    """A server's message (often several lines, with a tab-indented hint) as one line,
+    without any secret it quotes (``redact``)."""
+    return redact(" ".join(str(e).split()))
 
 
 def _gc_runs(c: Any, now_ns: int | None) -> tuple[bool, int]:
@@ -756,11 +764,3 @@ def _check_fence(c: Any, name: str, epoch: int) -> None:
     lease = c.execute("SELECT epoch FROM leases WHERE name=%s FOR UPDATE", (name,)).fetchone()
     if lease is not None and int(lease[0]) != epoch:
         raise FencedError(name, epoch, int(lease[0]))
-
-
-def _redact(dsn: str) -> str:
-    """``dsn`` without its password (URL form ``user:password@`` or ``password=...``)."""
-    import re
-
-    dsn = re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", dsn)
-    return re.sub(r"(password\s*=\s*)\S+", r"\1***", dsn)

@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 from .backend import check_key
-from .errors import BackendError, BlobConflictError, BlobNotFoundError
+from .errors import BackendError, BlobConflictError, BlobNotFoundError, redact
 
 DEFAULT_ATTEMPTS = 3
 DEFAULT_CONNECT_TIMEOUT = 3.0
@@ -144,7 +144,7 @@ class S3Backend:
         self._timed_out: dict[str, tuple[float, str]] = {}
 
     def __repr__(self) -> str:
-        return f"S3Backend(s3://{self.bucket}/{self.prefix}, endpoint={self.endpoint_url})"
+        return f"S3Backend(s3://{self.bucket}/{self.prefix}, endpoint={redact(str(self.endpoint_url))})"
 
     def _k(self, key: str) -> str:
         check_key(key)
@@ -160,7 +160,7 @@ class S3Backend:
         waited = "" if code else (f" (gave up after {self.bounds}; to change: "
                                   f"{', '.join(TIMEOUT_ENV.values())})")
         return BackendError(f"cannot {op} {where}: {code or type(e).__name__}: "
-                            f"{_message(e)}{waited}")
+                            f"{redact(_message(e))}{waited}")
 
     def _check_held_off(self, key: str) -> None:
         """Raise BackendError, without a request, if a read of ``key`` timed out less than
