@@ -11,7 +11,11 @@ nothing by itself, but a writer of a small pack seeds its records (``seed``, bel
 On disk: ``<directory>/<pack key>/<offset>-<length>`` holding the blake3 digest of the
 range (32 bytes) and then the range. A read checks the digest; a file that does not match
 (torn by a crash, damaged on disk) is deleted and the range fetched again, so the cache
-never hands out wrong bytes (and the store verifies every object against its id anyway).
+never hands out bytes other than those fetched. The store verifies every object against
+its id (or a frame against its tag) anyway; when that fails on a range it got from here it
+reads the range once more with ``refetch_range``, which drops the cached copy and asks
+``inner``, so a range cached while the object on the server was damaged is not served
+after the object is repaired (only bytes that fail again are an integrity error).
 
 Read-ahead: a reader that walks a pack sequentially (each range starting where one of its
 last few ranges ended: a big file's records lie back to back) is detected per pack after
@@ -75,7 +79,7 @@ class _Stream:
 class CachedBackend:
     """``inner`` with a range cache in ``directory`` of at most about ``max_bytes`` bytes
     and a read-ahead for sequential readers (see the module docstring). Counters ``hits``,
-    ``misses``, ``damaged``, ``prefetched`` (read-ahead segments) and ``fetched_bytes``
+    ``misses``, ``damaged``, ``refetched``, ``prefetched`` (read-ahead segments) and ``fetched_bytes``
     (bytes of packs read from ``inner``) say what the cache did (for stats and tests)."""
 
     def __init__(self, inner: BlobBackend, directory: str | os.PathLike[str],
@@ -92,6 +96,7 @@ class CachedBackend:
         self.hits = 0
         self.misses = 0
         self.damaged = 0
+        self.refetched = 0  # ranges read again from ``inner`` (``refetch_range``)
         self.prefetched = 0  # read-ahead segments fetched
         self.fetched_bytes = 0  # bytes of packs read from ``inner``
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
@@ -278,6 +283,38 @@ class CachedBackend:
                         self._writes.add(w)
                     w.add_done_callback(self._written)
                 return data
+        data = self.inner.get_range(key, offset, length)
+        with self._lock:
+            self.fetched_bytes += len(data)
+        if len(data) == length:
+            self._insert(path, data)
+        return data
+
+    def refetch_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of ``key`` (fewer at the end of the blob) read
+        from ``inner`` itself, replacing what the cache holds for that range. For a reader
+        whose own check (an object's hash, a frame's tag) failed on bytes ``get_range``
+        gave: the file digest only proves a cached range is what was fetched, so a range
+        fetched while the object on the server was damaged would be handed out again after
+        it was repaired. The cached file and any read-ahead segment covering the range are
+        dropped first (and writes behind the reader finished, so none lands after this
+        one); the fresh bytes are cached if they are whole. Counted in ``refetched``.
+        Raises what ``inner.get_range`` raises (the cache then holds nothing for the
+        range)."""
+        if not key.startswith("packs/") or length <= 0:
+            return self.inner.get_range(key, offset, length)
+        with self._lock:
+            self.refetched += 1
+            st = self._streams.get(key)
+            if st is not None:
+                for i in range(offset // SEGMENT, (offset + length - 1) // SEGMENT + 1):
+                    st.segments.pop(i, None)
+        self.drain()
+        path = self._path(key, offset, length)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
         data = self.inner.get_range(key, offset, length)
         with self._lock:
             self.fetched_bytes += len(data)

@@ -422,19 +422,21 @@ class Store:
         except (StoreError, sqlite3.Error):
             pass
 
-    def _record(self, loc: Location) -> bytes:
+    def _refetchable(self) -> bool:
+        """Whether the backend keeps a local copy of ranges (store/blobcache.py) that a
+        read can go past: bytes that fail a check are then read once more."""
+        return hasattr(self.backend, "refetch_range")
+
+    def _record(self, loc: Location, fresh: bool = False) -> bytes:
+        """The decoded record ``loc`` lies in (``fresh``: read again past the backend's
+        range cache and this store's memory). Raises IntegrityError."""
         key = (loc.pack, loc.rec_offset)
         with self._cache_lock:
-            plain = self._records.get(key)
-            if plain is not None:
+            plain = self._records.pop(key, None) if fresh else self._records.get(key)
+            if plain is not None and not fresh:
                 self._records.move_to_end(key)
                 return plain
-        try:
-            data = self.backend.get_range(loc.pack, loc.rec_offset, loc.rec_length)
-        except BlobNotFoundError:
-            raise IntegrityError(loc.oid.hex(), f"pack {loc.pack} is missing") from None
-        if len(data) != loc.rec_length:
-            raise IntegrityError(loc.oid.hex(), f"pack {loc.pack} is truncated")
+        data = self._fetch(loc, 0, loc.rec_length, fresh)
         plain = decode_record(loc.pack, loc.codec, data, loc.inner_offset + loc.raw_length
                               if loc.codec is Codec.RAW else 1 << 26)
         if loc.inner_offset or loc.raw_length != len(plain):
@@ -445,23 +447,10 @@ class Store:
                     self._records.popitem(last=False)
         return plain
 
-    def read_object(self, oid: ObjectId, loc: Location | None = None) -> bytes:
-        """Return the plaintext of ``oid``, verified against its id; ``loc``, if given, is
-        where ``locate``/``locate_many`` found it.
-
-        Raises ObjectNotFoundError if it is not indexed and IntegrityError if the stored
-        bytes are missing, do not decompress or do not hash to ``oid``.
-        """
-        if loc is None or loc.oid != oid:
-            loc = self.locate(oid)
-        try:
-            plain = self._record(loc)
-        except IntegrityError:
-            # GC may have repacked the object between locate and read: look it up once more.
-            again = self.locate(oid, fresh=True)
-            if again == loc:
-                raise
-            loc, plain = again, self._record(again)
+    def _verified(self, oid: ObjectId, loc: Location, fresh: bool = False) -> bytes:
+        """The plaintext of ``oid`` at ``loc``, checked against its id (``fresh`` as for
+        ``_record``). Raises IntegrityError."""
+        plain = self._record(loc, fresh)
         data = plain[loc.inner_offset:loc.inner_offset + loc.raw_length]
         if len(data) != loc.raw_length or object_id(data) != oid:
             with self._cache_lock:
@@ -469,24 +458,53 @@ class Store:
             raise IntegrityError(oid.hex(), "stored bytes do not hash to the object id")
         return data
 
-    def _fetch(self, loc: Location, offset: int, length: int) -> bytes:
-        """``length`` bytes at ``offset`` inside ``loc``'s record. Raises IntegrityError."""
+    def read_object(self, oid: ObjectId, loc: Location | None = None) -> bytes:
+        """Return the plaintext of ``oid``, verified against its id; ``loc``, if given, is
+        where ``locate``/``locate_many`` found it.
+
+        Bytes that fail (missing, not decompressing or not hashing to ``oid``) are looked
+        up once more, in case GC repacked the object meanwhile; if it is where it was and
+        the backend has a range cache, its record is read once more from the server (the
+        cached copy dropped), so a copy cached while the pack was damaged on the server
+        is not served after it was repaired.
+
+        Raises ObjectNotFoundError if it is not indexed and IntegrityError if the bytes
+        read that last time are missing, do not decompress or do not hash to ``oid``.
+        """
+        if loc is None or loc.oid != oid:
+            loc = self.locate(oid)
         try:
-            data = self.backend.get_range(loc.pack, loc.rec_offset + offset, length)
+            return self._verified(oid, loc)
+        except IntegrityError:
+            again = self.locate(oid, fresh=True)
+            if again == loc and not self._refetchable():
+                raise
+            return self._verified(oid, again, fresh=again == loc)
+
+    def _fetch(self, loc: Location, offset: int, length: int, fresh: bool = False) -> bytes:
+        """``length`` bytes at ``offset`` inside ``loc``'s record (``fresh``: read from the
+        server, past the backend's range cache, whose copy is replaced). Raises
+        IntegrityError if the pack is missing or shorter."""
+        try:
+            if fresh and self._refetchable():
+                data = self.backend.refetch_range(  # type: ignore[attr-defined]
+                    loc.pack, loc.rec_offset + offset, length)
+            else:
+                data = self.backend.get_range(loc.pack, loc.rec_offset + offset, length)
         except BlobNotFoundError:
             raise IntegrityError(loc.oid.hex(), f"pack {loc.pack} is missing") from None
         if len(data) != length:
             raise IntegrityError(loc.oid.hex(), f"pack {loc.pack} is truncated")
         return data
 
-    def _frame_table(self, loc: Location) -> FrameTable:
+    def _frame_table(self, loc: Location, fresh: bool = False) -> FrameTable:
         key = (loc.pack, loc.rec_offset)
         with self._cache_lock:
-            t = self._tables.get(key)
-            if t is not None:
+            t = self._tables.pop(key, None) if fresh else self._tables.get(key)
+            if t is not None and not fresh:
                 self._tables.move_to_end(key)
                 return t
-        head = self._fetch(loc, 0, min(table_length(loc.raw_length), loc.rec_length))
+        head = self._fetch(loc, 0, min(table_length(loc.raw_length), loc.rec_length), fresh)
         t = FrameTable.parse(loc.oid.hex(), head, loc.rec_length, loc.raw_length)
         with self._cache_lock:
             self._tables[key] = t
@@ -494,7 +512,8 @@ class Store:
                 self._tables.popitem(last=False)
         return t
 
-    def _frames(self, loc: Location, first: int, last: int) -> list[bytes]:
+    def _frames(self, loc: Location, first: int, last: int,
+                fresh: bool = False) -> list[bytes]:
         what = loc.oid.hex()
         if loc.codec is Codec.BLOCKS:
             if loc.rec_length != blocks_length(loc.raw_length):
@@ -503,13 +522,14 @@ class Store:
                 raise ValueError(f"blocks {first}..{last} of a chunk of {loc.raw_length} bytes")
             step = TAG_SIZE + BLOCK_SIZE
             start = first * step
-            data = self._fetch(loc, start, min(loc.rec_length, (last + 1) * step) - start)
+            data = self._fetch(loc, start, min(loc.rec_length, (last + 1) * step) - start,
+                               fresh)
             return [bytes(b) for b in split_blocks(what, data, first, loc.oid)]
-        t = self._frame_table(loc)
+        t = self._frame_table(loc, fresh)
         if not 0 <= first <= last < len(t.offsets):
             raise ValueError(f"frames {first}..{last} of a chunk of {len(t.offsets)} frames")
         start = t.offsets[first]
-        data = self._fetch(loc, start, t.offsets[last] + t.lengths[last] - start)
+        data = self._fetch(loc, start, t.offsets[last] + t.lengths[last] - start, fresh)
         return [decode_frame(what, t, i, data[t.offsets[i] - start:
                                               t.offsets[i] - start + t.lengths[i]], loc.oid)
                 for i in range(first, last + 1)]
@@ -522,8 +542,10 @@ class Store:
         whole (``read_object``). Unit ``i`` holds bytes ``[i * u, (i + 1) * u)`` of the
         chunk, ``u`` its unit size. ``loc`` as for ``read_object``.
 
+        Units that fail their check are read as ``read_object`` reads bytes that fail
+        (looked up again; else, with a range cache, read once more from the server).
         Raises ObjectNotFoundError if ``oid`` is not indexed, IntegrityError if the table or
-        a unit is damaged or missing, ValueError for units the chunk does not have."""
+        a unit read that last time is damaged or missing, ValueError for units the chunk does not have."""
         if loc is None or loc.oid != oid:
             loc = self.locate(oid)
         if unit_size(loc.codec) is None:
@@ -535,7 +557,10 @@ class Store:
             if again == loc:
                 with self._cache_lock:
                     self._tables.pop((loc.pack, loc.rec_offset), None)
-                raise
+                if not self._refetchable():
+                    raise
+                # Cached bytes: once more from the server (table and units).
+                return self._frames(loc, first, last, fresh=True)
             if unit_size(again.codec) != unit_size(loc.codec):
                 return None
             return self._frames(again, first, last)

@@ -401,3 +401,73 @@ def test_doctor_checks_the_shared_stores_bucket_and_catalog(s3_env: object, s3_b
 
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT to_regclass('catalog_meta')").fetchone() == (None,)
+
+
+def _cat(host: Host, ref: str, path: str) -> subprocess.CompletedProcess[bytes]:
+    """``rewindfs cat REF PATH`` on ``host``, a process of its own, output as bytes."""
+    return subprocess.run([sys.executable, "-m", "rewindfs", *host.opts, "cat", ref, path],
+                          cwd=REPO, capture_output=True, env={**os.environ, **host.env},
+                          timeout=300)
+
+
+def _cache_files(host: Host) -> list[Path]:
+    """The range files in ``host``'s range cache (``$XDG_CACHE_HOME/rewindfs``)."""
+    root = Path(host.env["XDG_CACHE_HOME"]) / "rewindfs"
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.parent.name.endswith(".pack"))
+
+
+def test_a_repaired_pack_is_read_again_past_the_range_cache(hosts: tuple[Host, Host],
+                                                            tmp_path: Path, s3_env: object,
+                                                            s3_bucket: str) -> None:
+    """Two bytes of the pack holding big.bin flipped on S3: cat on host B fails with exit
+    5 (never wrong bytes), and its range cache now holds the damaged range. With the
+    pack put back, verify is clean and cat in a new process gives the exact bytes with
+    exit 0 (the range that failed the object's hash is read once more from S3). Then the
+    cache files themselves damaged (one with its digest left stale, one rewritten with a
+    matching digest, which only the object's hash can catch): cat is exact again and the
+    cache is repaired from S3."""
+    import blake3
+
+    a, b = hosts
+    src = _tree(tmp_path)
+    want = (src / "pkg" / "big.bin").read_bytes()
+    ref = a.json("snapshot", str(src))["ref"]  # type: ignore[index]
+    s3 = s3_env.client()  # type: ignore[attr-defined]
+    packs = s3.list_objects_v2(Bucket=s3_bucket, Prefix="team/store/packs/")["Contents"]
+    key = max(packs, key=lambda o: o["Size"])["Key"]  # big.bin's 3 MiB of random bytes
+    good = s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    for i in (len(bad) // 2, len(bad) // 2 + 1):
+        bad[i] ^= 0xFF
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=bytes(bad))
+
+    r = _cat(b, ref, "pkg/big.bin")
+    assert r.returncode == 5, (r.returncode, r.stderr)
+    assert r.stdout != want and b"rewindfs: " in r.stderr, r.stderr
+    assert _cache_files(b), "host B cached nothing of the damaged pack"
+
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=good)
+    assert b.run("verify").returncode == 0
+    for _ in range(2):  # the second from the cache the first repaired
+        r = _cat(b, ref, "pkg/big.bin")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want
+
+    files = [f for f in _cache_files(b) if f.stat().st_size > 1 << 16]
+    assert len(files) >= 2, files
+    stale, rehashed = files[0], files[1]
+    blob = bytearray(stale.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    stale.write_bytes(bytes(blob))
+    blob = blob[32:]
+    body = bytearray(rehashed.read_bytes()[32:])
+    body[len(body) // 2 + 100] ^= 0xFF  # in a block's bytes, not its tag
+    rehashed.write_bytes(blake3.blake3(bytes(body)).digest() + bytes(body))
+    r = _cat(b, ref, "pkg/big.bin")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want
+    for f, was in ((stale, blob), (rehashed, body)):
+        data = f.read_bytes()
+        assert blake3.blake3(data[32:]).digest() == data[:32], f
+        assert data[32:] != bytes(was), f
+    assert s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read() == good
