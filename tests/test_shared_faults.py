@@ -375,3 +375,53 @@ def test_a_read_through_a_mount_on_a_hung_s3_server_asks_it_once(
     held = [x for x in failed if "not asked again for" in x]  # they name the timeout too
     asked = [x for x in failed if "gave up after 2 attempts" in x and x not in held]
     assert len(asked) == 1 and len(held) == len(failed) - 1 >= 1, failed
+
+
+def test_a_mount_reads_a_repaired_pack_past_its_range_cache(fuse_store: Path, tmp_path: Path,
+                                                            own_seaweed: object) -> None:
+    """Two bytes of the pack holding a 3 MiB file flipped on S3: a read-only mount on host
+    B fails the read with EIO (never wrong bytes) and its range cache keeps the damaged
+    ranges; with the pack put back, a new mount's 4 KiB reads all over the file (the
+    frames and blocks path) and a whole read give the exact bytes."""
+    import errno
+
+    src = tmp_path / "src"
+    src.mkdir()
+    want = os.urandom(3 << 20)
+    (src / "big.bin").write_bytes(want)
+    ref = json.loads(cli(fuse_store, "snapshot", str(src), "--json").stdout)["ref"]
+    bucket, _, prefix = json.loads((fuse_store / "store.json").read_text())["blobs"][5:] \
+        .partition("/")
+    s3 = own_seaweed.client()  # type: ignore[attr-defined]
+    packs = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/packs/")["Contents"]
+    key = max(packs, key=lambda o: o["Size"])["Key"]
+    good = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    for i in (len(bad) // 2 + 100, len(bad) // 2 + 101):
+        bad[i] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(bad))
+    host_b = _host_b(fuse_store, tmp_path)
+    mnt = tmp_path / "ro-b"
+    mnt.mkdir()
+    cli(host_b, "mount", "--ro", ref, str(mnt))
+    try:
+        with pytest.raises(OSError) as e:
+            (mnt / "big.bin").read_bytes()
+        assert e.value.errno == errno.EIO
+    finally:
+        cli(host_b, "umount", str(mnt))
+    assert any((tmp_path / "cache-b").rglob("*-*"))
+
+    s3.put_object(Bucket=bucket, Key=key, Body=good)
+    cli(host_b, "mount", "--ro", ref, str(mnt))
+    try:
+        fd = os.open(mnt / "big.bin", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for off in range(len(want) - 4096, -1, -4096):  # backwards: no read-ahead run
+                assert os.pread(fd, 4096, off) == want[off:off + 4096], off
+        finally:
+            os.close(fd)
+        assert (mnt / "big.bin").read_bytes() == want
+    finally:
+        cli(host_b, "umount", str(mnt))
