@@ -46,6 +46,7 @@ O(n^2)); nothing when the policy has no hide and no protect patterns.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -62,6 +63,16 @@ Matcher = Callable[[str], bool] | None
 # A listing is kept only for a directory whose last change is at least this much older
 # than the listing: a later change then gets a later time even from a coarse clock.
 _SETTLED_NS = 1_000_000_000
+# Walks of one scan before it gives up on a tree that keeps changing under it.
+_ATTEMPTS = 3
+
+
+class _Raced(Exception):
+    """The tree changed under a walk at workspace path ``path`` (``scan`` walks again)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
 
 
 @dataclass
@@ -149,7 +160,14 @@ def policy_view(root: Root) -> PolicyView:
 def scan(root: Root, want_view: bool = False) -> PolicyView:
     """Walk the workspace, cover what the policy covers now (patterns and identities),
     record the identities in ``root.covered``, and (``want_view``) build the bwrap
-    arguments. An unreadable root covers nothing."""
+    arguments. An unreadable root covers nothing.
+
+    Fails closed: a walk that a concurrent change made inconsistent (a directory it
+    listed gone or replaced before it was walked, or any directory changed between its
+    listing and the end of the walk, so that a subtree may have moved where the walk had
+    already been) is walked again, up to ``_ATTEMPTS`` times; then OSError (ESTALE) is
+    raised and nothing is recorded (``root.covered`` keeps the identities of the last
+    consistent scan, so a covered file renamed during the race stays covered)."""
     view = PolicyView()
     pol = root.policy
     if not (pol.hide or pol.protect):
@@ -158,22 +176,32 @@ def scan(root: Root, want_view: bool = False) -> PolicyView:
     if not isinstance(cache, _Cache):
         cache = root.scans = _Cache()
     with cache.lock:
-        started = time.time_ns()
-        try:
-            top = os.open(root.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return view
-        try:
-            st = os.fstat(top)
-            view.root_id = (st.st_dev, st.st_ino)
-            w = _Walk(root, cache, view, want_view, started)
-            w.dir(top, "", None)
-            w.aliases(top)
-        except BaseException:
-            view.close()
-            raise
-        finally:
-            os.close(top)
+        for attempt in range(_ATTEMPTS):
+            started = time.time_ns()
+            try:
+                top = os.open(root.real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return view
+            try:
+                st = os.fstat(top)
+                view.root_id = (st.st_dev, st.st_ino)
+                w = _Walk(root, cache, view, want_view, started)
+                w.walk(top)
+                w.aliases(top)
+                w.recheck(top)
+                break
+            except _Raced as e:
+                view.close()
+                view = PolicyView()
+                cache.aliases = None
+                if attempt + 1 == _ATTEMPTS:
+                    raise OSError(errno.ESTALE, f"{e.path or '.'} kept changing while the "
+                                  "session's path policy was applied; nothing ran") from None
+            except BaseException:
+                view.close()
+                raise
+            finally:
+                os.close(top)
         covered = root.covered
         # The same objects when unchanged: a kept plan is for the identities it was made under.
         hidden, protected = frozenset(w.hidden_inos), frozenset(w.protected_inos)
@@ -228,34 +256,42 @@ class _Walk:
         self.dev: int | None = None
         self.open_dirs: list[tuple[str, _Listing]] = []   # uncovered directories met
         self.done: set[str] = set()                        # paths covered
+        self.listed: list[tuple[str, _Listing]] = []       # every directory listed
 
     def listing(self, top: int, prefix: str) -> _Listing | None:
         """Directory ``prefix`` (``""``: the root ``top``): its kept listing when its
         inode, mtime and ctime are those it had when listed (a ``stat`` by path, no open:
         on a FUSE mount an open and a close are two requests to the daemon), else read now
         from the directory opened one component at a time without following a link. None
-        when it is gone or no directory (any more)."""
+        when it cannot be read; raises _Raced when it is gone or no directory (any more):
+        its parent listed it as one, so the tree changed under the walk."""
         try:
             st = os.stat(prefix or ".", dir_fd=top, follow_symlinks=False)
-        except OSError:
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise _Raced(prefix) from None
             return None
         if not stat.S_ISDIR(st.st_mode):
-            return None
+            raise _Raced(prefix)
         if self.dev is None:
             self.dev = st.st_dev
         got = self.old.get(prefix)
         if got is not None and got.key == (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) \
                 and got.dev == st.st_dev:
             self.seen[prefix] = got
+            self.listed.append((prefix, got))
             return got
         fd = self.open_path(top, prefix)
         if fd is None:
-            return None
+            raise _Raced(prefix)
         try:
-            return self.read_listing(fd, prefix)
+            rec = self.read_listing(fd, prefix)
         finally:
             if fd != top:
                 os.close(fd)
+        if rec is not None:
+            self.listed.append((prefix, rec))
+        return rec
 
     def read_listing(self, fd: int, prefix: str) -> _Listing | None:
         """The listing of directory ``fd`` (workspace path ``prefix``), kept for the next
@@ -270,15 +306,7 @@ class _Walk:
         by_ino: dict[int, list[str]] = {}
         hide: set[str] = set()
         protect: set[str] = set()
-        for entry in list_dir(fd):
-            try:                               # the entry's type from readdir: no stat
-                if entry.is_symlink():
-                    continue
-                is_dir = entry.is_dir(follow_symlinks=False)
-                ino = entry.inode()
-            except OSError:
-                continue
-            name = entry.name
+        for name, (is_dir, ino) in _entries(fd).items():
             entries[name] = (is_dir, ino)
             by_ino.setdefault(ino, []).append(name)
             path = pre + name + ("/" if is_dir else "")
@@ -294,16 +322,50 @@ class _Walk:
             self.seen[prefix] = rec
         return rec
 
-    def dir(self, top: int, prefix: str, mode: str | None) -> None:
+    def walk(self, top: int) -> None:
+        """Walk the tree below the root ``top``, depth first and in listing order, with
+        a stack of its own (a tree deeper than Python's recursion limit is walked too)."""
+        todo: list[tuple[str, str | None]] = [("", None)]
+        while todo:
+            prefix, mode = todo.pop()
+            below = self.dir(top, prefix, mode)
+            pre = prefix + "/" if prefix else ""
+            todo.extend((pre + name, sub) for name, sub in reversed(below))
+
+    def recheck(self, top: int) -> None:
+        """Raise _Raced unless every directory listed is as it was listed: same inode,
+        mtime and ctime (a stat by path each), and, for one changed less than
+        ``_SETTLED_NS`` before the walk began (a coarse clock may give a later change the
+        same times), the same entries."""
+        for prefix, rec in self.listed:
+            try:
+                st = os.stat(prefix or ".", dir_fd=top, follow_symlinks=False)
+            except OSError:
+                raise _Raced(prefix) from None
+            if (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != rec.key \
+                    or st.st_dev != rec.dev:
+                raise _Raced(prefix)
+            if self.started - st.st_ctime_ns < _SETTLED_NS:
+                fd = self.open_path(top, prefix)
+                if fd is None:
+                    raise _Raced(prefix)
+                try:
+                    same = _entries(fd) == rec.entries
+                finally:
+                    if fd != top:
+                        os.close(fd)
+                if not same:
+                    raise _Raced(prefix)
+
+    def dir(self, top: int, prefix: str, mode: str | None) -> tuple[tuple[str, str | None], ...]:
         """Walk directory ``prefix`` below the root ``top`` (``""`` for the root);
         ``mode``: ``hide`` or ``protect`` when an ancestor is covered so (only identities
         are recorded below it, and hidden matches below a protected one). Per directory
-        the work is set operations over its kept listing, plus the covered entries and
-        the subdirectories."""
+        the work is set operations over its kept listing, plus the covered entries. The
+        subdirectories to walk next, with their modes."""
         rec = self.listing(top, prefix)
         if rec is None:
-            return
-        pre = prefix + "/" if prefix else ""
+            return ()
         plan = rec.plan
         if plan is None or plan.mode != mode or plan.was_hidden is not self.was_hidden \
                 or plan.was_protected is not self.was_protected \
@@ -319,8 +381,7 @@ class _Walk:
         self.protected_inos |= plan.protected_inos
         if plan.open_dir:
             self.open_dirs.append((prefix, rec))
-        for name, sub_mode in plan.below:
-            self.dir(top, pre + name, sub_mode)
+        return plan.below
 
     def plan(self, top: int, rec: _Listing, prefix: str, mode: str | None) -> _Plan:
         """What the walk does in directory ``prefix`` (listing ``rec``, ``mode`` as for
@@ -479,3 +540,17 @@ class _Walk:
                 return None
             fd = sub
         return fd
+
+
+def _entries(fd: int) -> dict[str, tuple[bool, int]]:
+    """The entries of directory ``fd`` that are not symbolic links: name -> (is a
+    directory, inode number), from readdir alone (no stat)."""
+    out: dict[str, tuple[bool, int]] = {}
+    for entry in list_dir(fd):
+        try:
+            if entry.is_symlink():
+                continue
+            out[entry.name] = (entry.is_dir(follow_symlinks=False), entry.inode())
+        except OSError:
+            continue
+    return out
