@@ -862,7 +862,7 @@ async def _connection(live: Live, stream: Any) -> None:
 
 def _typed(r: dict[str, Any]) -> dict[str, Any]:
     """The typed cause of a failed reply ``r`` (``cause_type``, ``exit_code``: see
-    ``session.errors.typed_cause``), as keyword arguments of the error rebuilt from it."""
+    ``store.errors.typed_cause``), as keyword arguments of the error rebuilt from it."""
     fields = r.get("fields") or {}
     code = r.get("exit_code")
     return {"cause_type": fields.get("cause_type") or None,

@@ -83,15 +83,43 @@ class IntegrityError(StoreError):
         super().__init__(f"integrity failure in {ref}: {got}")
 
 
+SERVER_EXIT_CODES = frozenset({11, 12})
+"""The exit codes of a failed server of the store: 11 the blob backend (``BackendError``:
+S3, or the backend directory), 12 the shared catalog (``CatalogError``, PostgreSQL). An
+operation that failed because of one (a snapshot, a checkpoint, a restore) exits with its
+code."""
+
+
+def typed_cause(cause: BaseException | str, cause_type: str | None = None,
+                exit_code: int | None = None, *, otherwise: int) -> tuple[str | None, int]:
+    """``(cause_type, exit_code)`` of an error with underlying ``cause``: the cause's class
+    name (or ``cause_type``, given when the cause came as text through a control socket)
+    and its exit code when it is a failed server's (``SERVER_EXIT_CODES``), else
+    ``otherwise`` (the wrapping error's own code)."""
+    if isinstance(cause, BaseException):
+        cause_type = cause_type or getattr(cause, "cause_type", None) or type(cause).__name__
+        if exit_code is None:
+            exit_code = getattr(cause, "exit_code", None)
+    code = exit_code if isinstance(exit_code, int) and exit_code in SERVER_EXIT_CODES \
+        else otherwise
+    return cause_type, code
+
+
 class SnapshotError(StoreError):
-    """A directory could not be imported; nothing it wrote is referenced."""
+    """A directory could not be imported; nothing it wrote is referenced. ``because``: the
+    store's error that stopped it, if any; then ``cause_type`` is its class name and
+    ``exit_code`` 11 or 12 when it is a failed server's (``typed_cause``), else 1."""
 
     exit_code = 1
 
-    def __init__(self, root: str, cause: str, *, err: int | None = None) -> None:
+    def __init__(self, root: str, cause: str, *, err: int | None = None,
+                 because: BaseException | None = None) -> None:
         self.root = root
         self.cause = cause
         self.err = err  # the errno of the OSError behind ``cause``, where there was one
+        self.cause_type: str | None = None
+        if because is not None:
+            self.cause_type, self.exit_code = typed_cause(because, otherwise=1)
         super().__init__(f"cannot snapshot {root}: {cause}")
 
 
@@ -153,14 +181,21 @@ class ArchiveLimitError(StoreError):
 
 
 class GCError(StoreError):
-    """Garbage collection refused to run or failed at one step; it can be re-run."""
+    """Garbage collection refused to run or failed at one step; it can be re-run.
+    ``because``: the store's error that stopped the step, if any; then ``cause_type`` is its
+    class name and ``exit_code`` 11 or 12 when it is a failed server's (``typed_cause``),
+    else 8 (a refusal, or a store that is not as GC needs it)."""
 
     exit_code = 8
 
-    def __init__(self, op: str, key: str, cause: str) -> None:
+    def __init__(self, op: str, key: str, cause: str, *,
+                 because: BaseException | None = None) -> None:
         self.op = op
         self.key = key
         self.cause = cause
+        self.cause_type: str | None = None
+        if because is not None:
+            self.cause_type, self.exit_code = typed_cause(because, otherwise=8)
         super().__init__(f"gc {op} {key}: {cause}")
 
 

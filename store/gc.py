@@ -98,7 +98,7 @@ def live_roots(store: Store, extra_live: Iterable[Ref] = (),
             pinned = state_dirs_reader(path)
             roots.update(Ref.parse(r).tree_id for r in pinned)
         except Exception as e:
-            raise GCError("live", path, f"cannot read state directory: {e}") from e
+            raise GCError("live", path, f"cannot read state directory: {e}", because=e) from e
     for r in extra_live:
         roots.add(Ref.parse(r).tree_id)
     return roots
@@ -113,7 +113,8 @@ def mark(store: Store, roots: Iterable[ObjectId]) -> set[ObjectId]:
         try:
             kind = store.locate(tid).kind
         except StoreError as err:
-            raise GCError("mark", tid.hex(), f"cannot find a live root tree ({err})") from err
+            raise GCError("mark", tid.hex(), f"cannot find a live root tree ({err})",
+                          because=err) from err
         if kind is not ObjKind.TREE:
             raise GCError("mark", tid.hex(), "a live root names a chunk, not a tree")
     while stack:
@@ -128,7 +129,8 @@ def mark(store: Store, roots: Iterable[ObjectId]) -> set[ObjectId]:
             raise
         except StoreError as err:
             raise GCError("mark", tid.hex(), f"cannot read a live tree ({err}); run verify, "
-                                             "then rebuild-index if objects are missing") from err
+                                             "then rebuild-index if objects are missing",
+                          because=err) from err
         live.add(tid)
         for ent in tree.entries:
             if ent.kind is Kind.DIR and ent.tree_id is not None:
@@ -190,7 +192,7 @@ def ready_for_gc(store: Any) -> None:
     try:
         catch_up(store)
     except StoreError as e:
-        raise GCError("catch-up", "history", str(e)) from e
+        raise GCError("catch-up", "history", str(e), because=e) from e
 
 
 def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirsReader | None,
@@ -247,7 +249,7 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
         except BlobNotFoundError:
             continue
         except StoreError as e:
-            raise GCError("delete", key, str(e)) from e
+            raise GCError("delete", key, str(e), because=e) from e
         rep.bytes_freed += use[key].size if key in use else 0
     rep.packs_deleted = len(dead_packs) + len(leftovers)
     rep.packs_repacked = len(sparse)
@@ -255,7 +257,7 @@ def _gc_locked(store: Store, extra_live: list[Ref], state_dirs_reader: StateDirs
     try:
         store.backend.sync()
     except StoreError as e:
-        raise GCError("sync", "packs/", str(e)) from e
+        raise GCError("sync", "packs/", str(e), because=e) from e
     return rep
 
 
@@ -287,7 +289,7 @@ def _repack(store: Store, sparse: list[str], use: dict[str, _PackUse],
                 store.backend.delete(k)
             except StoreError:
                 pass
-        raise GCError("repack", key, str(e)) from e
+        raise GCError("repack", key, str(e), because=e) from e
     return moved, written
 
 
@@ -318,7 +320,7 @@ def backend_leftovers(store: Any, packs: Any, unknown: list[str]) -> list[str]:
     try:
         backend_keys = store.backend.list("")
     except StoreError as e:
-        raise GCError("list", "packs/", str(e)) from e
+        raise GCError("list", "packs/", str(e), because=e) from e
     leftovers = []
     for key in backend_keys:
         if PACK_KEY.fullmatch(key):

@@ -257,7 +257,7 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
             except BlobNotFoundError:
                 continue
             except StoreError as e:
-                raise GCError("delete", key, str(e)) from e
+                raise GCError("delete", key, str(e), because=e) from e
             rep.bytes_freed += packs[key][0] if key in packs else 0
         rep.packs_deleted = len(dead) + len(leftovers)
         rep.leftover_packs = len(leftovers)
@@ -267,7 +267,7 @@ def gc_shared(store: Any, *, extra_live: Iterable[Ref] = (),
             try:
                 rep.uploads_aborted = len(abort("packs/", grace_s))
             except StoreError as e:
-                raise GCError("abort", "packs/", str(e)) from e
+                raise GCError("abort", "packs/", str(e), because=e) from e
         log.info("gc on host %s: %d packs deleted (%d leftovers), %d objects, %d stale "
                  "uploads aborted", host_id(), rep.packs_deleted, rep.leftover_packs,
                  rep.objects_deleted, rep.uploads_aborted)
@@ -473,7 +473,7 @@ def _live_roots(store: Any, extra_live: Iterable[Ref],
         try:
             roots.update(Ref.parse(r).tree_id for r in state_dirs_reader(path))
         except Exception as e:
-            raise GCError("live", path, f"cannot read state directory: {e}") from e
+            raise GCError("live", path, f"cannot read state directory: {e}", because=e) from e
     for r in extra_live:
         roots.add(Ref.parse(r).tree_id)
     return roots

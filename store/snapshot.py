@@ -834,7 +834,8 @@ def run_snapshot(store: Store, path: str | os.PathLike[str], *, label: str | Non
             raise SnapshotError(os.fspath(path), "the tree is inside the store")
         return _run(store, path, fd, real, horizon, label, origin, progress, workers)
     except (BackendError, sqlite3.Error) as e:
-        raise SnapshotError(os.fspath(path), f"cannot write to the store: {e}") from e
+        raise SnapshotError(os.fspath(path), f"cannot write to the store: {e}",
+                            because=e) from e
     finally:
         os.close(fd)
 

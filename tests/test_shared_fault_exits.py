@@ -153,6 +153,28 @@ def test_session_checkpoint_restore_and_step_name_the_failed_server(
     assert json.loads(host.session("checkpoint", sid, "--json").stdout)["ref"] == str(want)
 
 
+def test_snapshot_seed_and_gc_with_s3_gone_exit_11(
+        host: SessionHost, tmp_path: Path, own_seaweed: object) -> None:
+    """``snapshot DIR``, ``session new --seed DIR`` and ``gc`` with SeaweedFS stopped: exit
+    11 with the cause typed BackendError (were 1, 1 and 8: exit 8 is GC's refusals)."""
+    src = project(tmp_path, 1 << 20)
+    host.run("list")  # binds the local directory while both servers answer
+    own_seaweed.stop(keep_data=True)  # type: ignore[attr-defined]
+    try:
+        doc = _failed(host.run("snapshot", str(src), "--json", check=False), 11, "s3://")
+        assert doc["type"] == "SnapshotError" and doc["cause_type"] == "BackendError", doc
+        r = host.session("new", "--seed", str(src), "--base", str(host.base), "--json",
+                         check=False)
+        doc = _failed(r, 11, "s3://")
+        assert doc["cause_type"] == "BackendError", doc
+        doc = _failed(host.run("gc", "--json", check=False), 11, "s3://")
+        assert doc["type"] == "GCError" and doc["cause_type"] == "BackendError", doc
+    finally:
+        own_seaweed.start()  # type: ignore[attr-defined]
+    assert json.loads(host.run("snapshot", str(src), "--json").stdout)["ref"]
+    host.run("gc")
+
+
 # -- status of a live mount with the catalog down -------------------------------------------
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from store.errors import typed_cause
+
 from ..errors import shown_users
 
 
@@ -268,25 +270,6 @@ class WorkspaceNotConfiguredError(SessionError):
         super().__init__(f"cannot {op}: the session has no workspace placement")
 
 
-SERVER_EXIT_CODES = frozenset({11, 12})
-"""The exit codes of a failed server of the store (``store.errors``): 11 the blob backend
-(``BackendError``: S3, or the backend directory), 12 the shared catalog (``CatalogError``,
-PostgreSQL). A checkpoint or restore that failed because of one exits with its code."""
-
-
-def typed_cause(cause: BaseException | str, cause_type: str | None = None,
-                exit_code: int | None = None) -> tuple[str | None, int]:
-    """``(cause_type, exit_code)`` of an error with underlying ``cause``: the cause's class
-    name (or ``cause_type``, given when the cause came as text through a control socket)
-    and its exit code when it is a failed server's (``SERVER_EXIT_CODES``), else 10."""
-    if isinstance(cause, BaseException):
-        cause_type = cause_type or getattr(cause, "cause_type", None) or type(cause).__name__
-        if exit_code is None:
-            exit_code = getattr(cause, "exit_code", None)
-    code = exit_code if isinstance(exit_code, int) and exit_code in SERVER_EXIT_CODES else 10
-    return cause_type, code
-
-
 class CheckpointError(SessionError):
     """A checkpoint failed; the journal and the live tree are unchanged. ``trigger`` is what
     asked for it; ``cause`` is the underlying error (a CheckpointError given as cause, one
@@ -307,7 +290,7 @@ class CheckpointError(SessionError):
             cause = cause.cause
         self.trigger = trigger
         self.cause = cause
-        self.cause_type, self.exit_code = typed_cause(cause, cause_type, exit_code)
+        self.cause_type, self.exit_code = typed_cause(cause, cause_type, exit_code, otherwise=10)
         super().__init__(f"checkpoint ({trigger}) failed: {cause}")
 
 
@@ -343,7 +326,7 @@ class RestoreError(SessionError):
         self.kind = kind
         self.ref = ref
         self.cause = cause
-        self.cause_type, self.exit_code = typed_cause(cause, cause_type, exit_code)
+        self.cause_type, self.exit_code = typed_cause(cause, cause_type, exit_code, otherwise=10)
         msg = f"restore{' of ' + ref if ref else ''} failed ({kind})"
         super().__init__(msg + (f": {cause}" if str(cause) else ""))
 
@@ -351,7 +334,7 @@ class RestoreError(SessionError):
     def because(cls, kind: str, ref: str, what: str, e: BaseException) -> RestoreError:
         """The RestoreError ``kind`` of ``ref`` whose cause is ``what`` failing with ``e``
         (cause text ``"<what>: <e>"``, typed as ``e``: ``typed_cause``)."""
-        cause_type, code = typed_cause(e)
+        cause_type, code = typed_cause(e, otherwise=10)
         return cls(kind, ref, f"{what}: {e}", cause_type=cause_type, exit_code=code)
 
 
