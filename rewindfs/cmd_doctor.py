@@ -262,11 +262,12 @@ def check_shared_store(store: str) -> list[Check]:
         return [Check("shared_config", "fail", str(e), "fix or remove that file")]
     if cfg is None:
         return []
+    from store.errors import redact
     from store.pgcatalog import SCHEMA_VERSION, probe
     from store.s3 import S3Backend, parse_s3_url
 
     out: list[Check] = []
-    where = f" at {cfg.s3_endpoint}" if cfg.s3_endpoint else ""
+    where = f" at {redact(cfg.s3_endpoint)}" if cfg.s3_endpoint else ""
     try:
         bucket, prefix = parse_s3_url(cfg.blobs)
         S3Backend(bucket, prefix, endpoint_url=cfg.s3_endpoint, max_attempts=2,
@@ -282,7 +283,7 @@ def check_shared_store(store: str) -> list[Check]:
     except StoreError as e:
         out.append(Check("shared_catalog", "fail", str(e),
                          "check that the server runs and the database exists; a password "
-                         "comes from PGPASSWORD or ~/.pgpass"))
+                         "comes from PGPASSWORD, ~/.pgpass or PGPASSFILE"))
         return out
     if have is None:
         out.append(Check("shared_catalog", "ok", "the catalog answers; its schema is made "

@@ -86,3 +86,30 @@ def test_server_errors_mask_passwords_and_keep_the_rest(s3_env: object) -> None:
         PostgresCatalog(dsn, timeout_s=1)
     _no_secret(str(ci.value))
     assert "password=***&user=postgres" in str(ci.value), ci.value
+
+
+def test_a_store_json_of_an_earlier_version_with_secrets_is_never_echoed(
+        s3_env: object, s3_bucket: str, tmp_path: Path) -> None:
+    """A ``store.json`` written before the refusal (its catalog URL and S3 endpoint with
+    passwords; SeaweedFS answers, the catalog does not): ``doctor`` and a command name
+    both servers with the passwords masked."""
+    import servers
+
+    port = servers.free_port()
+    local = tmp_path / "l"
+    local.mkdir(mode=0o700)
+    (local / "store.json").write_text(json.dumps({
+        "blobs": f"s3://{s3_bucket}/x", "cache": str(tmp_path / "cache"),
+        "catalog": f"postgresql://postgres:{SECRET}@127.0.0.1:{port}/db",
+        "s3_endpoint": s3_env.endpoint.replace(  # type: ignore[attr-defined]
+            "://", f"://AKIAEXAMPLE:{SECRET}@")}))
+    r = _cli(["--store", str(local), "doctor", "--json"], check=False)
+    _no_secret(r.stdout, r.stderr)
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["shared_blobs"]["status"] == "ok", checks
+    assert "AKIAEXAMPLE:***@" in checks["shared_blobs"]["detail"], checks
+    assert f"127.0.0.1:{port}" in checks["shared_catalog"]["detail"], checks
+    r = _cli(["--store", str(local), "list"], check=False)
+    assert r.returncode == 12, r.stderr
+    _no_secret(r.stdout, r.stderr)
+    assert "postgres:***@" in r.stderr, r.stderr
