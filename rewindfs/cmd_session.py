@@ -408,6 +408,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     rec = _registry(args).load(args.id)
     path = _live(args, args.id)
     if path is not None:
+        _refuse_terminal(rec.id, path)
         return _show(args, {"id": rec.id, "root": rec.root})
     base = _recorded_spec(rec.state_dir)
     if base is None and rec.fingerprint:
@@ -415,6 +416,21 @@ def cmd_resume(args: argparse.Namespace) -> int:
         base = {"placement": mode, "path": where}
     spec = _spec_from_args(args, base)
     return _show(args, _spawn(spec, ["--resume", args.id]))
+
+
+def _refuse_terminal(session_id: str, path: str) -> None:
+    """Raise SessionFaultedError (exit 10) if the running session process at control
+    socket ``path`` is terminally faulted: resuming it would report a root that serves
+    nothing further (no checkpoint, step or restore). The message says how to recover."""
+    from fusefs.session.control import request
+    from fusefs.session.errors import SessionFaultedError
+
+    st = request(path, {"op": "status"}, 60)
+    if st.get("ok") and st.get("terminal"):
+        raise SessionFaultedError(
+            session_id, f"{st.get('fault')}; its process (pid {st.get('pid')}) still runs: "
+            f"run 'rewindfs session shutdown {session_id}', then 'rewindfs session resume "
+            f"{session_id}'", terminal=True)
 
 
 def cmd_fork(args: argparse.Namespace) -> int:

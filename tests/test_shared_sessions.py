@@ -252,3 +252,93 @@ def test_a_catalog_outage_across_a_lease_renewal_leaves_the_session_its_lease(
     finally:
         a.cleanup()
         b.cleanup()
+
+
+def _outage_hosts(s3_env: object, s3_bucket: str, own_postgres: object,
+                  tmp_path: Path) -> tuple[SessionHost, SessionHost]:
+    a, b = two_hosts(s3_env, s3_bucket, own_postgres.new_database(),  # type: ignore[attr-defined]
+                     tmp_path, SessionHost)
+    assert isinstance(a, SessionHost) and isinstance(b, SessionHost)
+    return a, b
+
+
+def test_a_catalog_outage_longer_than_the_lease_ttl_renews_the_lease_on_reconnect(
+        s3_env: object, s3_bucket: str, own_postgres: object, tmp_path: Path) -> None:
+    """PostgreSQL down for more than the lease's time to live, nobody taking the session
+    over: once it is back the lease, expired but still this holder's at its epoch, is
+    renewed, and the next checkpoint journals the change made before the outage (it used
+    to fault the session terminally: 'lease session/ID expired' for good)."""
+    a, b = _outage_hosts(s3_env, s3_bucket, own_postgres, tmp_path)
+    try:
+        ttl = 2.0
+        s = a.started("new", "--seed", str(project(tmp_path)), "--lease-ttl", str(ttl))
+        sid, root = s["id"], Path(s["root"])
+        (root / "README").write_text("before the outage\n")
+        epoch = json.loads(a.run("status", str(root), "--json").stdout)["epoch"]
+        own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+        try:
+            time.sleep(2 * ttl + 1)  # renewals fail for more than a whole time to live
+        finally:
+            own_postgres.start()  # type: ignore[attr-defined]
+        ref = json.loads(a.run("checkpoint", str(root), "--json").stdout)["ref"]
+        got = a.run("cat", ref, "README").stdout
+        assert got == "before the outage\n"
+        log = json.loads(a.run("log", sid, "--json").stdout)
+        assert log[-1]["ref"] == ref and log[-1]["event"] == "WorkspaceCheckpointed"
+        assert log[-1]["epoch"] == epoch
+        status = json.loads(a.run("status", str(root), "--json").stdout)
+        assert not status.get("fault"), status
+        a.started("resume", sid)  # a healthy running session: its root
+        a.session("shutdown", sid, "--checkpoint")
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+def test_a_takeover_during_a_catalog_outage_still_faults_the_old_holder(
+        s3_env: object, s3_bucket: str, own_postgres: object, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host A's session process paused across a PostgreSQL outage longer than its lease's
+    ttl; once the catalog is back, another holder takes the expired lease (epoch + 1)
+    before A renews: A's renewal is refused, the session is terminally faulted,
+    checkpoints fail, and ``session resume`` refuses (exit 10) saying to shut it down
+    first instead of printing the root of a session that serves nothing."""
+    from store.lease import Leaser
+    from store.objects import Store
+
+    a, b = _outage_hosts(s3_env, s3_bucket, own_postgres, tmp_path)
+    try:
+        ttl = 2.0
+        s = a.started("new", "--seed", str(project(tmp_path)), "--lease-ttl", str(ttl))
+        sid, root = s["id"], Path(s["root"])
+        (root / "README").write_text("before the outage\n")
+        b.run("list")  # B's local directory configured
+        pid = a.pid(sid)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            own_postgres.stop(keep_data=True)  # type: ignore[attr-defined]
+            try:
+                time.sleep(ttl + 1)
+            finally:
+                own_postgres.start()  # type: ignore[attr-defined]
+            monkeypatch.setenv("XDG_CACHE_HOME", b.env["XDG_CACHE_HOME"])
+            monkeypatch.setenv("REWINDFS_HOST_ID", "hostB")
+            st_b = Store(b.local)
+            try:
+                stolen = Leaser(st_b).acquire(f"session/{sid}", "hostB:1:thief", 600)
+            finally:
+                st_b.close()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        r = a.run("checkpoint", str(root), check=False)
+        assert r.returncode == 10, r.stderr
+        assert "terminally faulted" in r.stderr and "lost" in r.stderr, r.stderr
+        r = a.session("resume", sid, check=False)
+        assert r.returncode == 10, (r.stdout, r.stderr)
+        assert "terminally faulted" in r.stderr and f"session shutdown {sid}" in r.stderr
+        assert s["root"] not in r.stdout
+        a.session("shutdown", sid)
+        assert stolen.epoch >= 2
+    finally:
+        a.cleanup()
+        b.cleanup()

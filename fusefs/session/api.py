@@ -191,6 +191,12 @@ class Session:
         """Why the session is faulted, or None."""
         return self._handle.fault if self._handle is not None else None
 
+    @property
+    def terminal(self) -> bool:
+        """True if the session is terminally faulted (a lease taken over, a failed
+        rollback): only a shutdown is served; a resume after it starts afresh."""
+        return getattr(self._handle, "terminal_fault", None) is not None
+
     def checkpoint(self, trigger: str = "manual", timeout_s: float | None = None,
                    label: str | None = None) -> Ref:
         """Freeze the live tree and journal it; return the Ref (CONTRACT 4.5). ``trigger``:

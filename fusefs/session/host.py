@@ -163,7 +163,8 @@ class Host:
         if op == "status":
             ref, catalog = self.pointer()
             out = {"ok": True, "id": s.id, "root": s.root, "pid": os.getpid(),
-                   "epoch": s.epoch, "fault": s.fault, "ref": ref}
+                   "epoch": s.epoch, "fault": s.fault, "terminal": s.terminal,
+                   "ref": ref}
             if catalog is not None:
                 out["catalog"] = catalog
             return out

@@ -135,6 +135,8 @@ class SessionCore:
         self._holder = holder_id()
         self._leases: list[Any] = []
         self._lease_lock = threading.Lock()
+        self._renewed: list[float] = []  # time.monotonic() each lease was last renewed
+        self._lapsed: dict[str, str] = {}  # lease name -> why it lapsed (_renew_loop)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._op_lock = threading.Lock()  # one checkpoint or restore at a time
@@ -176,39 +178,63 @@ class SessionCore:
     def _renew_loop(self) -> None:
         """Renew every lease at a third of its time to live. A renewal that fails for any
         reason but a lost lease (a busy index, a catalog that cannot be reached) is tried
-        again at the next tick; only a lease seen lost, or one not renewed for a whole time
-        to live (the catalog's copy has expired by then, wherever its clock is), faults
-        the session."""
+        again at the next tick; a lease not renewed for a whole time to live (the catalog's
+        copy has expired by then, wherever its clock is) is lapsed: ``fault`` says so and
+        checkpoints, steps and restores wait for its renewal. The first renewal that reaches
+        the catalog again (this loop's or ``leases_healthy``'s) renews it if it is still this
+        holder's at its epoch (``Leaser.renew``: compare-and-set on holder and epoch) and
+        clears the lapse; only a lease seen lost (taken over: its epoch moved, or released)
+        faults the session terminally."""
         ttl = self.cfg.lease_ttl_s
-        renewed = [time.monotonic()] * len(self._leases)
+        self._renewed = [time.monotonic()] * len(self._leases)
         while not self._stop.wait(ttl / 3):
             with self._lease_lock:
                 for i, lease in enumerate(list(self._leases)):
-                    leaser = self._leaser_of(i)
-                    asked = time.monotonic()  # before the catalog stamps the new expiry
                     try:
-                        self._leases[i] = leaser.renew(lease, ttl)
-                        renewed[i] = asked
-                        continue
+                        self._renew_one(i)
                     except LeaseLostError:
-                        self._fault_terminal(f"lease {lease.name} lost (epoch {lease.epoch})")
                         return
                     except Exception as e:
                         log.warning("session %s: renewing %s failed: %s", self.id, lease.name, e)
-                    try:
-                        held = leaser.held(lease)
-                    except Exception as e:  # cannot tell: held until its time to live is over
-                        held = time.monotonic() - renewed[i] < ttl
-                        if not held:
-                            log.warning("session %s: %s not renewed for %g s: %s", self.id,
-                                        lease.name, ttl, e)
-                    if not held:
-                        self._fault_terminal(f"lease {lease.name} expired")
-                        return
+                        if (time.monotonic() - self._renewed[i] >= ttl
+                                and lease.name not in self._lapsed):
+                            self._lapsed[lease.name] = (
+                                f"lease {lease.name} not renewed for {ttl:g} s ({e}); "
+                                "renewed when the catalog answers unless another holder "
+                                "took it over")
+                            log.warning("session %s: %s", self.id, self._lapsed[lease.name])
+
+    def _renew_one(self, i: int) -> None:
+        """Renew lease ``i`` (``_lease_lock`` held) and clear its lapse. Raises
+        LeaseLostError (after faulting the session terminally) if another holder took it
+        over or it was released, and the catalog's errors if it cannot be reached."""
+        lease = self._leases[i]
+        asked = time.monotonic()  # before the catalog stamps the new expiry
+        try:
+            self._leases[i] = self._leaser_of(i).renew(lease, self.cfg.lease_ttl_s)
+        except LeaseLostError:
+            self._fault_terminal(f"lease {lease.name} lost (epoch {lease.epoch})")
+            raise
+        if i < len(self._renewed):
+            self._renewed[i] = asked
+        if self._lapsed.pop(lease.name, None) is not None:
+            log.warning("session %s: lease %s renewed at epoch %d after it lapsed", self.id,
+                        lease.name, lease.epoch)
 
     def leases_healthy(self) -> bool:
+        """True if every lease is held. A lease the catalog shows expired (a renewal could
+        not reach it for a whole time to live) is renewed here first if it is still this
+        holder's at its epoch; one taken over faults the session terminally (False).
+        Raises the catalog's errors if it cannot be reached."""
         with self._lease_lock:
-            return all(self._leaser_of(i).held(lease) for i, lease in enumerate(self._leases))
+            for i, lease in enumerate(self._leases):
+                if lease.name not in self._lapsed and self._leaser_of(i).held(lease):
+                    continue
+                try:
+                    self._renew_one(i)
+                except LeaseLostError:
+                    return False
+            return True
 
     def _release_leases(self) -> None:
         self._stop.set()
@@ -359,6 +385,7 @@ class SessionCore:
             except Exception as e:
                 raise CheckpointError(trigger, e) from e
             if not self.leases_healthy():
+                self._check_usable()  # taken over just now: terminally faulted
                 raise CheckpointError(trigger, "the session lease is not held")
             self.journal.checkpointed(ref, trigger, self._consistency(), self.epoch, label)
             if label:
@@ -417,7 +444,8 @@ class SessionCore:
 
     @property
     def fault(self) -> str | None:
-        return self.terminal_fault or self.latched_fault or self.policy.fault
+        return (self.terminal_fault or self.latched_fault or self.policy.fault
+                or next(iter(self._lapsed.values()), None))
 
     # -- restore (CONTRACT 3.2, 4.7, 4.8) ------------------------------------------------
 
@@ -440,6 +468,11 @@ class SessionCore:
             raise RestoreError(RestoreError.CONTEXT_DONE, sref, "cancelled before start")
         if self.state != OPEN:
             raise RestoreError(RestoreError.CLOSING, sref)
+        if self._lapsed and self.terminal_fault is None:
+            try:
+                self.leases_healthy()  # the catalog back: renew a lapsed lease first
+            except Exception as e:
+                log.warning("session %s: renewing a lapsed lease failed: %s", self.id, e)
         if self.fault is not None:
             raise RestoreError(RestoreError.FAULTED, sref, self.fault)
         timeout = self.policy.policy.timeout_s if timeout_s is None else timeout_s
