@@ -10,6 +10,7 @@ because confined Bash gets a private /tmp.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -38,8 +39,14 @@ BACKENDS = ["fallback"] + (["fuse"] if fuse_available() else [])
 needs_sandbox = pytest.mark.skipif(sandbox.unavailable_reason() is not None,
                                    reason="no bubblewrap sandbox here")
 needs_fuse = pytest.mark.skipif(not fuse_available(), reason="needs FUSE")
-# The command polls for this file (made by the test once it changed the tree): no timing.
-_WAIT_GO = "touch started; while [ ! -e go ]; do sleep 0.02; done; rm -f go started; "
+# The command polls for sync/go (made by the test once it changed the tree): no timing.
+# It polls from inside sync/, a directory of its own: a lookup of a missing name takes its
+# directory's lock, which the user's change of a covered name holds while the daemon waits
+# for the command to die, and a process blocked on it cannot die (README, Limits), so a
+# poll in the changed directory can make the change fail with EBUSY.
+_SYNC = "sync"
+_WAIT_GO = (f"mkdir {_SYNC} && cd {_SYNC} && touch started && while [ ! -e go ]; "
+            f"do sleep 0.02; done && cd .. && rm -r {_SYNC}; ")
 
 
 @pytest.fixture
@@ -75,11 +82,12 @@ def _during(ctx: ToolContext, root: Path, command: str,
                                                             timeout=120)))
     t.start()
     try:
-        while not (root / "started").exists() and t.is_alive():
+        while not (root / _SYNC / "started").exists() and t.is_alive():
             time.sleep(0.02)
         change()
     finally:
-        (root / "go").touch()
+        with contextlib.suppress(FileNotFoundError):   # the command failed before
+            (root / _SYNC / "go").touch()
         t.join()
     return box[0]
 
@@ -217,12 +225,13 @@ def test_a_background_command_is_stopped_before_a_restore_changes_its_hidden_fil
                      run_in_background=True)
         assert r.ok, r.text
         for _ in range(6000):
-            if (root / "started").exists():
+            if (root / _SYNC / "started").exists():
                 break
             time.sleep(0.02)
         sessions.cli("session", "restore", sid, ref, *restore)
         assert (root / ".env").read_text() == SECRET + "\n"
-        (root / "go").touch()
+        with contextlib.suppress(FileNotFoundError):   # a whole restore removed sync/
+            (root / _SYNC / "go").touch()
         out = bash_output(ctx, r.data["bash_id"], wait=60)
         assert out.data["status"] == "killed", out.text
         assert ".env was removed, replaced or linked" in out.text, out.text
