@@ -144,16 +144,26 @@ def test_a_tree_deeper_than_the_recursion_limit_is_walked(tmp_path: Path) -> Non
 
 def _remove_chain(top: Path) -> None:
     """Remove the chain ``top/d/d/.../d`` (a ``.env`` at any level) without recursion
-    (shutil.rmtree, and so pytest's tmp_path clean-up, recurse per level)."""
-    fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
-    while True:
+    (shutil.rmtree, and so pytest's tmp_path clean-up, recurse per level) and holding two
+    descriptors at most (a user's limit may be 1,024)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    depth = 0
+    while True:                                # down to the bottom, one descriptor held
         try:
-            fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+            sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
         except FileNotFoundError:
             break
-    while fds:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(".env", dir_fd=fds[-1])
-        os.close(fds.pop())
-        if fds:
-            os.rmdir("d", dir_fd=fds[-1])
+        os.close(fd)
+        fd, depth = sub, depth + 1
+    try:
+        while True:                            # and up again through "..", removing
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(".env", dir_fd=fd)
+            if depth == 0:
+                break
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd, depth = up, depth - 1
+            os.rmdir("d", dir_fd=fd)
+    finally:
+        os.close(fd)

@@ -178,6 +178,7 @@ def test_excluded_node_modules_is_in_no_checkpoint_and_survives_restore(
                 sessions.cli("session", "shutdown", x, "--force", check=False)
 
 
+@pytest.mark.skipif(not fuse_available(), reason="needs FUSE (a real mount)")
 def test_hard_links_across_the_exclude_boundary_fail_with_exdev(sessions: Sessions) -> None:
     """On a real mount: ln of a file across the exclude boundary fails with EXDEV, also for
     a file frozen by a checkpoint or kept in node_modules; mv of a file with two names
