@@ -291,18 +291,7 @@ class Store:
         which stay harmless (a chunk stored again has the same pages)."""
         gone = [r[0] for r in self.conn.execute("SELECT id FROM chunk_pages")
                 if bytes(r[0]) not in kept]
-        if not gone:
-            return 0
-        n = 0
-        try:
-            with write_transaction(self.conn, self.index_path) as c:
-                for i in range(0, len(gone), 500):
-                    batch = gone[i:i + 500]
-                    n += c.execute("DELETE FROM chunk_pages WHERE id IN (" + ",".join(
-                        "?" * len(batch)) + ")", batch).rowcount
-        except (StoreError, sqlite3.Error):
-            return 0
-        return n
+        return self._delete_local("chunk_pages", "id", gone)
 
     def has(self, oid: ObjectId) -> bool:
         return self.catalog.has(oid)
@@ -373,16 +362,25 @@ class Store:
         keep = set(packs)
         gone = [r[0] for r in self.conn.execute("SELECT DISTINCT pack FROM located")
                 if r[0] not in keep]
-        if not gone:
+        return self._delete_local("located", "pack", gone, then="DELETE FROM located_trees")
+
+    def _delete_local(self, table: str, column: str, values: list[Any],
+                      then: str | None = None) -> int:
+        """Delete the rows of this host's index ``table`` whose ``column`` is in ``values``
+        (500 per statement), then run ``then`` if given, in one transaction; the number of
+        rows deleted. 0 when there is nothing to delete or the index cannot be written
+        (full disk, locked): these tables are caches, and rows kept are harmless."""
+        if not values:
             return 0
         n = 0
         try:
             with write_transaction(self.conn, self.index_path) as c:
-                for i in range(0, len(gone), 500):
-                    batch = gone[i:i + 500]
-                    n += c.execute("DELETE FROM located WHERE pack IN (" + ",".join(
+                for i in range(0, len(values), 500):
+                    batch = values[i:i + 500]
+                    n += c.execute(f"DELETE FROM {table} WHERE {column} IN (" + ",".join(
                         "?" * len(batch)) + ")", batch).rowcount
-                c.execute("DELETE FROM located_trees")
+                if then is not None:
+                    c.execute(then)
         except (StoreError, sqlite3.Error):
             return 0
         return n
