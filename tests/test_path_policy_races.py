@@ -9,13 +9,13 @@ the scan walks again, or fails closed.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tree_support import make_chain, remove_chain
 
 from store.pathpolicy import PathPolicy
 from tools import policyview
@@ -124,46 +124,10 @@ def test_a_tree_deeper_than_the_recursion_limit_is_walked(tmp_path: Path) -> Non
     """1,200 nested directories (a command's ``mkdir a; cd a`` loop): the scan covers the
     hidden file at the bottom instead of failing every later call."""
     top, root = _root(tmp_path)
-    rel = "/".join(["d"] * 1200)
     try:
-        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-        for _ in range(1200):                  # os.makedirs itself recurses per level
-            os.mkdir("d", dir_fd=fd)
-            sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = sub
-        with open(os.open(".env", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "w") as f:
-            f.write(SECRET)
-        os.close(fd)
+        rel = make_chain(top, 1200, ".env", SECRET)
         view = policyview.scan(root, want_view=True)
         view.close()
-        assert f"{rel}/.env" in view.hidden
+        assert rel in view.hidden
     finally:
-        _remove_chain(top)
-
-
-def _remove_chain(top: Path) -> None:
-    """Remove the chain ``top/d/d/.../d`` (a ``.env`` at any level) without recursion
-    (shutil.rmtree, and so pytest's tmp_path clean-up, recurse per level) and holding two
-    descriptors at most (a user's limit may be 1,024)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    depth = 0
-    while True:                                # down to the bottom, one descriptor held
-        try:
-            sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        except FileNotFoundError:
-            break
-        os.close(fd)
-        fd, depth = sub, depth + 1
-    try:
-        while True:                            # and up again through "..", removing
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(".env", dir_fd=fd)
-            if depth == 0:
-                break
-            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd, depth = up, depth - 1
-            os.rmdir("d", dir_fd=fd)
-    finally:
-        os.close(fd)
+        remove_chain(top, ".env")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import fusehelpers as fh
 import pytest
+from tree_support import make_chain, remove_chain
 
+from tools import glob as glob_module
 from tools.binding import DirBinding
 from tools.context import ToolContext
 from tools.glob import glob
@@ -113,6 +116,61 @@ def test_directory_swapped_for_outside_link_during_glob(tmp_path: Path) -> None:
                 assert "SECRET" not in r.text
                 listed += r.text.count("in0.py")
     assert listed > 0
+
+
+def test_a_tree_deeper_than_the_recursion_limit_and_open_file_limit_is_globbed(
+        tmp_path: Path) -> None:
+    """1,500 nested directories (deeper than PATH_MAX, Python's recursion limit and the
+    1,024 descriptors a user may open): Glob finds the file at the bottom, under a limit
+    of 200 more descriptors than are open now, and by a pattern that names it literally."""
+    root = tmp_path / "root"
+    root.mkdir()
+    w = ToolContext(DirBinding(root))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        rel = make_chain(root, 1500, "bottom.txt", "x")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 200,
+                                                    hard))
+        try:
+            r = glob(w, "**/bottom.txt")
+            literal = glob(w, rel)
+            none = glob(w, "**/absent")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert r.ok and r.data["paths"] == [rel], r.text[:200]
+        assert literal.ok and literal.data["paths"] == [rel], literal.text[:200]
+        assert none.ok and none.data["paths"] == []
+    finally:
+        remove_chain(root, "bottom.txt")
+
+
+def test_deep_walk_reopens_only_the_directory_it_listed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A walk deeper than the directories it keeps open climbs back through ``..``; when a
+    directory on the way was moved out of the workspace meanwhile, ``..`` leads outside, and
+    the walk reopens the directory it listed from the workspace instead."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    make(root, {"/".join(["d"] * 10) + "/s/hit.txt": 1})
+    make(outside, {"s/SECRET.txt": 1})
+    make_chain(root / "/".join(["d"] * 10), 100, "bottom.txt", "x")
+    bottom = os.stat(root / "/".join(["d"] * 110))
+    real = glob_module.list_dir
+
+    def listing(fd: int) -> list[os.DirEntry[str]]:
+        """Entries in name order (the chain "d" before "s"); at the bottom of the chain,
+        move its 11th directory to outside/moved."""
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (bottom.st_dev, bottom.st_ino):
+            os.rename(root / "/".join(["d"] * 11), outside / "moved")
+        return sorted(real(fd), key=lambda e: e.name)
+
+    monkeypatch.setattr(glob_module, "list_dir", listing)
+    try:
+        r = glob(ToolContext(DirBinding(root)), "**/*.txt")
+    finally:
+        remove_chain(outside / "moved", "bottom.txt")
+    assert "SECRET" not in r.text
+    assert "/".join(["d"] * 10) + "/s/hit.txt" in r.data["paths"]
 
 
 def test_gitignore_is_honoured_like_grep(tmp_path: Path) -> None:

@@ -7,8 +7,9 @@ relative to ``path`` (or absolute under the root); dotfiles match like any other
 Directories are descended, never listed; noise directories (tools.walk.NOISE_DIRS) are
 pruned unless the pattern names them literally; files and directories the ignore files
 (.gitignore, .ignore, .rgignore, as Grep honours them: tools.walk.Ignores) exclude are left
-out unless ``include_ignored``. The walk matches components as it goes, so
-it only opens directories some pattern can still match below. Results are sorted newest
+out unless ``include_ignored``. The walk matches components as it goes, so it only opens
+directories some pattern can still match below, depth first on a stack of its own with at
+most ``_OPEN_DIRS`` directories open (so any depth is walked). Results are sorted newest
 first, then by path, and capped at GLOB_MAX_RESULTS with a notice. Paths in the answer are
 relative to the workspace root.
 """
@@ -209,10 +210,127 @@ def find(ctx: ToolContext, pattern: str, path: str = ".",
     return [f for f in out if not hidden(f[1])], base
 
 
+# Descriptors of directories one walk holds open at most besides its base: a deeper walk
+# closes its shallowest ones and reopens each through ".." of its child on the way back.
+_OPEN_DIRS = 64
+
+
+@dataclass
+class _Dir:
+    """A directory of the walk with subdirectories still to descend: its descriptor (None
+    while closed), workspace prefix (ending with "/" or empty), identity (st_dev, st_ino),
+    the ignore rules in force below it, and its subdirectories to go with their states,
+    last first."""
+    fd: int | None
+    prefix: str
+    ident: tuple[int, int] | None
+    ign: Ignores | None
+    todo: list[tuple[str, State]]
+
+
 def _walk(m: Matcher, fd: int, prefix: str, state: State,
           out: list[tuple[int, str]], ign: Ignores | None) -> None:
-    """Collect (-mtime_ns, path) of matches under ``fd``; ``prefix`` ends with "/" or is
-    empty (the root); ``ign``: the ignore rules in force (None: ignore nothing)."""
+    """Collect (-mtime_ns, path) of matches under ``fd`` (left open); ``prefix`` ends with
+    "/" or is empty (the root); ``ign``: the ignore rules in force (None: ignore nothing).
+    Depth first with a stack of its own, so depth is bounded neither by Python's recursion
+    limit nor by the process's descriptor limit (at most ``_OPEN_DIRS`` + 2 open)."""
+    ign, todo = _scan(m, fd, prefix, state, out, ign)
+    stack = [_Dir(fd, prefix, _ident(fd), ign, todo)]
+    low = 1                                # the shallowest open directory but the base
+    try:
+        while stack:
+            cur = stack[-1]
+            if not cur.todo:
+                stack.pop()
+                if stack:
+                    low = _leave(stack, cur, low)
+                continue
+            name, nxt = cur.todo.pop()
+            assert cur.fd is not None
+            sub = open_subdir(cur.fd, name)
+            if sub is None:
+                continue
+            try:
+                sub_prefix = cur.prefix + name + "/"
+                sub_ign, sub_todo = _scan(m, sub, sub_prefix, nxt, out, cur.ign)
+                ident = _ident(sub) if sub_todo else None
+            except BaseException:
+                os.close(sub)
+                raise
+            if ident is None:                  # nothing to descend: no need to keep it
+                os.close(sub)
+                continue
+            stack.append(_Dir(sub, sub_prefix, ident, sub_ign, sub_todo))
+            if len(stack) - low > _OPEN_DIRS:
+                old = stack[low]
+                assert old.fd is not None
+                os.close(old.fd)
+                old.fd = None
+                low += 1
+    finally:
+        for d in stack[1:]:
+            if d.fd is not None:
+                os.close(d.fd)
+
+
+def _ident(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _leave(stack: list[_Dir], done: _Dir, low: int) -> int:
+    """Close directory ``done``, just taken off ``stack`` (``low``: the index of the
+    shallowest open directory but the base), reopening its parent when the walk closed
+    it. The new ``low``."""
+    parent = len(stack) - 1
+    try:
+        if stack[parent].fd is None:
+            _reopen(stack, parent, done.fd)
+            low = parent
+    finally:
+        if done.fd is not None:
+            os.close(done.fd)
+            done.fd = None
+    return min(low, len(stack))
+
+
+def _reopen(stack: list[_Dir], i: int, child: int | None) -> None:
+    """Open ``stack[i]`` again: as ``..`` of its open ``child``, else one component at a
+    time from the base (a child without search permission), and only if it is the same
+    directory as listed; when neither is, the tree changed under the walk and it has
+    nothing more to descend."""
+    want = stack[i]
+    if child is not None:
+        up = open_subdir(child, "..")
+        if up is not None:
+            if _ident(up) == want.ident:
+                want.fd = up
+                return
+            os.close(up)
+    fd = stack[0].fd
+    assert fd is not None
+    for k in range(1, i + 1):
+        name = stack[k].prefix[len(stack[k - 1].prefix):-1]
+        sub = open_subdir(fd, name)
+        if k > 1:
+            os.close(fd)
+        if sub is None or _ident(sub) != stack[k].ident:
+            if sub is not None:
+                os.close(sub)
+            want.todo.clear()
+            return
+        fd = sub
+    want.fd = fd
+
+
+def _scan(m: Matcher, fd: int, prefix: str, state: State, out: list[tuple[int, str]],
+          ign: Ignores | None) -> tuple[Ignores | None, list[tuple[str, State]]]:
+    """List directory ``fd`` (workspace ``prefix``, in ``state``, under rules ``ign``):
+    collect the matching files in it into ``out``; the rules below it, and its
+    subdirectories to descend with their states (last first)."""
     one = state.one
     if one is not None:                     # one wildcard: two possible next states
         yes, no = m.step_hit(state, True), m.step_hit(state, False)
@@ -222,6 +340,7 @@ def _walk(m: Matcher, fd: int, prefix: str, state: State,
     if ign is not None:
         ign = ign.with_dir(fd, prefix, {e.name for e in entries})
         check = ign if ign.rules else None
+    todo: list[tuple[str, State]] = []
     for entry in entries:
         name = entry.name
         if one is None:
@@ -241,13 +360,7 @@ def _walk(m: Matcher, fd: int, prefix: str, state: State,
                 continue
             if check is not None and check.ignored(prefix + name, True):
                 continue
-            sub = open_subdir(fd, name)
-            if sub is None:
-                continue
-            try:
-                _walk(m, sub, prefix + name + "/", nxt, out, ign)
-            finally:
-                os.close(sub)
+            todo.append((name, nxt))
         elif nxt.accepts:
             if check is not None and check.ignored(prefix + name, False):
                 continue
@@ -255,6 +368,8 @@ def _walk(m: Matcher, fd: int, prefix: str, state: State,
                 out.append((-entry.stat(follow_symlinks=False).st_mtime_ns, prefix + name))
             except OSError:
                 continue
+    todo.reverse()
+    return ign, todo
 
 
 def glob(ctx: ToolContext, pattern: str, path: str = ".",
