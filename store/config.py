@@ -148,10 +148,12 @@ def configure(root: str, cfg: SharedConfig) -> SharedConfig:
     root = os.path.abspath(root)
     have = read(root)
     if have is not None:
-        if (have.blobs, have.catalog, have.s3_endpoint) != (cfg.blobs, cfg.catalog,
-                                                             cfg.s3_endpoint):
-            raise StoreConfigError(f"{root} is the local directory of {have.blobs} with "
-                                   f"another catalog or endpoint; use another --local")
+        differ = _differences(have, cfg)
+        if differ:
+            raise StoreConfigError(
+                f"{root} is the local directory of another shared store: "
+                f"{'; '.join(differ)}; use another --local directory for this store, or "
+                f"the options of the store it holds ({_options(have)})")
         return have
     if os.path.isdir(os.path.join(root, "backend", "packs")):
         raise StoreConfigError(f"{root} is an embedded store; use another --local directory")
@@ -166,6 +168,32 @@ def configure(root: str, cfg: SharedConfig) -> SharedConfig:
         os.close(fd)
     os.replace(tmp, path)
     return cfg
+
+
+_FIELDS = (("blobs", "S3 bucket/prefix", "--store"), ("catalog", "catalog", "--catalog"),
+           ("s3_endpoint", "S3 endpoint", "--s3-endpoint"))
+"""The fields of ``store.json`` naming the store: (attribute, what it is, its option)."""
+
+
+def _differences(have: SharedConfig, want: SharedConfig) -> list[str]:
+    """Each field of ``_FIELDS`` where ``want`` names another store than ``have``, as
+    "its WHAT is OLD (store.json), not NEW (given)", secrets masked."""
+    out = []
+    for attr, what, _ in _FIELDS:
+        old, new = getattr(have, attr), getattr(want, attr)
+        if old != new:
+            out.append(f"its {what} is {_shown(old)} (store.json), not {_shown(new)} (given)")
+    return out
+
+
+def _options(cfg: SharedConfig) -> str:
+    """The command-line options naming the store ``cfg``, secrets masked."""
+    return " ".join(f"{opt} {redact(getattr(cfg, attr))}" for attr, _, opt in _FIELDS
+                    if getattr(cfg, attr))
+
+
+def _shown(value: str | None) -> str:
+    return "none" if not value else redact(value)
 
 
 def open_parts(root: str, cfg: SharedConfig) -> tuple[Any, Any]:

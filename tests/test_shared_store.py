@@ -133,6 +133,23 @@ def test_a_local_dir_belongs_to_one_store(tmp_path: Path) -> None:
         configure(str(tmp_path / "embedded"), a)
 
 
+def test_a_local_dir_bound_to_another_prefix_names_both(hosts: tuple[Host, Host]) -> None:
+    """The same --local with another bucket/prefix: exit 2 naming what differs (the prefix
+    in store.json and the one given) and what to do, not another catalog or endpoint."""
+    a, _ = hosts
+    a.run("list")
+    old = a.opts[a.opts.index("--store") + 1]
+    new = old.replace("/team/store", "/team/other")
+    opts = [new if o == old else o for o in a.opts]
+    r = _cli([*opts, "list"], a.env, check=False)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert f"its S3 bucket/prefix is {old} (store.json), not {new} (given)" in r.stderr
+    assert "use another --local directory" in r.stderr and f"--store {old}" in r.stderr
+    assert "its catalog" not in r.stderr and "its S3 endpoint" not in r.stderr, r.stderr
+    assert json.loads((a.local / "store.json").read_text())["blobs"] == old
+
+
 def test_snapshot_on_host_a_is_read_and_materialized_on_host_b(hosts: tuple[Host, Host],
                                                                tmp_path: Path) -> None:
     a, b = hosts
