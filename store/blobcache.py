@@ -283,6 +283,12 @@ class CachedBackend:
                         self._writes.add(w)
                     w.add_done_callback(self._written)
                 return data
+        return self._fetch(key, offset, length, path)
+
+    def _fetch(self, key: str, offset: int, length: int, path: str) -> bytes:
+        """``length`` bytes at ``offset`` of ``key`` read from ``inner``, counted in
+        ``fetched_bytes`` and cached at ``path`` when whole (fewer at the end of the blob
+        are handed out uncached). Raises what ``inner.get_range`` raises."""
         data = self.inner.get_range(key, offset, length)
         with self._lock:
             self.fetched_bytes += len(data)
@@ -315,12 +321,7 @@ class CachedBackend:
             os.unlink(path)
         except OSError:
             pass
-        data = self.inner.get_range(key, offset, length)
-        with self._lock:
-            self.fetched_bytes += len(data)
-        if len(data) == length:
-            self._insert(path, data)
-        return data
+        return self._fetch(key, offset, length, path)
 
     def _written(self, w: Future[None]) -> None:
         with self._lock:

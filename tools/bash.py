@@ -24,6 +24,7 @@ import selectors
 import signal
 import subprocess
 import time
+from typing import Any
 
 from tools import messages as M
 from tools import sandbox
@@ -121,6 +122,19 @@ def _start_shell(ctx: ToolContext, script: str, cwd: str,
         if changed is not None:
             raise OSError(errno.ESTALE, M.BASH_COVER_CHANGED.format(path=changed))
 
+    def start(fds: tuple[int, ...], **how: Any) -> sandbox.ShellRun:
+        try:
+            run = sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
+                                      pass_fds=fds, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True, close_fds=True, **how)
+        except BaseException:
+            if reg is not None:
+                reg.close()
+            raise
+        run.guard = reg
+        return run
+
     pol = ctx.root.policy
     if (pol.hide or pol.protect) and sandbox.covers_in_sandbox():
         def covers() -> sandbox.CoverSet | None:
@@ -131,38 +145,16 @@ def _start_shell(ctx: ToolContext, script: str, cwd: str,
                 reg = guard.guard_sandbox(_guarded(ctx, view))
             return view.cover_set()
 
-        try:
-            run = sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
-                                      pass_fds=pass_fds, covers=covers,
-                                      on_start=started if guard is not None else None,
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                      close_fds=True)
-        except BaseException:
-            if reg is not None:
-                reg.close()
-            raise
-        run.guard = reg
-        return run
+        return start(pass_fds, covers=covers,
+                     on_start=started if guard is not None else None)
     view = policy_view(ctx.root)
     try:
         if guard is not None:
             reg = guard.guard_sandbox(_guarded(ctx, view))
-        run = sandbox.start_shell(ctx.sandbox, ctx.root.real, cwd, hidden, script,
-                                  pass_fds=pass_fds + tuple(view.fds), view=view.argv,
-                                  on_start=started if reg is not None else None,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, start_new_session=True,
-                                  close_fds=True)
-    except BaseException:
-        if reg is not None:
-            reg.close()
-        raise
+        return start(pass_fds + tuple(view.fds), view=view.argv,
+                     on_start=started if reg is not None else None)
     finally:
         view.close()
-    run.guard = reg
-    return run
-
 
 def _guarded(ctx: ToolContext, view: PolicyView) -> list[tuple[int, str]]:
     """What the sandbox covers as (inode number, workspace path) pairs, for the session's
