@@ -300,7 +300,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
     import trio
 
     from . import binding
-    from .operations import Operations, tune_gc
+    from .operations import Operations, mount_options, tune_gc
 
     cfg.mountpoint = os.path.abspath(cfg.mountpoint)
     try:
@@ -349,11 +349,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
 
         gate = Gate()  # checkpoint and restore pause changes through it
     ops = Operations(ov, gate=gate, no_open=cfg.no_open)
-    options = {"default_permissions", "fsname=rewindfs", "subtype=rewindfs", "noatime"}
-    if ov.readonly:
-        options.add("ro")
-    if cfg.allow_other:
-        options.add("allow_other")
+    options = mount_options(readonly=ov.readonly, allow_other=cfg.allow_other)
     # A log in the runtime directory (the CLI's for a mount without a state directory) is
     # this mount's alone, and so is its stats file; a clean end leaves neither behind.
     runtime_log = cfg.log_path is not None and cfg.log_path == record_path(cfg.mountpoint,

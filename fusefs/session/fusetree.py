@@ -74,7 +74,6 @@ UPPER = "upper"
 ROOTS = "roots"
 ATTACH_FILE = "attach"  # a shared root's process: {"socket", "pid"} of its attach socket
 DAEMON_LOG = "daemon.log"
-MOUNT_OPTIONS = ("default_permissions", "fsname=rewindfs", "subtype=rewindfs", "noatime")
 MUTATION_NOTE_S = 0.02  # the policy hears of mutations at most this often
 
 PREPARE = "prepare"
@@ -401,7 +400,7 @@ class FuseMount:
         from fusefs import binding
         from fusefs.control import Live
         from fusefs.mounts import mount_id, remove_record, start_time, still_mounted, write_record
-        from fusefs.operations import Operations, tune_gc
+        from fusefs.operations import Operations, mount_options, tune_gc
 
         with self._lock:
             if self._stop_requested:
@@ -453,7 +452,7 @@ class FuseMount:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(signals, nursery)
                 try:
-                    binding.init(ops, self.mountpoint, set(MOUNT_OPTIONS))
+                    binding.init(ops, self.mountpoint, mount_options())
                 except Exception as e:
                     init_error = f"cannot mount {self.mountpoint}: {e}"
                     nursery.cancel_scope.cancel()
