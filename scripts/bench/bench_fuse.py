@@ -22,7 +22,9 @@ of a fresh untar; ``ls -l`` of a directory of 100,000 empty files, first after t
 4 KiB reads of it, cold. For the FUSE contenders it also reports the daemon's CPU time (from
 /proc), and for rewindfs the FUSE requests each workload caused, by operation, next to each
 time (the daemon's counters, ``--stats-file``: written on SIGUSR1), so a regression shows
-as a count, not only as a noisy time. The load average is printed before and after: the
+as a count, not only as a noisy time. Every contender is set up at once, and they take
+turns run after run (the first to go rotating), so that a load beside the benchmark hits
+each alike. The load average is printed before and after: the
 machine is shared. The exit status is 0 even when a goal is missed: this measures, it does
 not judge.
 """
@@ -30,6 +32,7 @@ not judge.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -38,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -278,75 +282,92 @@ def command(cmd: str | list[str], cwd: Path | None = None, env: dict[str, str] |
     return go
 
 
-def measure(c: Contender, runs: int, heavy_runs: int, tarball: Path,
-            keys: set[str] | None = None) -> dict[str, dict[str, Any]]:
-    """Every workload on contender ``c`` (only those named in ``keys`` if given), as
-    ``summarize`` gives them: ``runs`` runs of the warm ones, ``heavy_runs`` of the cold
-    ones and of untar + rm -rf."""
-    out: dict[str, dict[str, Any]] = {}
+@dataclass
+class Workload:
+    """One workload on one contender: ``run()`` takes one sample per key of ``keys`` (untar
+    and rm -rf are one workload of two keys); ``heavy`` ones get ``--heavy-runs`` runs;
+    ``warm_up``, when given, is called once before the first run."""
+
+    keys: tuple[str, ...]
+    heavy: bool
+    run: Callable[[], list[dict[str, Any]]]
+    warm_up: Callable[[], None] | None = None
+
+
+def workloads(c: Contender, tarball: Path) -> list[Workload]:
+    """Every workload of the table on contender ``c``, in the order they run."""
     r = c.root
 
-    def want(*names: str) -> bool:
-        return keys is None or any(n in keys for n in names)
-
-    def run(key: str, fn: Callable[[], None], cold: bool = False) -> None:
-        if not want(key):
-            return
-        samples = []
-        for _ in range(heavy_runs if cold else runs):
+    def timed(key: str, fn: Callable[[], None], cold: bool = False,
+              warm_up: bool = False) -> Workload:
+        def run() -> list[dict[str, Any]]:
             if cold:
                 c.cold()
-            samples.append(sample(c, fn))
-        out[key] = summarize(samples)
-        log_result(c.name, key, out[key])
+            return [sample(c, fn)]
+        return Workload((key,), cold, run, fn if warm_up else None)
 
     grep = command(["grep", "-r", "-l", "-I", "SECRET_KEY", "tree"], cwd=r, ok=(0, 1))
-    run("grep_cold", grep, cold=True)
-    if want("grep_warm"):
-        grep()
-    run("grep_warm", grep)
     stat_all = command("find tree -type f -print0 | xargs -0 stat > /dev/null", cwd=r)
-    if want("stat_warm"):
-        stat_all()
-    run("stat_warm", stat_all)
-    status = command(["git", "status", "--porcelain"], cwd=r / "tree",
-                     env={**os.environ, **GIT, "HOME": str(c.work)})
-    if want("git_status"):
-        status()
-    run("git_status", status)
+    git_env = {**os.environ, **GIT, "HOME": str(c.work)}
+    status = command(["git", "status", "--porcelain"], cwd=r / "tree", env=git_env)
     read_big = command(["dd", f"if={r / 'big.bin'}", "of=/dev/null", "bs=1M"])
-    run("seq_cold", read_big, cold=True)
-    run("seq_warm", read_big)
-    run("rand_cold", command([sys.executable, "-c", RANDOM_READER, str(r / "big.bin"),
-                              str(RANDOM_READS)]), cold=True)
     untar_dir = r / "untar"
     untar = command(f"mkdir '{untar_dir}' && tar -xf '{tarball}' -C '{untar_dir}'")
     rm = command(["rm", "-rf", str(untar_dir)])
-    made, removed = [], []
-    for _ in range(heavy_runs if want("untar", "rm_rf") else 0):
-        made.append(sample(c, untar))
-        removed.append(sample(c, rm))
-    if made:
-        out["untar"], out["rm_rf"] = summarize(made), summarize(removed)
-        for key in ("untar", "rm_rf"):
-            log_result(c.name, key, out[key])
     gitadd_dir = r / "gitadd"
-    git_env = {**os.environ, **GIT, "HOME": str(c.work)}
-    added = []
-    for _ in range(heavy_runs if want("git_add") else 0):
-        command(f"mkdir '{gitadd_dir}' && tar -xf '{tarball}' -C '{gitadd_dir}'")()
-        added.append(sample(c, command("git init -q && git add -A", cwd=gitadd_dir,
-                                       env=git_env)))
-        command(["rm", "-rf", str(gitadd_dir)])()
-    if added:
-        out["git_add"] = summarize(added)
-        log_result(c.name, "git_add", out["git_add"])
     ls = command("ls -l many > /dev/null", cwd=r)
-    run("ls_cold", ls, cold=True)
-    if want("ls_warm"):
-        ls()
-    run("ls_warm", ls)
-    return out
+
+    def untar_then_rm() -> list[dict[str, Any]]:
+        return [sample(c, untar), sample(c, rm)]
+
+    def git_add() -> list[dict[str, Any]]:
+        command(f"mkdir '{gitadd_dir}' && tar -xf '{tarball}' -C '{gitadd_dir}'")()
+        rec = sample(c, command("git init -q && git add -A", cwd=gitadd_dir, env=git_env))
+        command(["rm", "-rf", str(gitadd_dir)])()
+        return [rec]
+
+    return [
+        timed("grep_cold", grep, cold=True),
+        timed("grep_warm", grep, warm_up=True),
+        timed("stat_warm", stat_all, warm_up=True),
+        timed("git_status", status, warm_up=True),
+        timed("seq_cold", read_big, cold=True),
+        timed("seq_warm", read_big),
+        timed("rand_cold", command([sys.executable, "-c", RANDOM_READER, str(r / "big.bin"),
+                                    str(RANDOM_READS)]), cold=True),
+        Workload(("untar", "rm_rf"), True, untar_then_rm),
+        Workload(("git_add",), True, git_add),
+        timed("ls_cold", ls, cold=True),
+        timed("ls_warm", ls, warm_up=True),
+    ]
+
+
+def measure(contenders: list[Contender], runs: int, heavy_runs: int, tarball: Path,
+            keys: set[str] | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every workload (only those with a key in ``keys`` if given) on every contender, as
+    ``summarize`` gives them, by contender name then key: ``runs`` runs of the warm ones,
+    ``heavy_runs`` of the cold ones and of untar + rm -rf. The contenders take turns run
+    after run, the first to go rotating, so that a load beside the benchmark hits each
+    alike."""
+    plans = [(c, workloads(c, tarball)) for c in contenders]
+    res: dict[str, dict[str, dict[str, Any]]] = {c.name: {} for c in contenders}
+    for j, first in enumerate(plans[0][1] if plans else []):
+        if keys is not None and not keys.intersection(first.keys):
+            continue
+        samples: dict[str, list[list[dict[str, Any]]]] = {c.name: [] for c in contenders}
+        for _c, wls in plans:
+            warm_up = wls[j].warm_up
+            if warm_up is not None:
+                warm_up()
+        for k in range(heavy_runs if first.heavy else runs):
+            turn = k % len(plans)
+            for c, wls in plans[turn:] + plans[:turn]:
+                samples[c.name].append(wls[j].run())
+        for c in contenders:
+            for i, key in enumerate(first.keys):
+                res[c.name][key] = summarize([run[i] for run in samples[c.name]])
+                log_result(c.name, key, res[c.name][key])
+    return res
 
 
 def by_op_text(rec: dict[str, Any], top: int = 8) -> str:
@@ -486,13 +507,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for c in contenders:
                 c.work.mkdir(parents=True, exist_ok=True)
-                log(f"bench_fuse: {c.name}")
+                log(f"bench_fuse: setting up {c.name}")
                 c.setup()
-                try:
-                    res[c.name] = measure(c, args.runs, args.heavy_runs, tarball, keys)
-                finally:
-                    c.teardown()
+            res = measure(contenders, args.runs, args.heavy_runs, tarball, keys)
         finally:
+            for c in contenders:
+                with contextlib.suppress(Exception):
+                    c.teardown()
             fh.kill_all_live()
             fh.unmount_leftovers([str(tmp)])
             for c in contenders:
