@@ -192,8 +192,8 @@ def _pg_bin(name: str) -> str:
 
 class PostgresCluster:
     """A throwaway PostgreSQL cluster: ``initdb`` into a temp dir, ``postgres`` listening on
-    127.0.0.1:``port`` and a Unix socket in the same dir, trust authentication, no fsync
-    (test data only). ``dsn()`` is the URL of a database; ``new_database()`` makes one."""
+    127.0.0.1:``port`` and a Unix socket in the same dir, trust authentication (a role
+    with a password: ``password_role``), no fsync (test data only). ``dsn()`` is the URL of a database; ``new_database()`` makes one."""
 
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="rewindfs-test-pg-")
@@ -251,6 +251,43 @@ class PostgresCluster:
         with psycopg.connect(self.dsn(), autocommit=True) as c:
             c.execute(f'CREATE DATABASE "{name}"')
         return self.dsn(name)
+
+    def password_role(self, role: str, password: str) -> str:
+        """Create the login role ``role`` with ``password`` (stored as SCRAM) and a database
+        it owns, and make TCP logins of every role but ``postgres`` authenticate with
+        ``scram-sha-256`` (pg_hba.conf, reloaded; the Unix socket and ``postgres`` keep
+        trust). Returns the URL of that database as ``role``, without the password."""
+        import psycopg
+        from psycopg import sql
+
+        db = f"t{os.getpid()}_{next(_counter)}"
+        with psycopg.connect(self.dsn(), autocommit=True) as c:
+            c.execute("SET password_encryption = 'scram-sha-256'")
+            c.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(password)))
+            c.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(
+                sql.Identifier(db), sql.Identifier(role)))
+            with open(os.path.join(self.data, "pg_hba.conf"), "w") as f:
+                f.write("local all all trust\n"
+                        "host all postgres 127.0.0.1/32 trust\n"
+                        "host all all 127.0.0.1/32 scram-sha-256\n")
+            c.execute("SELECT pg_reload_conf()")
+        url = f"postgresql://{role}@127.0.0.1:{self.port}/{db}"
+        assert self.proc is not None
+        _wait_until(lambda: self._asks_password(url), self.proc, self.log,
+                    "PostgreSQL's reload of pg_hba.conf", 10.0)
+        return url
+
+    @staticmethod
+    def _asks_password(url: str) -> bool:
+        import psycopg
+
+        try:
+            with psycopg.connect(url, connect_timeout=2, password="",
+                                 passfile=os.path.join(os.sep, "nonexistent", "pgpass")):
+                return False
+        except psycopg.OperationalError as e:
+            return "password" in str(e)
 
     def stop(self, keep_data: bool = False) -> None:
         # SIGINT is PostgreSQL's fast shutdown: sessions are ended, nothing waits for clients.

@@ -6,8 +6,8 @@ Each class's docstring says what went wrong; each instance carries the fields a 
 Exit codes (documented in README): 1 generic store error, 2 usage (argparse), 3 invalid ref,
 4 not found, 5 integrity failure, 6 destination problem, 7 limit exceeded, 8 GC refused,
 11 blob backend failure (the S3 server: unreachable, refusing, timed out), 12 catalog
-failure (the PostgreSQL catalog: unreachable, refusing, another schema version). 9 and 10
-are the mount's and the session's (fusefs).
+failure (the PostgreSQL catalog: unreachable, refusing the login, another schema
+version). 9 and 10 are the mount's and the session's (fusefs).
 """
 
 from __future__ import annotations
@@ -367,6 +367,20 @@ class CatalogError(StoreError):
     is of another version than this program's."""
 
     exit_code = 12
+
+
+class CatalogAuthError(CatalogError):
+    """The catalog's server answered and refused the login: no such role, a password it
+    asks for and none was given, a wrong one, or no pg_hba.conf entry for this client.
+    ``catalog``: its URL (any password masked); ``reason``: the server's words (libpq's
+    when no password was given), never the password."""
+
+    def __init__(self, catalog: str, reason: str) -> None:
+        self.catalog = catalog
+        self.reason = reason
+        super().__init__(f"the catalog at {catalog} refused the login ({reason}); check "
+                         "the user in the URL and its password (PGPASSWORD, ~/.pgpass or "
+                         "PGPASSFILE)")
 
 
 _USERINFO_PASSWORD = r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*):[^\s/@]*@"

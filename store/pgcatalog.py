@@ -19,8 +19,9 @@ runs that deleted index rows.
 Connections: a pool of ``max_size`` connections, each checked before it is handed out, so
 after a PostgreSQL restart the next operation reconnects (the operation that was running
 when the server went away fails with ``CatalogError``). Opening connects once directly,
-so a server that refuses (down, no such database or role, a bad password) is a
-``CatalogError`` with the server's own reason at once. An operation the pool gives no
+so a server that refuses (down, no such database) is a ``CatalogError`` with the server's
+own reason at once, and one that refuses the login (a wrong or missing password, no such
+role) a ``CatalogAuthError``. An operation the pool gives no
 connection within ``PROBE_AFTER_S`` (0.5 s) asks the server with one direct connection, so
 the first operation of an outage fails within about that, not the pool's timeout (10 s).
 While the server is unreachable, each operation asks it with one direct connection and
@@ -35,6 +36,7 @@ two hosts racing for one lease are serialized and exactly one wins.
 from __future__ import annotations
 
 import atexit
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +55,7 @@ from .catalog import (
     object_row,
 )
 from .errors import (
+    CatalogAuthError,
     CatalogError,
     FencedError,
     LeaseLostError,
@@ -163,8 +166,7 @@ class PostgresCatalog:
                                          connect_timeout=max(1, int(self._timeout_s)))
         except (self._psycopg.Error, OSError) as e:
             self._down = True
-            raise CatalogError(f"cannot reach the catalog at {redact(self.dsn)}: "
-                               f"{_one_line(e)}") from None
+            raise _connect_error(self.dsn, e) from None
         self._down = False
         return conn
 
@@ -732,9 +734,33 @@ def probe(dsn: str, timeout_s: float = 5.0) -> int | None:
             row = conn.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
                                ).fetchone()
     except (psycopg.Error, OSError) as e:
-        raise CatalogError(f"cannot reach the catalog at {redact(dsn)}: "
-                           f"{_one_line(e)}") from None
+        raise _connect_error(dsn, e) from None
     return None if row is None else int(row[0])
+
+
+# The server's words for a refused login (SQLSTATE 28000 and 28P01, which libpq does not
+# pass on for a failed connection): every authentication method's failure, a client no
+# pg_hba.conf line admits, a role that does not exist.
+_LOGIN_REFUSED = re.compile(r'authentication failed for user|no pg_hba\.conf entry|'
+                            r'role ".*" does not exist')
+
+
+def _connect_error(dsn: str, e: BaseException) -> CatalogError:
+    """The error of a failed connection to the catalog at ``dsn``: CatalogAuthError when
+    its server refused the login (the server's reason, or that it asked for a password
+    and none was given), else CatalogError "cannot reach" with the reason."""
+    text = _one_line(e)
+    said = text.rpartition("FATAL:")[2].strip() if "FATAL:" in text else ""
+    pgconn = getattr(e, "pgconn", None)
+    try:
+        asked = pgconn is not None and bool(pgconn.needs_password)
+    except Exception:  # a connection object in a state that cannot say
+        asked = False
+    if asked:
+        return CatalogAuthError(redact(dsn), "it asks for a password and none was given")
+    if said and _LOGIN_REFUSED.search(said):
+        return CatalogAuthError(redact(dsn), said)
+    return CatalogError(f"cannot reach the catalog at {redact(dsn)}: {text}")
 
 
 def _one_line(e: BaseException) -> str:

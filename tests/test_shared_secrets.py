@@ -4,7 +4,8 @@ message says how to give it instead), and the server errors that quote a URL mas
 password (``store.errors.redact``) but keep the rest of it.
 
 Real SeaweedFS and PostgreSQL (trust authentication: ``PGPASSWORD`` is accepted and not
-needed); a port nothing listens on for the servers that do not answer.
+needed; a cluster of its own asking a role for a SCRAM password, for a refused login); a
+port nothing listens on for the servers that do not answer.
 """
 
 from __future__ import annotations
@@ -113,3 +114,41 @@ def test_a_store_json_of_an_earlier_version_with_secrets_is_never_echoed(
     assert r.returncode == 12, r.stderr
     _no_secret(r.stdout, r.stderr)
     assert "postgres:***@" in r.stderr, r.stderr
+
+
+def test_a_refused_login_is_a_login_refusal_never_unreachable(
+        s3_env: object, s3_bucket: str, own_postgres: object, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster whose pg_hba.conf asks TCP logins for a SCRAM password: a wrong
+    PGPASSWORD, and none at all, are exit 12 ``CatalogAuthError`` saying the catalog
+    refused the login with the server's reason (not that it cannot be reached), the
+    password never printed; on a first binding (the probe) and on a bound directory (the
+    catalog's first connection) alike. The right password then works."""
+    dsn = own_postgres.password_role("alice", SECRET)  # type: ignore[attr-defined]
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    nofile = {"PGPASSFILE": str(tmp_path / "no-pgpass")}
+    wrong = {**nofile, "PGPASSWORD": SECRET[::-1]}
+    local = tmp_path / "l"
+    opts = ["--store", f"s3://{s3_bucket}/x", "--s3-endpoint",
+            s3_env.endpoint, "--catalog", dsn,  # type: ignore[attr-defined]
+            "--local", str(local)]
+
+    def refused(env: dict[str, str], reason: str) -> None:
+        r = _cli([*opts, "list"], env, check=False)
+        assert r.returncode == 12, r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+        assert f"refused the login ({reason})" in r.stderr, r.stderr
+        assert "cannot reach" not in r.stderr and "PGPASSWORD" in r.stderr, r.stderr
+        _no_secret(r.stdout, r.stderr)
+        assert SECRET[::-1] not in r.stderr
+        r = _cli([*opts, "list", "--json"], env, check=False)
+        doc = json.loads(r.stdout)
+        assert (doc["type"], doc["exit_code"], doc["reason"]) == ("CatalogAuthError", 12,
+                                                                  reason), doc
+
+    refused(wrong, 'password authentication failed for user "alice"')
+    refused(nofile, "it asks for a password and none was given")
+    assert not (local / "store.json").exists()
+    _cli([*opts, "list"], {**nofile, "PGPASSWORD": SECRET})
+    assert (local / "store.json").exists()
+    refused(wrong, 'password authentication failed for user "alice"')
