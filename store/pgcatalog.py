@@ -21,7 +21,8 @@ after a PostgreSQL restart the next operation reconnects (the operation that was
 when the server went away fails with ``CatalogError``). Opening connects once directly,
 so a server that refuses (down, no such database) is a ``CatalogError`` with the server's
 own reason at once, and one that refuses the login (a wrong or missing password, no such
-role) a ``CatalogAuthError``. An operation the pool gives no
+role) a ``CatalogAuthError``; every direct connection waits ``connect_timeout(dsn)`` (3 s
+by default) for the server, whatever the pool's timeout. An operation the pool gives no
 connection within ``PROBE_AFTER_S`` (0.5 s) asks the server with one direct connection, so
 the first operation of an outage fails within about that, not the pool's timeout (10 s).
 While the server is unreachable, each operation asks it with one direct connection and
@@ -127,8 +128,10 @@ are stamped and compared with it, never with a host's clock."""
 
 class PostgresCatalog:
     """The catalog in the PostgreSQL database at ``dsn`` (a ``postgresql://`` URL or a
-    libpq connection string). Raises CatalogError if it cannot be reached within
-    ``timeout_s`` seconds or its schema is newer than this program's."""
+    libpq connection string). Raises CatalogError if its server does not answer a direct
+    connection within ``connect_timeout(dsn)`` seconds, refuses it, or its schema is newer
+    than this program's; StoreConfigError for a connect timeout setting that is not one.
+    ``timeout_s``: how long an operation waits for a connection of the pool."""
 
     shared = True
 
@@ -141,6 +144,7 @@ class PostgresCatalog:
         self._count_lock = threading.Lock()
         self._max_size = max_size
         self._timeout_s = timeout_s
+        self._connect_s = connect_timeout(dsn)
         self._pool_lock = threading.Lock()
         self._down = False  # the last direct attempt found the server unreachable
         # One direct connection first: a server that refuses (gone, no such database or
@@ -163,10 +167,10 @@ class PostgresCatalog:
         there is none within the timeout (and ``_down`` set until one succeeds)."""
         try:
             conn = self._psycopg.connect(self.dsn, autocommit=True,
-                                         connect_timeout=max(1, int(self._timeout_s)))
+                                         connect_timeout=self._connect_s[0])
         except (self._psycopg.Error, OSError) as e:
             self._down = True
-            raise _connect_error(self.dsn, e) from None
+            raise _connect_error(self.dsn, e, self._connect_s) from None
         self._down = False
         return conn
 
@@ -719,23 +723,61 @@ def _close_pool(pool: Any) -> None:
     atexit.unregister(pool.close)
 
 
-def probe(dsn: str, timeout_s: float = 5.0) -> int | None:
+def probe(dsn: str) -> int | None:
     """The schema version of the catalog at ``dsn`` (None: not created yet), read over one
-    connection without creating or migrating anything. Raises CatalogError naming the
-    server's reason if it cannot be reached or read."""
+    connection (``connect_timeout(dsn)``) without creating or migrating anything. Raises
+    CatalogError naming the server's reason if it cannot be reached or read."""
     import psycopg
 
+    timeout = connect_timeout(dsn)
     try:
-        with psycopg.connect(dsn, autocommit=True,
-                             connect_timeout=max(1, int(timeout_s))) as conn:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=timeout[0]) as conn:
             made = conn.execute("SELECT to_regclass('catalog_meta')").fetchone()
             if made is None or made[0] is None:
                 return None
             row = conn.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
                                ).fetchone()
     except (psycopg.Error, OSError) as e:
-        raise _connect_error(dsn, e) from None
+        raise _connect_error(dsn, e, timeout) from None
     return None if row is None else int(row[0])
+
+
+CONNECT_TIMEOUT_ENV = "REWINDFS_CATALOG_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 3
+
+
+def connect_timeout(dsn: str) -> tuple[int, str]:
+    """``(seconds, setting)``: how long one direct connection to the catalog at ``dsn``
+    waits for its server (the probe, a catalog's first connection and each one asking a
+    server its pool cannot reach), and what set it: the URL's ``connect_timeout``, else
+    ``REWINDFS_CATALOG_CONNECT_TIMEOUT``, else libpq's ``PGCONNECT_TIMEOUT``, else the
+    default (``DEFAULT_CONNECT_TIMEOUT_S``). Raises StoreConfigError (exit 2) naming a
+    setting that is not a whole number of seconds from 2 (libpq waits 2 s at least)."""
+    import os
+
+    from psycopg import Error
+    from psycopg.conninfo import conninfo_to_dict
+
+    from .config import StoreConfigError
+
+    try:
+        in_url = conninfo_to_dict(dsn).get("connect_timeout")
+    except Error:  # not a connection string: the connection says so
+        in_url = None
+    for setting, text in (("the URL's connect_timeout", in_url),
+                          (CONNECT_TIMEOUT_ENV, os.environ.get(CONNECT_TIMEOUT_ENV)),
+                          ("PGCONNECT_TIMEOUT", os.environ.get("PGCONNECT_TIMEOUT"))):
+        if text is None or text == "":
+            continue
+        try:
+            seconds = int(str(text))
+        except ValueError:
+            seconds = 0
+        if seconds < 2:
+            raise StoreConfigError(f"{setting}={str(text)!r}: not a whole number of seconds "
+                                   "from 2")
+        return seconds, setting
+    return DEFAULT_CONNECT_TIMEOUT_S, "the default"
 
 
 # The server's words for a refused login (SQLSTATE 28000 and 28P01, which libpq does not
@@ -745,10 +787,19 @@ _LOGIN_REFUSED = re.compile(r'authentication failed for user|no pg_hba\.conf ent
                             r'role ".*" does not exist')
 
 
-def _connect_error(dsn: str, e: BaseException) -> CatalogError:
-    """The error of a failed connection to the catalog at ``dsn``: CatalogAuthError when
-    its server refused the login (the server's reason, or that it asked for a password
-    and none was given), else CatalogError "cannot reach" with the reason."""
+def _connect_error(dsn: str, e: BaseException, timeout: tuple[int, str]) -> CatalogError:
+    """The error of a failed connection to the catalog at ``dsn`` with ``timeout``
+    (``connect_timeout``): CatalogAuthError when its server refused the login (the
+    server's reason, or that it asked for a password and none was given), else
+    CatalogError "cannot reach" with the reason, for no answer in time the timeout and
+    what set it."""
+    from psycopg.errors import ConnectionTimeout
+
+    if isinstance(e, ConnectionTimeout):
+        seconds, setting = timeout
+        return CatalogError(f"cannot reach the catalog at {redact(dsn)}: no answer within "
+                            f"{seconds} s (the connect timeout, from {setting}; "
+                            f"{CONNECT_TIMEOUT_ENV} sets it)")
     text = _one_line(e)
     said = text.rpartition("FATAL:")[2].strip() if "FATAL:" in text else ""
     pgconn = getattr(e, "pgconn", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,61 @@ def test_a_catalog_that_refuses_is_one_line_naming_its_reason(s3_env: object, s3
               "--local", str(tmp_path / "m"), "list"], check=False)
     assert r.returncode == 11 and "s3://" in r.stderr, r.stderr
     assert not (tmp_path / "m" / "store.json").exists()
+
+
+def test_a_catalog_that_never_answers_fails_on_its_connect_timeout(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that takes the connection and never says a word (a socket listening on
+    loopback that nothing accepts from): a first binding's probe, a command and ``doctor``
+    on a bound directory, and the catalog itself, each fail with exit 12 naming the connect
+    timeout and what set it: 3 s by default, else REWINDFS_CATALOG_CONNECT_TIMEOUT, else
+    PGCONNECT_TIMEOUT (they waited 5 s, 10 s, and the pool's timeout however long). A
+    setting that is not a whole number of seconds from 2 is exit 2 naming it."""
+    from store.errors import CatalogError
+    from store.pgcatalog import PostgresCatalog
+
+    for var in ("REWINDFS_CATALOG_CONNECT_TIMEOUT", "PGCONNECT_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        dsn = f"postgresql://postgres@127.0.0.1:{silent.getsockname()[1]}/db"
+        local = tmp_path / "l"
+        opts = ["--store", f"s3://{s3_bucket}/x", "--s3-endpoint",
+                s3_env.endpoint, "--local", str(local)]  # type: ignore[attr-defined]
+
+        def timed_out(r: subprocess.CompletedProcess[str], seconds: int, setting: str) -> None:
+            assert r.returncode == 12, r.stderr
+            assert r.stderr.count("\n") == 1, r.stderr
+            assert (f"cannot reach the catalog at {dsn}: no answer within {seconds} s (the "
+                    f"connect timeout, from {setting}; REWINDFS_CATALOG_CONNECT_TIMEOUT sets "
+                    "it)") in r.stderr, r.stderr
+
+        timed_out(_cli([*opts, "--catalog", dsn, "list"], check=False), 3, "the default")
+        timed_out(_cli([*opts, "--catalog", dsn, "list"], {"PGCONNECT_TIMEOUT": "2"},
+                       check=False), 2, "PGCONNECT_TIMEOUT")
+        timed_out(_cli([*opts, "--catalog", dsn, "list"],
+                       {"REWINDFS_CATALOG_CONNECT_TIMEOUT": "2", "PGCONNECT_TIMEOUT": "9"},
+                       check=False), 2, "REWINDFS_CATALOG_CONNECT_TIMEOUT")
+        assert not (local / "store.json").exists()
+        r = _cli([*opts, "--catalog", dsn, "list"],
+                 {"REWINDFS_CATALOG_CONNECT_TIMEOUT": "soon"}, check=False)
+        assert r.returncode == 2, r.stderr
+        assert "REWINDFS_CATALOG_CONNECT_TIMEOUT='soon': not a whole number" in r.stderr
+
+        _cli([*opts, "--catalog", pg_dsn, "list"])            # bound, then its server hangs
+        cfg = json.loads((local / "store.json").read_text())
+        (local / "store.json").write_text(json.dumps({**cfg, "catalog": dsn}))
+        timed_out(_cli(["--store", str(local), "list"], check=False), 3, "the default")
+        r = _cli(["--store", str(local), "doctor", "--json"], check=False)
+        check = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["shared_catalog"]
+        assert check["status"] == "fail" and "no answer within 3 s" in check["detail"], check
+        with pytest.raises(CatalogError, match="no answer within 3 s"):
+            PostgresCatalog(dsn, timeout_s=3600)
+        with pytest.raises(CatalogError, match="within 2 s .the connect timeout, from the "
+                                               "URL's connect_timeout"):
+            PostgresCatalog(f"{dsn}?connect_timeout=2")
 
 
 def test_a_local_dir_belongs_to_one_store(tmp_path: Path) -> None:
