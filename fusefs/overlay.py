@@ -1530,7 +1530,10 @@ class Overlay:
         assert fd is not None
         self._data_changed(n)
         try:
-            os.ftruncate(fd, 0)
+            # Only a file left from before is cut: ext4 flushes a file truncated to 0 at
+            # its next close (auto_da_alloc), even one that was empty already.
+            if had_data or os.fstat(fd).st_size:
+                os.ftruncate(fd, 0)
             if buf:
                 _pwrite_all(fd, buf, 0)
         except OSError:
