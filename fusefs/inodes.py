@@ -124,8 +124,8 @@ class Node:
         self.nopen = 0
         self.fd: int | None = None
         self.has_data = False
-        # st_blocks of the data file as last stat'ed, and the state it was stat'ed in
-        # (``Overlay.blocks``); None: stat it again.
+        # st_blocks of the data file as last stat'ed (or of the inline content as last
+        # counted), and the state it was taken in (``Overlay.blocks``); None: again.
         self.data_blocks = 0
         self.data_blocks_key: tuple[int, ...] | None = None
         self.inline: bytearray | None = None

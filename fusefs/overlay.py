@@ -880,7 +880,15 @@ class Overlay:
             return 0
         page_blocks = chunker.PAGE_SIZE // 512
         if n.inline is not None and n.upper:
-            return chunker.data_pages(n.inline) * page_blocks
+            # Counted again only after the content changed (``_write_inline`` and a
+            # truncate say so; another buffer or length is another key): every reply
+            # carries st_blocks, and scanning the content cost each of them O(size).
+            buf = n.inline
+            counted = (-1, id(buf), len(buf))
+            if n.data_blocks_key != counted:
+                n.data_blocks = chunker.data_pages(buf) * page_blocks
+                n.data_blocks_key = counted
+            return n.data_blocks
         blocks = 0
         if n.lower_len:
             known = self.lower.data_pages(cid for cid, _k in n.lower_chunks.runs())
@@ -904,7 +912,8 @@ class Overlay:
 
     @staticmethod
     def _data_changed(n: Node) -> None:
-        """The data file of ``n`` was written or truncated: ``blocks`` stats it again."""
+        """The data file or the inline content of ``n`` was written or truncated:
+        ``blocks`` counts it again."""
         n.data_blocks_key = None
 
     def readlink(self, ino: int) -> bytes:
@@ -1183,6 +1192,7 @@ class Overlay:
             if size < len(n.inline):
                 self.inline_bytes -= len(n.inline) - size
                 del n.inline[size:]
+                self._data_changed(n)
             n.size = size
             return
         if size < n.size:
@@ -1516,6 +1526,7 @@ class Overlay:
             buf.extend(bytes(off - before))
         buf[off:off + len(data)] = data
         self.inline_bytes += len(buf) - before
+        self._data_changed(n)
         end = off + len(data)
         if end > n.size:
             n.size = end

@@ -687,6 +687,29 @@ def test_check_names_each_broken_invariant(env: Env, ov: Overlay, name: str) -> 
     os.rename(env.state, env.state + ".broken")  # keep the fixture's final check quiet
 
 
+def test_st_blocks_of_a_small_file_follow_an_overwrite_and_a_truncate(env: Env,
+                                                                      ov: Overlay) -> None:
+    """A small file made in the mount keeps its content in memory (inline); its st_blocks
+    counts the pages that hold a non-zero byte and is kept between replies, so an
+    overwrite that changes neither size nor times (same clock tick) and a truncate must
+    both show in it."""
+    ov.clock = lambda: 1_700_000_000_000_000_000
+    i = write(ov, "small", bytes(3 * 4096))  # three pages of zeros
+    n = ov.getattr(i)
+    assert n.inline is not None
+    assert ov.blocks(n) == 0
+    write(ov, "small", b"x", flags=os.O_WRONLY, off=4096)
+    assert n.size == 3 * 4096 and n.inline is not None
+    assert ov.blocks(n) == 4096 // 512
+    write(ov, "small", b"y", flags=os.O_WRONLY, off=2 * 4096)
+    assert ov.blocks(n) == 2 * 4096 // 512
+    ov.setattr(i, size=4096 + 1)
+    assert ov.blocks(n) == 4096 // 512
+    ov.setattr(i, size=4096)
+    assert ov.blocks(n) == 0
+    assert ov.blocks(env.remount().getattr(i)) == 0
+
+
 def test_st_blocks_follow_a_write_that_changes_no_size_or_time(env: Env, ov: Overlay) -> None:
     """st_blocks shows a write into a hole of a data file even when the file's size and
     times stay the same (same clock tick): the overlay keeps the data file's count between
