@@ -54,7 +54,13 @@ from .upper import Batch
 log = logging.getLogger("rewindfs.fuse")
 
 # Every change passes through this daemon, so the kernel may cache names and attributes
-# for long; what a restore changes is invalidated explicitly (CONTRACT 2.7).
+# for long; what a restore changes is invalidated explicitly (CONTRACT 2.7). One cost no
+# timeout spares: after each listing it fetches and each READ the kernel (6.18 here) drops
+# the atime it holds for that directory or file (``fuse_invalidate_atime``, noatime or
+# not), and the next stat of it is a GETATTR. No reply can spare it: READDIRPLUS entries
+# "." and ".." are skipped, and no notification stores attributes. So the second
+# ``git status`` after a mount sends a GETATTR per directory (3,248 for Django's tree) and
+# the third 7 requests (tests/test_fuse_kernel_cache.py, a walk of a tree).
 TIMEOUT_S = 3600.0
 BLKSIZE = 128 << 10  # st_blksize: the I/O size tools pick; FUSE moves 128 KiB per request
 COMMIT_INTERVAL_S = 1.0

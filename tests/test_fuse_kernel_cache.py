@@ -195,6 +195,68 @@ def test_a_second_listing_and_writes_reach_the_daemon_no_more(mounter: fh.Mounte
     assert done.get("getxattr", 0) == after.get("getxattr", 0)  # no security.capability
 
 
+def _walk(top: Path) -> tuple[int, int]:
+    """List every directory under ``top``, lstat every entry and read every file, as
+    ``git status`` or ``grep -r`` do; returns (directories below ``top``, files)."""
+    dirs = files = 0
+    for path, subdirs, names in os.walk(top):
+        for name in subdirs + names:
+            os.lstat(os.path.join(path, name))
+        for name in names:
+            with open(os.path.join(path, name), "rb") as f:
+                f.read()
+        dirs += len(subdirs)
+        files += len(names)
+    return dirs, files
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+# The requests a mount with handles (--open-handles) sends for every open and close, cached
+# or not.
+HANDLE_OPS = {"open", "release", "opendir", "releasedir", "flush"}
+
+
+@patched_only
+@pytest.mark.parametrize("mode", MODES)
+def test_a_walk_of_a_tree_reaches_the_daemon_no_more_from_its_third_time(
+        mounter: fh.Mounter, fuse_store: Path, tmp_path: Path, mode: list[str]) -> None:
+    """The entries, attributes (those of READDIRPLUS entries included), listings and pages
+    the daemon hands out stay in the kernel: a third walk of a tree sends no request but
+    the handle bookkeeping of --open-handles. The second sends at most a GETATTR per
+    directory listed and per file read: after fetching a listing or a file's pages the kernel drops the
+    atime it holds for them (``fuse_invalidate_atime``, noatime or not), and the next stat
+    asks for it."""
+    src = tmp_path / "walk-src"
+    for i in range(4):
+        for j in range(3):
+            d = src / "tree" / f"d{i}" / f"e{j}"
+            d.mkdir(parents=True)
+            for k in range(3):
+                (d / f"f{k}.txt").write_bytes(b"%d %d %d\n" % (i, j, k))
+        (src / "tree" / f"d{i}" / "top.txt").write_bytes(b"top %d\n" % i)
+    m = mounter.rw(fh.snapshot(fuse_store, src), extra=mode).mnt
+    counts = [requests(m)]
+    for _ in range(3):
+        shape = _walk(m / "tree")
+        counts.append(requests(m))
+    dirs, files = shape
+    assert (dirs, files) == (16, 40)
+    first, second, third = (_delta(b, a) for a, b in zip(counts, counts[1:], strict=False))
+    bookkeeping = {op: n for op, n in first.items() if op in HANDLE_OPS}
+    assert first.get("lookup", 0) <= 1 and first.get("getattr", 0) <= 1, first  # "tree"
+    assert first.get("read", 0) == files and first.get("readdir", 0) <= 2 * (dirs + 1)
+    assert set(second) - HANDLE_OPS <= {"getattr"}, second
+    assert second.get("getattr", 0) <= (dirs + 1) + files, second  # "tree" listed too
+    assert {op: n for op, n in third.items() if op not in HANDLE_OPS} == {}, third
+    if not mode:  # no-open mode: not even the handles
+        assert third == {}, third
+    else:
+        assert {op: n for op, n in third.items() if op in HANDLE_OPS} == bookkeeping
+
+
 def test_user_xattrs_read_and_other_namespaces_are_unsupported(mounter: fh.Mounter,
                                                                 lower_ref: str) -> None:
     m = mounter.rw(lower_ref).mnt
