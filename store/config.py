@@ -74,8 +74,9 @@ class SharedConfig:
         except ValueError as e:
             raise StoreConfigError(f"--store: {e}") from None
         if not self.catalog.startswith(("postgresql://", "postgres://")):
+            # A libpq keyword/value string may hold a password: never echoed.
             raise StoreConfigError(f"--catalog must be a postgresql:// URL, not "
-                                   f"{self.catalog.split('://')[0]!r}")
+                                   f"{redact(self.catalog.split('://')[0])!r}")
         if self.cache_bytes <= 0:
             raise StoreConfigError("the cache size must be positive")
         return self
