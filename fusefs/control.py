@@ -121,11 +121,12 @@ class Live:
 
     async def _syncfs(self) -> None:
         """Flush the kernel's dirty pages of the mount (a worker thread; before pausing)."""
-        import pyfuse3
         import trio
 
+        from .overlay import syncfs
+
         try:
-            await trio.to_thread.run_sync(pyfuse3.syncfs, self.mountpoint)
+            await trio.to_thread.run_sync(syncfs, self.mountpoint)
         except OSError as e:
             log.warning("syncfs of %s failed: %s", self.mountpoint, e)
 
