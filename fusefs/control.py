@@ -120,14 +120,38 @@ class Live:
     # -- helpers ---------------------------------------------------------------------------
 
     async def _syncfs(self) -> None:
-        """Flush the kernel's dirty pages of the mount (a worker thread; before pausing)."""
-        import pyfuse3
+        """Flush the kernel's dirty pages of the mount (worker threads; before pausing, as
+        the WRITEs this causes pass the gate): a syncfs(2), then ``launder`` of every file
+        of the mount some process holds mapped shared and writable (``writers.mapped``),
+        since syncfs does not wait until a FUSE mount's writeback has reached the daemon
+        (README: Limits)."""
         import trio
 
+        from . import writers
+        from .overlay import syncfs
+
         try:
-            await trio.to_thread.run_sync(pyfuse3.syncfs, self.mountpoint)
+            await trio.to_thread.run_sync(syncfs, self.mountpoint)
         except OSError as e:
             log.warning("syncfs of %s failed: %s", self.mountpoint, e)
+        device = self._mount_device()
+        if device is None:
+            return
+        try:
+            inodes, _ = await trio.to_thread.run_sync(writers.mapped, device)
+        except OSError as e:
+            log.warning("finding the mapped files of %s failed: %s", self.mountpoint, e)
+            return
+        if inodes:
+            await trio.to_thread.run_sync(launder, sorted(inodes))
+
+    def _mount_device(self) -> str | None:
+        """The mount's ``major:minor`` (found once; None while not mounted)."""
+        if self._device is None:
+            from .mounts import mount_device
+
+            self._device = mount_device(self.mountpoint)
+        return self._device
 
     def _listed(self, ref: Ref) -> bool:
         return self.store.catalog.snapshot(str(ref)) is not None
@@ -239,13 +263,10 @@ class Live:
 
         if not self.no_open:
             return None
-        if self._device is None:
-            from .mounts import mount_device
-
-            self._device = mount_device(self.mountpoint)
-            if self._device is None:  # not (or no longer) mounted: no writer
-                return writers.Scan()
-        return writers.scan(self._device)
+        device = self._mount_device()
+        if device is None:  # not (or no longer) mounted: no writer
+            return writers.Scan()
+        return writers.scan(device)
 
     async def scan_writers(self) -> Scan | None:
         """``scan_writers_now`` in a worker thread."""
@@ -739,6 +760,25 @@ class Live:
         if op == "step":
             return dict(await self.step(), ok=True)
         raise ValueError(f"unknown control request {op!r}")
+
+
+def launder(inodes: list[int]) -> None:
+    """Make the kernel write the dirty pages of each of ``inodes`` and wait for the daemon's
+    replies: an invalidation of the file's pages (``invalidate_inode``, not attr_only)
+    writes a dirty page back before it drops it (``fuse_launder_folio`` in fs/fuse/file.c);
+    clean pages are dropped too, and read again when needed. Blocking: call from a worker
+    thread while the event loop serves the WRITEs (PYFUSE3.md trap 8); inodes the kernel
+    no longer holds are skipped."""
+    import errno
+
+    import pyfuse3
+
+    for ino in inodes:
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=False)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                log.warning("invalidate_inode(%d) to write its mapped pages: %s", ino, e)
 
 
 def invalidate(inv: Any) -> None:

@@ -1879,11 +1879,20 @@ def sync_paths(paths: list[str], any_dir: str) -> None:
         for p in paths:
             sync_path(p)
         return
-    fd = os.open(any_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    syncfs(any_dir)
+
+
+def syncfs(path: str) -> None:
+    """syncfs(2) of the file system holding directory ``path``, with the GIL released (a
+    ctypes call), so that other threads run meanwhile. On a FUSE mount served by this
+    process they must: with writes the kernel answers from its cache (the writeback cache,
+    measured) syncfs waits for SETATTR and WRITE replies of the serving thread, and
+    ``pyfuse3.syncfs``, which keeps the GIL, then deadlocks the daemon. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if _libc.syncfs(fd) != 0:
             e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e), any_dir)
+            raise OSError(e, os.strerror(e), path)
     finally:
         os.close(fd)
 

@@ -262,3 +262,51 @@ def scan(device: str, *, skip: tuple[int, ...] | None = None) -> Scan:
             except OSError:
                 continue  # a thread gone meanwhile
     return out
+
+
+def mapped(device: str, *, skip: tuple[int, ...] | None = None) -> tuple[set[int], int]:
+    """Files of the file system ``device`` (``major:minor``, decimal) that the processes
+    this one may inspect, except ``skip`` (default: this process), hold mapped shared and
+    writable: their pages can be dirtied with no request to the file system, and may be
+    still in the kernel's page cache. Returns (their inode numbers, the number of processes
+    /proc refused to show). Read from ``/proc/<pid>/maps`` (permissions ``rw?s``, then the
+    device in hex and the inode number), which takes no descriptor and sends no request to
+    the file system. OSError only if /proc itself cannot be read."""
+    major, minor = (int(x) for x in device.split(":"))
+    skipped = {str(p) for p in (skip if skip is not None else (os.getpid(),))}
+    inodes: set[int] = set()
+    unseen = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name in skipped:
+            continue
+        try:
+            with open(f"/proc/{name}/maps", "rb") as f:
+                data = f.read()
+        except OSError as e:
+            unseen += e.errno in _REFUSED
+            continue
+        for line in _shared_writable(data):
+            parts = line.split(maxsplit=5)
+            if len(parts) < 5 or parts[1] not in (b"rw-s", b"rwxs"):
+                continue  # the text was in a path name
+            dev_major, _, dev_minor = parts[3].partition(b":")
+            try:
+                if (int(dev_major, 16), int(dev_minor, 16)) == (major, minor):
+                    inodes.add(int(parts[4]))
+            except ValueError:
+                continue
+    return inodes, unseen
+
+
+def _shared_writable(maps: bytes) -> Iterator[bytes]:
+    """The lines of a ``/proc/<pid>/maps`` text whose permissions are ``rw-s`` or ``rwxs``,
+    found by searching for them (most processes map nothing so: nothing to split)."""
+    for perms in (b" rw-s ", b" rwxs "):
+        pos = maps.find(perms)
+        while pos >= 0:
+            start = maps.rfind(b"\n", 0, pos) + 1
+            end = maps.find(b"\n", pos)
+            if end < 0:
+                end = len(maps)
+            yield maps[start:end]
+            pos = maps.find(perms, end)

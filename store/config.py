@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .errors import StoreError, has_secret, redact
@@ -61,8 +61,8 @@ class SharedConfig:
     cache_bytes: int = DEFAULT_CACHE_BYTES
 
     def check(self) -> SharedConfig:
-        from .s3 import parse_s3_url
-
+        """This configuration with its ``blobs`` canonical (``canonical_blobs``); raises
+        StoreConfigError if it breaks the rules."""
         if not self.blobs:
             raise StoreConfigError("a shared catalog needs a remote blob store "
                                    "(--store s3://BUCKET/PREFIX)")
@@ -70,15 +70,26 @@ class SharedConfig:
             raise StoreConfigError(f"the remote store {self.blobs} needs a catalog shared by "
                                    "its hosts (--catalog postgresql://...)")
         try:
-            parse_s3_url(self.blobs)
+            blobs = canonical_blobs(self.blobs)
         except ValueError as e:
             raise StoreConfigError(f"--store: {e}") from None
         if not self.catalog.startswith(("postgresql://", "postgres://")):
+            # A libpq keyword/value string may hold a password: never echoed.
             raise StoreConfigError(f"--catalog must be a postgresql:// URL, not "
-                                   f"{self.catalog.split('://')[0]!r}")
+                                   f"{redact(self.catalog.split('://')[0])!r}")
         if self.cache_bytes <= 0:
             raise StoreConfigError("the cache size must be positive")
-        return self
+        return self if blobs == self.blobs else replace(self, blobs=blobs)
+
+
+def canonical_blobs(url: str) -> str:
+    """The one spelling of the S3 store ``url`` names: ``s3://BUCKET/PREFIX`` without
+    slashes at the prefix's ends (``s3://b/p/`` and ``s3://b//p`` are ``s3://b/p``), or
+    ``s3://BUCKET``. Raises ValueError for a URL that is not one (``parse_s3_url``)."""
+    from .s3 import parse_s3_url
+
+    bucket, prefix = parse_s3_url(url)
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
 
 
 def is_store_dir(root: str) -> bool:
@@ -140,7 +151,7 @@ def configure(root: str, cfg: SharedConfig) -> SharedConfig:
     configuration. Raises StoreConfigError if ``cfg`` breaks the rules, holds a password
     (``refuse_secrets``), if ``root`` already belongs to another store, or if ``root`` is
     an embedded store holding packs."""
-    cfg.check()
+    cfg = cfg.check()
     refuse_secrets(cfg)
     if cfg.cache is None:
         cfg = SharedConfig(cfg.blobs, cfg.catalog, cfg.s3_endpoint, default_cache_dir(),
@@ -200,25 +211,30 @@ def open_parts(root: str, cfg: SharedConfig) -> tuple[Any, Any]:
     """The (backend, catalog) of shared store ``cfg`` for local directory ``root``: S3
     through the range cache, and the PostgreSQL catalog. Nothing asks the S3 server here:
     the first request that needs it raises BackendError if it cannot be reached (so a
-    command that needs only the catalog and the cache works while it is down). Raises
-    CatalogError if the catalog cannot be reached."""
+    command that needs only the catalog and the cache works while it is down), except
+    that a catalog of an earlier version recording no store is checked for a few of its
+    packs in this one once (``pgcatalog.bind_store``). Raises CatalogError if the catalog
+    cannot be reached, StoreConfigError if it indexes another store."""
     from .blobcache import CachedBackend
     from .pgcatalog import PostgresCatalog
 
     s3 = _s3(cfg)
     cache_dir = os.path.join(cfg.cache or default_cache_dir(), _cache_name(cfg.blobs))
-    return CachedBackend(s3, cache_dir, cfg.cache_bytes), PostgresCatalog(cfg.catalog)
+    catalog = PostgresCatalog(cfg.catalog, store=cfg.blobs, holds=s3.exists)
+    return CachedBackend(s3, cache_dir, cfg.cache_bytes), catalog
 
 
 def probe(cfg: SharedConfig) -> None:
     """Raise BackendError unless the bucket of ``cfg`` answers with this environment's
-    credentials, CatalogError unless its catalog does (nothing is created): what a first
+    credentials, CatalogError unless its catalog does, StoreConfigError if that catalog
+    indexes another store (``pgcatalog.bind_store``; nothing is created): what a first
     ``configure`` of a directory checks, so that a failed first open leaves no
     ``store.json`` binding the directory to a store it never opened."""
     from .pgcatalog import probe as probe_catalog
 
-    _s3(cfg).check()
-    probe_catalog(cfg.catalog)
+    s3 = _s3(cfg)
+    s3.check()
+    probe_catalog(cfg.catalog, store=cfg.blobs, holds=s3.exists)
 
 
 def _s3(cfg: SharedConfig) -> Any:

@@ -758,10 +758,13 @@ class Writer:
     (or append the journal) inside the ``with`` block, after ``commit``. Objects already in
     the store or in this batch are not written again. Not thread-safe.
 
-    On a shared catalog (a network round trip per query) the objects put are not looked up
-    one by one: they wait, up to ``CHECK_BATCH`` objects or ``CHECK_BYTES`` bytes, and are
-    looked up together in one query; those already stored are dropped, the others packed.
-    The embedded catalog, local and cheap to ask, is asked at each put.
+    The objects put are not looked up one by one (a network round trip each on a shared
+    catalog; on the embedded one about 5 us and two fcntl lock calls each, 9,000 of them
+    in a first snapshot of 6,800 files): they wait, up to ``CHECK_BATCH`` objects or
+    ``CHECK_BYTES`` bytes, and are looked up together in one query; those already stored
+    are dropped, the others packed.
+    ``known`` asks the embedded catalog at once, for a caller that would otherwise do
+    costly work (compress a large chunk) for an object already stored.
     """
 
     CHECK_BATCH = 1024
@@ -782,7 +785,7 @@ class Writer:
                 self.close()
                 raise
         self._pending: set[bytes] = set()
-        self._batched = store.catalog.shared
+        self._shared = store.catalog.shared
         self._unchecked: list[tuple[ObjectId, ObjKind, bytes, tuple[Codec, bytes] | None]] = []
         self._unchecked_bytes = 0
         self._rows: list[Location] = []
@@ -817,23 +820,27 @@ class Writer:
         self.bytes_written += len(data)
 
     def known(self, oid: ObjectId) -> bool:
-        """True if ``oid`` is pending in this batch or (embedded catalog) already stored; on
-        a shared catalog the store is asked later, for many objects at once (see above)."""
-        return oid in self._pending or (not self._batched and self.store.has(oid))
+        """True if ``oid`` is pending in this batch or (embedded catalog) already stored (one
+        query); on a shared catalog the store is asked later, for many objects at once (see
+        above)."""
+        return oid in self._pending or (not self._shared and self.store.has(oid))
 
     def put(self, oid: ObjectId, kind: ObjKind, data: bytes,
-            encoded: tuple[Codec, bytes] | None = None) -> bool:
-        """Store ``data`` under ``oid`` (its id, computed by the caller) unless known;
-        ``encoded``: its record made beforehand (``pack.encode_chunk``). Returns False if
-        it was known (``known``), True if it is written or, on a shared catalog, waits for
-        its batched look-up. A chunk's data pages (``chunker.data_pages``) are recorded
-        in this host's ``chunk_pages`` at ``commit``, known or not."""
+            encoded: tuple[Codec, bytes] | None = None, *, unknown: bool = False) -> bool:
+        """Store ``data`` under ``oid`` (its id, computed by the caller) unless it is
+        pending in this batch or stored; ``encoded``: its record made beforehand
+        (``pack.encode_chunk``). Returns False if it was pending, True if it waits for its
+        batched look-up (see above) or is written. ``unknown``: the caller has just found
+        ``known(oid)`` False, so an embedded catalog is not asked again (an object another
+        writer stored meanwhile is then stored twice, as when two writers race, and
+        indexed once). A chunk's data pages (``chunker.data_pages``) are recorded in this
+        host's ``chunk_pages`` at ``commit``, stored or not."""
         if kind is ObjKind.CHUNK and oid not in self._pages:
             self._pages[oid] = chunker.data_pages(data)
-        if self.known(oid):
+        if oid in self._pending:
             return False
         self._pending.add(oid)
-        if not self._batched:
+        if unknown and not self._shared:
             self._builder.add(oid, kind, data, encoded)
             return True
         self._unchecked.append((oid, kind, data, encoded))

@@ -16,6 +16,10 @@ a pack was indexed (0 for packs of version 1 and rebuilt ones), which the GC gra
 reads; the GC lease is the ``leases`` row ``gc``, and ``config.gc_generation`` counts GC
 runs that deleted index rows.
 
+Version 4 binds the catalog to the store it indexes: ``catalog_meta.store`` is the
+bucket and prefix of the first store that opened it, and a catalog opened by another store
+is refused (``bind_store``).
+
 Connections: a pool of ``max_size`` connections, each checked before it is handed out, so
 after a PostgreSQL restart the next operation reconnects (the operation that was running
 when the server went away fails with ``CatalogError``). Opening connects once directly,
@@ -104,6 +108,11 @@ MIGRATIONS: list[str] = [
     INSERT INTO snapshot_labels(ref, label, time_ns, key)
         SELECT ref, label, time_ns, key FROM snapshots WHERE label IS NOT NULL;
     """,
+    # 4: the catalog is bound to the store it indexes: catalog_meta 'store' (its bucket and
+    # prefix, ``config.canonical_blobs``) is written by the first store that opens it
+    # (``bind_store``); a program of version 3 or older, which never checks it, refuses a
+    # catalog of version 4.
+    "SELECT 1",
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -131,11 +140,17 @@ class PostgresCatalog:
     libpq connection string). Raises CatalogError if its server does not answer a direct
     connection within ``connect_timeout(dsn)`` seconds, refuses it, or its schema is newer
     than this program's; StoreConfigError for a connect timeout setting that is not one.
-    ``timeout_s``: how long an operation waits for a connection of the pool."""
+    ``timeout_s``: how long an operation waits for a connection of the pool. ``store``:
+    the bucket and prefix of the store opening it (``config.canonical_blobs``), checked
+    against the one the catalog records, and recorded by a first open (``bind_store``;
+    ``holds(pack_key)`` tells whether that store holds a pack, for a catalog of an earlier
+    version that records none); None checks nothing (a catalog opened on its own)."""
 
     shared = True
 
-    def __init__(self, dsn: str, *, max_size: int = 8, timeout_s: float = 10.0) -> None:
+    def __init__(self, dsn: str, *, max_size: int = 8, timeout_s: float = 10.0,
+                 store: str | None = None,
+                 holds: Callable[[str], bool] | None = None) -> None:
         import psycopg
 
         self._psycopg = psycopg
@@ -152,7 +167,7 @@ class PostgresCatalog:
         # migrated on it while the pool opens its connections.
         first = self._connect()
         try:
-            self._migrate(first)
+            self._migrate(first, store, holds)
         except psycopg.Error as e:
             raise CatalogError(f"catalog {redact(dsn)}: {_one_line(e)}") from None
         finally:
@@ -270,7 +285,8 @@ class PostgresCatalog:
                 raise CatalogError(f"catalog {redact(self.dsn)}: {redact(str(e))}") from None
             raise
 
-    def _migrate(self, conn: Any) -> None:
+    def _migrate(self, conn: Any, store: str | None,
+                 holds: Callable[[str], bool] | None) -> None:
         with conn.transaction():
             c = conn
             c.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
@@ -287,6 +303,8 @@ class PostgresCatalog:
             c.execute("INSERT INTO catalog_meta(key, value) VALUES ('schema_version', %s) "
                       "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                       (str(SCHEMA_VERSION),))
+            if store is not None:
+                bind_store(c, self.dsn, store, holds, record=True)
 
     def schema_version(self) -> int:
         with self._tx() as c:
@@ -723,10 +741,13 @@ def _close_pool(pool: Any) -> None:
     atexit.unregister(pool.close)
 
 
-def probe(dsn: str) -> int | None:
+def probe(dsn: str, store: str | None = None,
+          holds: Callable[[str], bool] | None = None) -> int | None:
     """The schema version of the catalog at ``dsn`` (None: not created yet), read over one
-    connection (``connect_timeout(dsn)``) without creating or migrating anything. Raises
-    CatalogError naming the server's reason if it cannot be reached or read."""
+    connection (``connect_timeout(dsn)``) without creating or migrating anything; with
+    ``store``, StoreConfigError if the catalog belongs to another store (``bind_store``,
+    nothing recorded). Raises CatalogError naming the server's reason if it cannot be
+    reached or read."""
     import psycopg
 
     timeout = connect_timeout(dsn)
@@ -737,9 +758,62 @@ def probe(dsn: str) -> int | None:
                 return None
             row = conn.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
                                ).fetchone()
+            if store is not None:
+                bind_store(conn, dsn, store, holds, record=False)
     except (psycopg.Error, OSError) as e:
         raise _connect_error(dsn, e, timeout) from None
     return None if row is None else int(row[0])
+
+
+STORE_KEY = "store"
+"""The ``catalog_meta`` key recording the store a catalog indexes (schema version 4)."""
+
+_SAMPLE_PACKS = 3
+"""How many of its newest packs a catalog recording no store is checked for in the store
+that opens it."""
+
+
+def bind_store(c: Any, dsn: str, store: str, holds: Callable[[str], bool] | None, *,
+               record: bool) -> None:
+    """Check that the catalog on connection ``c`` indexes ``store`` (``s3://BUCKET[/PREFIX]``,
+    canonical), and with ``record`` write it as the catalog's store if it records none.
+
+    A catalog records the store that first opened it (``catalog_meta`` ``STORE_KEY``). One
+    recording another store is StoreConfigError (exit 2) naming both: its packs and
+    history are elsewhere, and a snapshot through it would dedup against packs this store
+    does not hold, a rebuild-index replace its rows with this store's. A catalog of an
+    earlier version records none: it adopts ``store`` if it indexes no pack, or if
+    ``store`` holds one of its newest packs (``holds``); if it holds none of them the
+    catalog is refused as another store's; if ``holds`` fails (BackendError: the bucket
+    does not answer) nothing is recorded and the next open checks again."""
+    from .config import StoreConfigError
+    from .errors import BackendError
+
+    row = c.execute("SELECT value FROM catalog_meta WHERE key=%s", (STORE_KEY,)).fetchone()
+    if row is not None:
+        if row[0] != store:
+            raise StoreConfigError(
+                f"the catalog {redact(dsn)} indexes the store {row[0]}, not {store} (given); "
+                f"use --store {row[0]} with this catalog, or another catalog for {store}")
+        return
+    if holds is not None:
+        sample = [k for (k,) in c.execute("SELECT key FROM packs ORDER BY indexed_ns DESC, "
+                                          "key LIMIT %s", (_SAMPLE_PACKS,))]
+        if sample:
+            try:
+                held = any(holds(k) for k in sample)
+            except BackendError:
+                return
+            if not held:
+                raise StoreConfigError(
+                    f"the catalog {redact(dsn)} indexes packs that the store {store} does "
+                    f"not hold (e.g. {sample[0]}): it belongs to another store; give that "
+                    "store's --store, or another catalog for this one")
+    elif c.execute("SELECT 1 FROM packs LIMIT 1").fetchone() is not None:
+        return  # cannot tell whether it is this store's: recorded by a later open
+    if record:
+        c.execute("INSERT INTO catalog_meta(key, value) VALUES (%s, %s) "
+                  "ON CONFLICT (key) DO NOTHING", (STORE_KEY, store))
 
 
 CONNECT_TIMEOUT_ENV = "REWINDFS_CATALOG_CONNECT_TIMEOUT"

@@ -170,10 +170,12 @@ class _StoreSink:
 
     def chunk(self, data: bytes) -> ObjectId:
         oid = object_id(data)
-        if oid in self._inflight or self.w.known(oid):
+        if oid in self._inflight:
             return oid
         if self._pool is None or len(data) < _GROUP_THRESHOLD:
-            self.w.put(oid, ObjKind.CHUNK, data)
+            self.w.put(oid, ObjKind.CHUNK, data)  # looked up with others (Writer)
+            return oid
+        if self.w.known(oid):  # asked first: compressing a stored chunk would be wasted
             return oid
         self._inflight.add(oid)
         self._queue.append((oid, data, self._pool.submit(self._encode, oid, data)))
@@ -184,12 +186,12 @@ class _StoreSink:
     def zero(self, length: int) -> ObjectId:
         oid = chunker.zero_chunk_id(length)
         if oid not in self._inflight and not self.w.known(oid):
-            self.w.put(oid, ObjKind.CHUNK, chunker.zeros(length))
+            self.w.put(oid, ObjKind.CHUNK, chunker.zeros(length), unknown=True)
         return oid
 
     def _drain_one(self) -> None:
         oid, data, fut = self._queue.popleft()
-        self.w.put(oid, ObjKind.CHUNK, data, encoded=fut.result())
+        self.w.put(oid, ObjKind.CHUNK, data, encoded=fut.result(), unknown=True)
         self._inflight.discard(oid)
 
     def tree(self, entries: list[Entry]) -> ObjectId:
@@ -725,39 +727,11 @@ class _Walker:
             return cached
         size = st.st_size
         cs = self.cs
-        sparse = st.st_blocks * 512 < size
-        slots = chunker.chunk_count(size, cs)
-        tail = size - (slots - 1) * cs  # length of the last chunk
-        runs: list[tuple[bytes, int]] = []
-        i = 0
-        while i < slots:
-            off = i * cs
-            if sparse:  # whole chunks of a hole: one run, neither read nor hashed
-                try:
-                    next_data = os.lseek(fd, off, os.SEEK_DATA)
-                except OSError as e:
-                    if e.errno != errno.ENXIO:
-                        raise self.oserror(rel, e) from None
-                    next_data = size  # only a hole remains
-                j = slots if next_data >= size else next_data // cs
-                if j > i:
-                    full = j - 1 if j == slots and tail != cs else j
-                    if full > i:
-                        runs.append((self.sink.zero(cs), full - i))
-                    if full < j:
-                        runs.append((self.sink.zero(tail), 1))
-                    i = j
-                    continue
-            length = cs if i < slots - 1 else tail
-            try:
-                data = os.pread(fd, length, off)
-            except OSError as e:
-                raise self.oserror(rel, e) from None
-            if len(data) != length:
-                raise self.fail(rel, "changed while read (file shrank)")
-            runs.append((self.sink.chunk(data), 1))
-            i += 1
-        chunks = ChunkList.from_runs(runs)
+        if st.st_blocks * 512 >= size:  # no holes: every chunk read (most files, one chunk)
+            chunks = ChunkList([self._chunk(fd, off, min(cs, size - off), rel)
+                                for off in range(0, size, cs)])
+        else:
+            chunks = self._sparse_content(fd, size, rel)
         try:
             after = os.fstat(fd)
         except OSError as e:
@@ -769,11 +743,51 @@ class _Walker:
         if self.cache_prefix is not None and chunks.repeats <= V1_REPEATS_MAX:
             # (a file of more repeats is scanned again, by its data extents)
             self.cache_rows.append((self.cache_prefix + rel, size, st.st_mtime_ns,
-                                    st.st_ctime_ns, st.st_ino,
-                                    b"".join(c * k for c, k in chunks.runs()), self.horizon))
+                                    st.st_ctime_ns, st.st_ino, chunks.slot_bytes(),
+                                    self.horizon))
             if len(self.cache_rows) >= _CACHE_BATCH:
                 self.flush_cache()
         return chunks
+
+    def _chunk(self, fd: int, off: int, length: int, rel: bytes) -> ObjectId:
+        """The id of the ``length`` bytes at ``off`` of file ``fd`` (at ``rel``), put into the
+        sink. Raises SnapshotError if they cannot be read or the file shrank."""
+        try:
+            data = os.pread(fd, length, off)
+        except OSError as e:
+            raise self.oserror(rel, e) from None
+        if len(data) != length:
+            raise self.fail(rel, "changed while read (file shrank)")
+        return self.sink.chunk(data)
+
+    def _sparse_content(self, fd: int, size: int, rel: bytes) -> ChunkList:
+        """The chunk list of a file with holes: whole chunks inside a hole (``SEEK_DATA``)
+        are one run of the zero chunk, neither read nor hashed; the rest as ``_chunk``."""
+        cs = self.cs
+        slots = chunker.chunk_count(size, cs)
+        tail = size - (slots - 1) * cs  # length of the last chunk
+        runs: list[tuple[bytes, int]] = []
+        i = 0
+        while i < slots:
+            off = i * cs
+            try:
+                next_data = os.lseek(fd, off, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise self.oserror(rel, e) from None
+                next_data = size  # only a hole remains
+            j = slots if next_data >= size else next_data // cs
+            if j > i:
+                full = j - 1 if j == slots and tail != cs else j
+                if full > i:
+                    runs.append((self.sink.zero(cs), full - i))
+                if full < j:
+                    runs.append((self.sink.zero(tail), 1))
+                i = j
+                continue
+            runs.append((self._chunk(fd, off, cs if i < slots - 1 else tail, rel), 1))
+            i += 1
+        return ChunkList.from_runs(runs)
 
     def flush_cache(self) -> None:
         """Write the queued files cache and dirs cache rows in one transaction. Either may

@@ -22,6 +22,7 @@ from conftest import SHARED_TMP_PREFIX
 from treegen import as_nobody
 
 from fusefs.overlay import MAX_FILE_SIZE
+from store import chunker
 
 pytestmark = pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts")
 
@@ -222,6 +223,24 @@ def test_st_blocks_of_a_sparse_file_counts_data_not_holes(
         assert f.read(4098) == b"\0" + b"d" * 4096 + b"\0"
         f.seek((1 << 40) - 3)
         assert f.read(10) == bytes(3)
+
+
+def test_data_pages_counts_the_pages_holding_a_non_zero_byte() -> None:
+    # What a chunk's st_blocks is computed from (chunk_pages): 4 KiB pages from the start,
+    # the last one short, counted when any byte of them is not zero, wherever that byte is.
+    page = chunker.PAGE_SIZE
+    for pos in (0, 1, page // 2 - 1, page // 2, page // 2 + 1, page - 2, page - 1):
+        data = bytearray(3 * page + 10)
+        data[page + pos] = 7
+        assert chunker.data_pages(bytes(data)) == 1, pos
+        assert chunker.data_pages(data) == 1, pos
+    assert chunker.data_pages(b"") == 0
+    assert chunker.data_pages(bytes(2 * page + 10)) == 0
+    assert chunker.data_pages(bytes(2 * page + 9) + b"x") == 1  # the short last page
+    assert chunker.data_pages(b"x" + bytes(2 * page + 9)) == 1
+    assert chunker.data_pages(b"text without a zero byte" * 1000) == 6
+    assert chunker.data_pages(b"a\0" * (3 * page)) == 6  # zero bytes inside data pages
+    assert chunker.data_pages(b"y" * page + bytes(page) + b"\0z" + bytes(page)) == 2
 
 
 # -- the 1 TiB limit -----------------------------------------------------------------------

@@ -245,7 +245,7 @@ def test_a_version_1_catalog_is_migrated_keeping_its_packs(pg_dsn: str) -> None:
                      "'snapshots/2-add.json')")
     c = PostgresCatalog(pg_dsn)
     try:
-        assert SCHEMA_VERSION == 3 and c.schema_version() == 3
+        assert SCHEMA_VERSION == 4 and c.schema_version() == 4
         assert c.packs() == [("packs/old.pack", 5, 1)]
         # every listed Ref's label is kept as one of the labels it was given
         assert c.snapshot_labels() == [("v1:blake3:ab", "old", 7, "snapshots/1-add.json")]

@@ -152,3 +152,22 @@ def test_a_refused_login_is_a_login_refusal_never_unreachable(
     _cli([*opts, "list"], {**nofile, "PGPASSWORD": SECRET})
     assert (local / "store.json").exists()
     refused(wrong, 'password authentication failed for user "alice"')
+
+
+def test_a_libpq_keyword_catalog_string_is_refused_without_its_password(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    # The real catalog's address in libpq's keyword/value form, with a password, plain
+    # and quoted: refused (a URL is asked for) and the password never echoed.
+    rest = pg_dsn.split("://", 1)[1]
+    user, _, hostpart = rest.rpartition("@")
+    hostport, _, db = hostpart.partition("/")
+    host, _, port = hostport.partition(":")
+    keywords = f"host={host} port={port or 5432} dbname={db} user={user or 'postgres'}"
+    for dsn in (f"{keywords} password={SECRET}", f"{keywords} password = '{SECRET} x'"):
+        r = _cli(["--store", f"s3://{s3_bucket}/x", "--s3-endpoint",
+                  s3_env.endpoint, "--local", str(tmp_path / "l"),  # type: ignore[attr-defined]
+                  "--catalog", dsn, "list"], check=False)
+        assert r.returncode == 2 and "postgresql:// URL" in r.stderr, r.stderr
+        assert f"dbname={db}" in r.stderr and "password" in r.stderr, r.stderr
+        _no_secret(r.stdout, r.stderr)
+        assert not (tmp_path / "l" / "store.json").exists()
