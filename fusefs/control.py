@@ -62,7 +62,7 @@ from .session.errors import CheckpointError, RestoreError
 if TYPE_CHECKING:
     import trio
 
-    from store.objects import Store
+    from store.objects import Store, Writer
 
     from .gate import Gate
     from .operations import Operations
@@ -156,10 +156,54 @@ class Live:
     def _listed(self, ref: Ref) -> bool:
         return self.store.catalog.snapshot(str(ref)) is not None
 
+    async def _upload_ahead(self, w: Writer) -> bool:
+        """A shared store's checkpoint, before it pauses anything: hash the changes as they
+        are now and upload them through ``w``, committed (indexed, in no snapshot), while
+        mutations go on. The paused freeze that follows then finds those chunks and trees
+        stored and uploads only what changed meanwhile: the time mutations wait holds no
+        upload of what was there before. Returns True if something was planned.
+
+        A speculative pass: whatever it uploaded that the freeze does not use is left
+        unreferenced (GC removes it). Raises the store's error (BackendError, a catalog
+        error) when the upload fails: the checkpoint fails then, nothing paused. Any other
+        failure (the overlay changed under the build: a data file removed meanwhile) is
+        logged and leaves the work to the freeze."""
+        import trio
+
+        from store.errors import StoreError
+
+        from . import checkpoint as ck
+
+        try:
+            p = ck.plan(self.ov)
+        except Exception as e:
+            log.info("checkpoint: no upload ahead (plan failed: %s: %s)", type(e).__name__, e)
+            return False
+        if p.unchanged:
+            return False
+        store = self.store
+        log.info("checkpoint: uploading %d changed directories ahead of the pause",
+                 len(p.dirs))
+
+        def work() -> None:
+            ck.build(p, store, w)
+            w.commit()
+
+        try:
+            await trio.to_thread.run_sync(work)
+        except StoreError:
+            raise
+        except Exception as e:
+            log.info("checkpoint: upload ahead stopped (%s: %s); the freeze does it",
+                     type(e).__name__, e)
+        return True
+
     async def _freeze(self, *, origin: str, label: str | None,
-                      list_it: bool = True) -> dict[str, Any]:
+                      list_it: bool = True, writer: Writer | None = None) -> dict[str, Any]:
         """Freeze, commit, list and rebase; the caller has paused and drained the gate and
-        holds the upper lock. Returns what it did."""
+        holds the upper lock. ``writer``: the open write batch to commit through (the one
+        that uploaded ahead; its counts include that upload), else one of its own. Returns
+        what it did."""
         import trio
 
         from . import checkpoint as ck
@@ -184,15 +228,20 @@ class Live:
             return {"ref": ref, "unchanged": True, "packs": 0, "bytes": 0,
                     "uppers": p.uppers, "kept": [], "rebase": None}
 
+        def commit_in(w: Writer) -> tuple[Ref, int, int]:
+            ref = ck.build(p, store, w)
+            w.commit()
+            ck.crash_point("checkpoint.committed")
+            if list_it and (ref != p.base or not self._listed(ref)):
+                store.add_snapshot(ref, origin, label)
+            ck.crash_point("checkpoint.listed")
+            return ref, w.packs_written, w.bytes_written
+
         def work() -> tuple[Ref, int, int]:
+            if writer is not None:
+                return commit_in(writer)
             with store.writer() as w:
-                ref = ck.build(p, store, w)
-                w.commit()
-                ck.crash_point("checkpoint.committed")
-                if list_it and (ref != p.base or not self._listed(ref)):
-                    store.add_snapshot(ref, origin, label)
-                ck.crash_point("checkpoint.listed")
-                return ref, w.packs_written, w.bytes_written
+                return commit_in(w)
 
         ref, packs, nbytes = await trio.to_thread.run_sync(work)
         lap("build_commit_list")
@@ -337,17 +386,27 @@ class Live:
                 self._lap("permits")
                 await self._syncfs()
                 self._lap("syncfs")
-                async with self.gate.paused_for():
-                    self._lap("drain")
-                    async with self.ops.upper_lock:
+                if not self.store.catalog.shared:
+                    done = await self._paused_freeze(trigger, origin, label, None)
+                else:  # uploads to S3: as much as can be, ahead of the pause
+                    try:
+                        writer = await trio.to_thread.run_sync(self.store.writer)
+                    except Exception as e:
+                        log.error("checkpoint failed: %s: %s", type(e).__name__, e)
+                        raise CheckpointError(trigger, e) from e
+                    try:
                         try:
-                            done = await self._freeze(origin=origin, label=label)
+                            ahead = await self._upload_ahead(writer)
                         except Exception as e:
                             log.error("checkpoint failed: %s: %s", type(e).__name__, e)
                             raise CheckpointError(trigger, e) from e
-                        if done["rebase"] is not None and self.mount_pins is not None:
-                            await trio.to_thread.run_sync(self._repin)
-                            self._lap("repin")
+                        self._lap("upload_ahead")
+                        if ahead:  # pages written meanwhile reach the daemon
+                            await self._syncfs()
+                            self._lap("syncfs_again")
+                        done = await self._paused_freeze(trigger, origin, label, writer)
+                    finally:
+                        await trio.to_thread.run_sync(writer.close)
                 await self._drop_folded_listings(done)
         ms = (time.perf_counter() - t0) * 1000
         log.info("checkpoint (%s) -> %s in %.1f ms%s", trigger, done["ref"], ms,
@@ -355,6 +414,25 @@ class Live:
         return {"ref": str(done["ref"]), "elapsed_ms": ms, "unchanged": done["unchanged"],
                 "packs": done["packs"], "bytes": done["bytes"], "trigger": trigger,
                 "phases": dict(self.phases)}
+
+    async def _paused_freeze(self, trigger: str, origin: str, label: str | None,
+                             writer: Writer | None) -> dict[str, Any]:
+        """``_freeze`` with mutations paused and drained and the upper lock held, then the
+        mount's pins replaced; a failure is CheckpointError (nothing changed)."""
+        import trio
+
+        async with self.gate.paused_for():
+            self._lap("drain")
+            async with self.ops.upper_lock:
+                try:
+                    done = await self._freeze(origin=origin, label=label, writer=writer)
+                except Exception as e:
+                    log.error("checkpoint failed: %s: %s", type(e).__name__, e)
+                    raise CheckpointError(trigger, e) from e
+                if done["rebase"] is not None and self.mount_pins is not None:
+                    await trio.to_thread.run_sync(self._repin)
+                    self._lap("repin")
+        return done
 
     async def _drop_folded_listings(self, done: dict[str, Any]) -> None:
         """After a freeze: drop the kernel's cached listing of every directory whose

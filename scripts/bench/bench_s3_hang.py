@@ -12,7 +12,13 @@ SeaweedFS with SIGSTOP (it keeps accepting connections and never answers) and ti
 are the environment's (defaults: 3 attempts, 3 s to connect, 10 s of silence while
 reading). Prints, per run, the seconds to EIO, the errno and the daemon log's ``read
 failed`` lines: how many requests the daemon answered EIO, and how many of them failed
-without asking S3 again. Measures; judges nothing (exit status 0).
+without asking S3 again.
+
+With ``--checkpoint``: a read-write mount on host A instead, a file written, SeaweedFS
+stopped, ``rewindfs checkpoint`` started in the background and, one second later, timed
+one after the other: ``ls`` of the mount's root, a read of the file, the create of a new
+file, a write into the first one; then the checkpoint's seconds and exit status, and, after
+SIGCONT, a second checkpoint's. Measures; judges nothing (exit status 0).
 """
 
 from __future__ import annotations
@@ -48,7 +54,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=4)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="time requests into a read-write mount during a checkpoint")
     args = ap.parse_args()
+    if args.checkpoint:
+        return checkpoint_runs(args.runs)
     from store.config import SharedConfig, configure
 
     weed = servers.SeaweedS3()
@@ -94,6 +104,76 @@ def main() -> int:
                       f"{len(lines):>17}  {len(held):>17}")
                 for x in lines:
                     print("     ", x[:300])
+    finally:
+        weed.stop()
+        pg.stop()
+    return 0
+
+
+def timed(what: str, fn: object) -> str:
+    t0 = time.monotonic()
+    try:
+        fn()  # type: ignore[operator]
+        out = "ok"
+    except OSError as e:
+        out = errno.errorcode.get(e.errno or 0, str(e.errno))
+    return f"{what} {time.monotonic() - t0:.3f} s {out}"
+
+
+def checkpoint_runs(runs: int) -> int:
+    """``--checkpoint`` (see the module docstring)."""
+    from store.config import SharedConfig, configure
+
+    weed = servers.SeaweedS3()
+    pg = servers.PostgresCluster()
+    os.environ.update(weed.env())
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-s3-hang-") as tmp:
+            t = Path(tmp)
+            cfg = SharedConfig(f"s3://{weed.new_bucket()}/s", pg.new_database(),
+                               weed.endpoint, str(t / "cache-a"))
+            configure(str(t / "a"), cfg)
+            src = t / "src"
+            src.mkdir()
+            (src / "seed.txt").write_text("seed\n")
+            ref = json.loads(rewindfs(t / "a", "snapshot", str(src), "--json").stdout)["ref"]
+            for run in range(runs):
+                mnt, state = t / f"mnt{run}", t / f"state{run}"
+                mnt.mkdir()
+                rewindfs(t / "a", "mount", ref, str(mnt), "--state", str(state))
+                try:
+                    (mnt / "before.txt").write_text("before\n")
+                    assert weed.proc is not None
+                    os.killpg(weed.proc.pid, signal.SIGSTOP)
+                    try:
+                        t0 = time.monotonic()
+                        ck = subprocess.Popen([PY, "-m", "rewindfs", "--store", str(t / "a"),
+                                               "checkpoint", str(mnt)], cwd=REPO, text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                        time.sleep(1.0)
+                        lines = [
+                            timed("ls", lambda m=mnt: os.listdir(m)),
+                            timed("cat", lambda m=mnt: (m / "before.txt").read_bytes()),
+                            timed("create", lambda m=mnt: (m / "new.txt").write_text("new\n")),
+                            timed("write", lambda m=mnt: (m / "before.txt").write_text("w\n")),
+                        ]
+                        pending = ck.poll() is None
+                        _out, err = ck.communicate()
+                        ck_s = time.monotonic() - t0
+                    finally:
+                        os.killpg(weed.proc.pid, signal.SIGCONT)
+                    t1 = time.monotonic()
+                    again = subprocess.run([PY, "-m", "rewindfs", "--store", str(t / "a"),
+                                            "checkpoint", str(mnt)], cwd=REPO, text=True,
+                                           capture_output=True)
+                    print(f"run {run}: " + "; ".join(lines)
+                          + f"; checkpoint still running after them: {pending}")
+                    print(f"  checkpoint on the hung S3: {ck_s:.1f} s, exit {ck.returncode}"
+                          f" ({err.strip()[:120]})")
+                    print(f"  checkpoint after SIGCONT: {time.monotonic() - t1:.1f} s, exit "
+                          f"{again.returncode}")
+                finally:
+                    rewindfs(t / "a", "umount", str(mnt))
     finally:
         weed.stop()
         pg.stop()
