@@ -83,7 +83,7 @@ def register(sub: Any) -> None:
     ls.set_defaults(handler=cmd_list)
 
     r = ss.add_parser("resume", help="start the host of a stopped session again")
-    r.add_argument("id")
+    r.add_argument("id", type=session_id)
     r.add_argument("--discard-upper", action="store_true",
                    help="a session another host of a shared store may hold un-checkpointed "
                         "changes of: resume it here from its last checkpoint, giving those "
@@ -100,7 +100,7 @@ def register(sub: Any) -> None:
 
     sd = ss.add_parser("shutdown", help="stop a session (no checkpoint is made unless "
                                         "--checkpoint)")
-    sd.add_argument("id")
+    sd.add_argument("id", type=session_id)
     sd.add_argument("--force", action="store_true",
                     help="unmount even while processes use the root (they lose the tree)")
     sd.add_argument("--checkpoint", action="store_true",
@@ -111,7 +111,7 @@ def register(sub: Any) -> None:
     sd.set_defaults(handler=cmd_shutdown)
 
     rm = ss.add_parser("rm", help="delete a stopped session's state and registry entry")
-    rm.add_argument("id")
+    rm.add_argument("id", type=session_id)
     add_json(rm)
     rm.set_defaults(handler=cmd_rm)
 
@@ -122,7 +122,7 @@ def register(sub: Any) -> None:
     gc.set_defaults(handler=cmd_gc)
 
     c = ss.add_parser("checkpoint", help="checkpoint a running session; print the Ref")
-    c.add_argument("id")
+    c.add_argument("id", type=session_id)
     c.add_argument("--label", help="label kept with the Ref in the snapshot list ('list', "
                                    "'@label')")
     add_json(c)
@@ -130,13 +130,13 @@ def register(sub: Any) -> None:
 
     st = ss.add_parser("step", help="record a step of a running session: journal the paths "
                                     "changed since the previous step")
-    st.add_argument("id")
+    st.add_argument("id", type=session_id)
     st.add_argument("--label", default=None, help="what the step was (e.g. the tool call)")
     add_json(st)
     st.set_defaults(handler=cmd_step)
 
     rs = ss.add_parser("restore", help="restore a running session to a Ref")
-    rs.add_argument("id")
+    rs.add_argument("id", type=session_id)
     rs.add_argument("ref")
     rs.add_argument("--discard", action="store_true",
                     help="do not checkpoint the current state first")
@@ -153,7 +153,7 @@ def register(sub: Any) -> None:
     rs.set_defaults(handler=cmd_restore, daemon_completes=True)
 
     lg = sub.add_parser("log", help="a session's journal, oldest first")
-    lg.add_argument("id")
+    lg.add_argument("id", type=session_id)
     lg.add_argument("--changes", action="store_true",
                     help="also the paths each step changed (one line per path)")
     add_json(lg)
@@ -161,6 +161,20 @@ def register(sub: Any) -> None:
 
 
 # -- helpers ----------------------------------------------------------------------------
+
+
+def session_id(text: str) -> str:
+    """The argparse type of a session id argument: ``text`` if it can be a session id
+    (``fusefs.session.placement.check_session_id``), else a usage error (exit 2) naming
+    it escaped, before any registry is read (a registry row of another program's could
+    hold such an id)."""
+    from fusefs.session.errors import InvalidSessionIdError
+    from fusefs.session.placement import check_session_id
+
+    try:
+        return check_session_id(text)
+    except InvalidSessionIdError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _state_base(store_path: str) -> str:

@@ -294,7 +294,7 @@ class PostgresCatalog:
                       "(key text PRIMARY KEY, value text NOT NULL)")
             row = c.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
                             ).fetchone()
-            have = int(row[0]) if row else 0
+            have = _schema_version(self.dsn, row[0]) if row else 0
             if have > SCHEMA_VERSION:
                 raise CatalogError(f"the catalog at {redact(self.dsn)} has schema version "
                                    f"{have}; this program knows up to {SCHEMA_VERSION}")
@@ -310,7 +310,7 @@ class PostgresCatalog:
         with self._tx() as c:
             row = c.execute("SELECT value FROM catalog_meta WHERE key='schema_version'"
                             ).fetchone()
-        return int(row[0])
+        return _schema_version(self.dsn, row[0])
 
     # -- objects ---------------------------------------------------------------------
 
@@ -762,7 +762,18 @@ def probe(dsn: str, store: str | None = None,
                 bind_store(conn, dsn, store, holds, record=False)
     except (psycopg.Error, OSError) as e:
         raise _connect_error(dsn, e, timeout) from None
-    return None if row is None else int(row[0])
+    return None if row is None else _schema_version(dsn, row[0])
+
+
+def _schema_version(dsn: str, text: str) -> int:
+    """The schema version ``catalog_meta`` holds as ``text``; CatalogError naming it (at
+    most 40 characters, escaped) if it is not a whole number from 0."""
+    if not re.fullmatch(r"[0-9]{1,9}", text):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise CatalogError(f"the catalog at {redact(dsn)} has schema version {shown!r}, "
+                           f"not a number (catalog_meta.schema_version; this program knows "
+                           f"up to {SCHEMA_VERSION}): it was not written by rewindfs")
+    return int(text)
 
 
 STORE_KEY = "store"

@@ -205,6 +205,18 @@ class RootInUseError(SessionError):
 # -- session lifetime --------------------------------------------------------------------------
 
 
+class InvalidSessionIdError(SessionError, ValueError):
+    """``session`` cannot be a session id (``placement.check_session_id``: it would not
+    name one directory, or a journal), whether given or read from a session registry;
+    the message shows it escaped (``repr``), so no character of it acts on a terminal or
+    splits the line."""
+
+    def __init__(self, session: object) -> None:
+        self.session = session
+        super().__init__(f"invalid session id {session!r}: an id is 1 to 64 of "
+                         "[A-Za-z0-9_-], not starting with '-' or '_'")
+
+
 class SessionNotFoundError(SessionError, KeyError):
     """No session with this id is registered in the store."""
 

@@ -87,7 +87,7 @@ class SessionEntry:
                        d.get("parent"), int(d.get("created_ns") or 0),
                        dict(d.get("spec") or {}))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SessionError(f"the catalog's record of session {session} is not readable "
+            raise SessionError(f"the catalog's record of session {session!r} is not readable "
                                f"({e})") from None
 
 

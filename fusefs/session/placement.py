@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from .errors import PlacementDriftError, WorkspacePlacementError
+from .errors import InvalidSessionIdError, PlacementDriftError, WorkspacePlacementError
 
 ROOT_LEASE_PREFIX = "workspace-roots"
 _LEASE_SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -114,9 +114,10 @@ def check_lease_name(name: str) -> str:
 
 def check_session_id(session_id: str) -> str:
     """Return ``session_id`` if it can name a directory and a journal (``[A-Za-z0-9_-]``,
-    1 to 64 characters, not starting with ``-`` or ``_``); else raise ValueError."""
+    1 to 64 characters, not starting with ``-`` or ``_``); else raise
+    InvalidSessionIdError (a ValueError, exit 10)."""
     if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
-        raise ValueError(f"invalid session id {session_id!r}")
+        raise InvalidSessionIdError(session_id)
     return session_id
 
 

@@ -1,0 +1,58 @@
+"""Values in the shared catalog that rewindfs did not write (another program's, a damaged
+or hostile row) are typed errors naming the value escaped, never an internal error: a
+schema version that is not a number (exit 12, as a newer one), a session registry row
+whose id cannot be a session id (exit 2: the id given to a session command is refused as
+one, before any registry is read).
+
+Real SeaweedFS and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+from test_shared_store import Host
+
+
+def _host(s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> Host:
+    a = Host("hostA", tmp_path, f"s3://{s3_bucket}/team",
+             s3_env.endpoint, pg_dsn)  # type: ignore[attr-defined]
+    a.run("list")
+    return a
+
+
+def test_a_schema_version_that_is_not_a_number_is_a_catalog_error(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    a = _host(s3_env, s3_bucket, pg_dsn, tmp_path)
+    for bad in ("abc", "4\n\x1b[2J", "-1", "x" * 100):
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute("UPDATE catalog_meta SET value=%s WHERE key='schema_version'", (bad,))
+        for h in (a, Host("hostB", tmp_path, a.opts[1], a.opts[3], pg_dsn)):
+            r = h.run("list", check=False)  # A opens it; B's first binding probes it
+            assert r.returncode == 12, (bad, r.returncode, r.stderr)
+            assert "internal error" not in r.stderr and repr(bad)[:30] in r.stderr, r.stderr
+            assert r.stderr.count("\n") == 1 and "\x1b" not in r.stderr, r.stderr
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("UPDATE catalog_meta SET value='4' WHERE key='schema_version'")
+    a.run("list")
+
+
+def test_a_registry_row_whose_id_is_not_a_session_id_is_a_session_error(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    a = _host(s3_env, s3_bucket, pg_dsn, tmp_path)
+    record = json.dumps({"state": "stopped", "head": None, "dirty": False, "mode": None,
+                         "parent": None, "created_ns": 1, "spec": {}})
+    for bad, host in (("../../../pwned", "hostX"), ("../../../pwned2", "hostA"),
+                      ("x\ny", "hostX"), ("-rf", "hostA")):
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute("INSERT INTO sessions(id, host, record) VALUES (%s, %s, %s)",
+                      (bad, host, record))
+        for cmd in ("rm", "resume", "shutdown", "checkpoint"):
+            r = a.run("session", cmd, "--", bad, check=False)
+            assert r.returncode == 2, (bad, cmd, r.returncode, r.stderr)
+            assert "internal error" not in r.stderr, r.stderr
+            assert f"invalid session id {bad!r}" in r.stderr, r.stderr
+            assert "\n" not in bad or bad not in r.stderr, r.stderr  # escaped, one line
+    assert not (tmp_path / "pwned").exists()
