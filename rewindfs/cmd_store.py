@@ -116,6 +116,9 @@ def register(sub: Any) -> None:
     p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                    help="shared store: how long to wait for writers of other hosts to "
                         "finish before refusing, as gc (default 120)")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild even if the store lacks listed snapshots or journal "
+                        "events the index holds (refused otherwise)")
     add_json(p)
     p.set_defaults(handler=cmd_rebuild_index)
 
@@ -477,7 +480,7 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
 
     st = open_store(args)
     t0 = time.perf_counter()
-    result = rebuild_index(st, wait_s=args.wait)
+    result = rebuild_index(st, wait_s=args.wait, force=args.force)
     data = jsonable(result)
     if not isinstance(data, dict):
         data = {} if data is None else {"result": data}

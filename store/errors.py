@@ -230,6 +230,30 @@ class WritersBusyError(GCError):
         self.args = (f"{command} refused: {cause}",)
 
 
+class RebuildShrinkError(GCError):
+    """``rebuild-index`` refused (nothing changed): the store's listing lacks history the
+    catalog indexes, so the rebuilt catalog would lose it: ``snapshots`` listed Refs and
+    ``journal_events`` journal events (at least) with no record in the store. A listing
+    of a damaged, emptied or wrong bucket or prefix looks so; the message says what to do:
+    check the store (``verify``), or ``rebuild-index --force`` to index only what it
+    holds. ``examples``: a few of the Refs it would drop."""
+
+    def __init__(self, snapshots: int, journal_events: int, examples: list[str]) -> None:
+        self.snapshots = snapshots
+        self.journal_events = journal_events
+        self.examples = examples
+        lost = [f"{n} {what}{'' if n == 1 else 's'}"
+                for n, what in ((snapshots, "listed snapshot"),
+                                (journal_events, "journal event")) if n]
+        eg = f" (e.g. {', '.join(examples)})" if examples else ""
+        cause = (f"the store's listing lacks {' and '.join(lost)} that the catalog indexes"
+                 f"{eg}; the rebuilt catalog would lose them; nothing changed. Check that "
+                 "this is the store's bucket and prefix and that it lists (verify), or run "
+                 "rebuild-index --force to index only what the store holds")
+        super().__init__("check", "history", cause)
+        self.args = (f"rebuild-index refused: {cause}",)
+
+
 class GCBusyError(GCError):
     """``gc`` or ``rebuild-index`` on a shared store refused (nothing changed): another
     ``gc`` or ``rebuild-index`` holds the store's ``gc`` lease. ``command`` is the refused

@@ -229,12 +229,15 @@ def parse_pack(key: str, data: bytes) -> list[Location]:
     return rows
 
 
-def rebuild_index(store: Store, *, wait_s: float | None = None) -> RebuildReport:
+def rebuild_index(store: Store, *, wait_s: float | None = None,
+                  force: bool = False) -> RebuildReport:
     """Recreate the index from the backend (see the module docstring). Holds gc.lock and,
     on a shared store, the ``gc`` lease with no writer pinned, as GC does
     (``sharedgc.exclusive``: it waits up to ``wait_s`` seconds, default ``sharedgc.WAIT_S``,
     for writers of every host); GCBusyError if another GC or rebuild runs, WritersBusyError
-    (a GCError, exit 8) if writers stay."""
+    (a GCError, exit 8) if writers stay. Unless ``force``, RebuildShrinkError (exit 8,
+    nothing changed) if the backend's history lacks listed snapshots or journal events the
+    index holds (``_refuse_shrink``)."""
     from . import sharedgc
 
     rep = RebuildReport()
@@ -245,11 +248,25 @@ def rebuild_index(store: Store, *, wait_s: float | None = None) -> RebuildReport
         fd = store.lock(exclusive=True)
         assert fd is not None
         held.callback(store.unlock, fd)
-        _rebuild(store, rep, hold)
+        _rebuild(store, rep, hold, force)
     return rep
 
 
-def _rebuild(store: Store, rep: RebuildReport, hold: Any) -> None:
+def _refuse_shrink(store: Store, h: History) -> None:
+    """Raise RebuildShrinkError if replacing the index with the backend's history ``h``
+    would drop listed snapshots or journal events that it indexes: a history record is
+    written before its row, so a row without its record means a listing that is not the
+    store's whole (an emptied, damaged or wrong bucket or prefix)."""
+    from .errors import RebuildShrinkError
+
+    gone = sorted({r[0] for r in store.catalog.snapshots()} - set(h.snapshots))
+    events = store.catalog.summary().journal_events
+    lost_events = max(0, events - len({(jr.session, jr.seq) for jr in h.journal}))
+    if gone or lost_events:
+        raise RebuildShrinkError(len(gone), lost_events, gone[:3])
+
+
+def _rebuild(store: Store, rep: RebuildReport, hold: Any, force: bool = False) -> None:
     """``rebuild_index``'s work into ``rep``; ``hold`` (a ``sharedgc.GCHold`` or None) is
     kept renewed while the packs are read."""
     packs: list[tuple[str, int, list[Location]]] = []
@@ -271,6 +288,8 @@ def _rebuild(store: Store, rep: RebuildReport, hold: Any) -> None:
         packs.append((key, len(data), rows))
     h = read_history(store.backend)
     rep.skipped_records = list(h.bad)
+    if not force:
+        _refuse_shrink(store, h)
     if hold is not None:  # lost (this host paused past its ttl): stop before any change
         hold.renew()
     # GC refuses until verify passes: set before the tables change, so a crash in

@@ -9,6 +9,7 @@ Real SeaweedFS (two buckets) and PostgreSQL.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import psycopg
@@ -93,3 +94,39 @@ def test_a_catalog_of_an_earlier_version_adopts_the_store_holding_its_packs(
         c.execute("TRUNCATE packs, objects")
     e.run("list")
     assert _catalog_store(pg_dsn) == f"s3://{empty}/p"
+
+
+def test_rebuild_index_from_a_listing_lacking_the_catalogs_history_is_refused(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    """The bucket's history records of one snapshot gone (a partial listing), then the
+    whole prefix emptied: rebuild-index exits 8 naming what it would drop and changes
+    nothing; --force rebuilds from what the store holds."""
+    ep = s3_env.endpoint  # type: ignore[attr-defined]
+    a = Host("hostA", tmp_path, f"s3://{s3_bucket}/team", ep, pg_dsn)
+    src = _project(tmp_path)
+    first = json.loads(a.run("snapshot", str(src), "--json").stdout)["ref"]
+    (src / "b.txt").write_text("more\n")
+    second = json.loads(a.run("snapshot", str(src), "--json").stdout)["ref"]
+    listed = a.run("list").stdout
+    s3 = s3_env.client()  # type: ignore[attr-defined]
+
+    def keys(prefix: str) -> list[str]:
+        got = s3.list_objects_v2(Bucket=s3_bucket, Prefix=f"team/{prefix}")
+        return [o["Key"] for o in got.get("Contents", [])]
+
+    for key in keys("snapshots/"):
+        if json.loads(s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read())["ref"] == first:
+            s3.delete_object(Bucket=s3_bucket, Key=key)
+    r = a.run("rebuild-index", check=False)
+    assert r.returncode == 8, (r.returncode, r.stderr)
+    assert r.stderr.startswith("rewindfs: rebuild-index refused: ") and first in r.stderr
+    assert "lacks 1 listed snapshot that" in r.stderr and "--force" in r.stderr, r.stderr
+    assert a.run("list").stdout == listed
+    for key in keys(""):
+        s3.delete_object(Bucket=s3_bucket, Key=key)
+    doc = json.loads(a.run("rebuild-index", "--json", check=False).stdout)
+    assert doc["exit_code"] == 8 and doc["snapshots"] == 2, doc
+    assert a.run("list").stdout == listed
+    rebuilt = json.loads(a.run("rebuild-index", "--force", "--json").stdout)
+    assert rebuilt["snapshots"] == 0 and rebuilt["packs"] == 0, rebuilt
+    assert second not in a.run("list").stdout

@@ -39,7 +39,7 @@ def test_a_schema_version_that_is_not_a_number_is_a_catalog_error(
     a.run("list")
 
 
-def test_a_registry_row_whose_id_is_not_a_session_id_is_a_session_error(
+def test_a_session_id_that_cannot_be_one_is_refused_before_the_registry(
         s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
     a = _host(s3_env, s3_bucket, pg_dsn, tmp_path)
     record = json.dumps({"state": "stopped", "head": None, "dirty": False, "mode": None,
