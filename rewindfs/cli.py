@@ -44,11 +44,13 @@ def resolve_store(args: argparse.Namespace) -> None:
     session hosts started from here use it too. Raises StoreConfigError (exit 2) for a
     catalog without a remote store or the reverse; a directory not configured yet is
     configured only once the bucket and the catalog answer (BackendError, exit 11, and
-    CatalogError, exit 12, otherwise, with nothing written)."""
+    CatalogError, exit 12, otherwise, with nothing written). A shared store's local
+    directory records the first host id given with it and runs every later command as
+    that one; another is StoreConfigError (``store.config.bind_host``)."""
+    from store.hostid import ENV, check_host_id
+
     host = getattr(args, "host_id", None)
     if host:
-        from store.hostid import ENV, check_host_id
-
         try:
             os.environ[ENV] = check_host_id(host)
         except ValueError as e:
@@ -56,6 +58,14 @@ def resolve_store(args: argparse.Namespace) -> None:
     url = str(args.store)
     catalog = getattr(args, "catalog", None)
     if not url.startswith("s3://") and not catalog:
+        from store import config
+
+        try:
+            shared = config.read(url) is not None  # a shared store's local directory
+        except config.StoreConfigError:
+            return  # not one: the command says so (doctor diagnoses it)
+        if shared:
+            _bind_host(url)
         return
     from store import config
 
@@ -74,6 +84,25 @@ def resolve_store(args: argparse.Namespace) -> None:
         config.probe(cfg)
     config.configure(local, cfg)
     args.store = os.path.abspath(local)
+    _bind_host(args.store)
+
+
+def _bind_host(local: str) -> None:
+    """Run as the host id that the shared store's local directory ``local`` records
+    (``store.config.bind_host``), recording the one given if it records none; exit 2 for
+    another."""
+    from store import config
+    from store.hostid import ENV, check_host_id
+
+    given = os.environ.get(ENV) or None
+    if given is not None:
+        try:
+            check_host_id(given)
+        except ValueError as e:
+            raise UsageError(f"{ENV}: {e}") from None
+    have = config.bind_host(os.path.abspath(local), given)
+    if have is not None:
+        os.environ[ENV] = have
 
 
 def open_store(args: argparse.Namespace) -> Any:

@@ -365,9 +365,33 @@ def cmd_list(args: argparse.Namespace) -> int:
         emit(args, rows)
     else:
         for r in rows:
-            where = f"on {r['host']}" if r.get("host") else r["root"]
-            print(f"{r['id']}  {r['state']:<8} {r['placement']:<12} {where}")
+            where = f"on {_shown(r['host'])}" if r.get("host") else r["root"]
+            print(f"{_shown_id(r['id'])}  {_shown(r['state']):<8} {_shown(r['placement']):<12} "
+                  f"{where}")
     return 0
+
+
+def _shown_id(text: str) -> str:
+    """A session id as ``session list`` prints it: as it is if it is a valid one, else
+    escaped (``repr``), so that a registry row of another program's cannot add a line or
+    send a terminal control sequence."""
+    from fusefs.session.errors import InvalidSessionIdError
+    from fusefs.session.placement import check_session_id
+
+    try:
+        return check_session_id(text)
+    except InvalidSessionIdError:
+        return repr(text)
+
+
+def _shown(text: object) -> str:
+    """A registry field (host, state, placement) as ``session list`` prints it: escaped
+    (``repr``) unless it is printable text without spaces."""
+    if text is None:
+        return str(None)
+    if isinstance(text, str) and text.isprintable() and " " not in text:
+        return text
+    return repr(text)
 
 
 def _registered_elsewhere(args: argparse.Namespace) -> dict[str, Any]:

@@ -181,6 +181,58 @@ def configure(root: str, cfg: SharedConfig) -> SharedConfig:
     return cfg
 
 
+HOST_FILE = "host_id"
+"""The file of a shared store's local directory recording the host id given with it."""
+
+
+def bind_host(root: str, given: str | None) -> str | None:
+    """The host id of the local directory ``root`` of a shared store: the one it records
+    (``HOST_FILE``), written by the first command that gave one (``given``: ``--host-id``
+    or ``$REWINDFS_HOST_ID``; None when neither). Raises StoreConfigError (exit 2) naming
+    both if ``given`` is another: the directory holds that host's session records and
+    state, which another host id would take over as its own. A host id derived from the
+    machine and boot (no id given, store/hostid.py) is never recorded, since it changes at
+    each reboot of the same host; a command giving none runs as the recorded one."""
+    path = os.path.join(root, HOST_FILE)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            have: str | None = f.read().strip()
+    except FileNotFoundError:
+        have = None
+    except OSError as e:
+        raise StoreConfigError(f"{path}: cannot read the host id of this directory ({e})"
+                               ) from None
+    if have:
+        from .hostid import check_host_id
+
+        try:
+            check_host_id(have)
+        except ValueError as e:
+            raise StoreConfigError(f"{path}: {e}") from None
+        if given is not None and given != have:
+            raise StoreConfigError(
+                f"{root} is the local directory of host {have} ({path}), not {given} "
+                f"(--host-id or REWINDFS_HOST_ID); give each host id its own --local "
+                f"directory, or --host-id {have} for this one")
+        return have
+    if given is None:
+        return None
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, f"{given}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # the first writer wins; a racing one reads it and compares
+    except FileExistsError:
+        os.unlink(tmp)
+        return bind_host(root, given)
+    os.unlink(tmp)
+    return given
+
+
 _FIELDS = (("blobs", "S3 bucket/prefix", "--store"), ("catalog", "catalog", "--catalog"),
            ("s3_endpoint", "S3 endpoint", "--s3-endpoint"))
 """The fields of ``store.json`` naming the store: (attribute, what it is, its option)."""

@@ -10,10 +10,13 @@ Real SeaweedFS (two buckets) and PostgreSQL.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
-from test_shared_store import Host, _cli, _configure_host
+from test_shared_store import REPO, Host, _cli, _configure_host
 
 
 def _catalog_store(dsn: str) -> str | None:
@@ -130,3 +133,38 @@ def test_rebuild_index_from_a_listing_lacking_the_catalogs_history_is_refused(
     rebuilt = json.loads(a.run("rebuild-index", "--force", "--json").stdout)
     assert rebuilt["snapshots"] == 0 and rebuilt["packs"] == 0, rebuilt
     assert second not in a.run("list").stdout
+
+
+def test_a_local_directory_runs_as_the_host_id_first_given_with_it(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    """hostA's --local given --host-id hostD (or REWINDFS_HOST_ID) is refused with exit 2
+    naming both; given no host id it runs as hostA (its sessions are its own, not another
+    host's), not as the id derived from the machine."""
+    ep = s3_env.endpoint  # type: ignore[attr-defined]
+    a = Host("hostA", tmp_path, f"s3://{s3_bucket}/team", ep, pg_dsn)
+    a.run("list")
+    assert (a.local / "host_id").read_text() == "hostA\n"
+    record = json.dumps({"state": "stopped", "head": None, "dirty": False, "mode": None,
+                         "parent": None, "created_ns": 1, "spec": {}})
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("INSERT INTO sessions(id, host, record) VALUES ('s-of-a', 'hostA', %s)",
+                  (record,))
+    d = Host("hostD", tmp_path, f"s3://{s3_bucket}/team", ep, pg_dsn)
+    d.local = a.local
+    d.opts[d.opts.index("--local") + 1] = str(a.local)
+    r = d.run("session", "list", check=False)
+    assert r.returncode == 2 and "hostA" in r.stderr and "hostD" in r.stderr, r.stderr
+    r = _cli(["--store", str(a.local), "session", "list"], env={"REWINDFS_HOST_ID": "hostD"},
+             check=False)
+    assert r.returncode == 2 and "hostA" in r.stderr and "hostD" in r.stderr, r.stderr
+    r = _cli(["--store", str(a.local), "--host-id", "hostD", "session", "rm", "s-of-a"],
+             check=False)
+    assert r.returncode == 2, r.stderr
+    env = {k: v for k, v in os.environ.items() if k != "REWINDFS_HOST_ID"}
+    out = subprocess.run([sys.executable, "-m", "rewindfs", "--store", str(a.local),
+                          "session", "list"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "s-of-a" not in out.stdout, out.stdout  # hostA's own row, not another host's
+    b = Host("hostB", tmp_path, f"s3://{s3_bucket}/team", ep, pg_dsn)
+    assert "s-of-a  stopped" in b.run("session", "list").stdout  # on hostA, for hostB

@@ -56,3 +56,22 @@ def test_a_session_id_that_cannot_be_one_is_refused_before_the_registry(
             assert f"invalid session id {bad!r}" in r.stderr, r.stderr
             assert "\n" not in bad or bad not in r.stderr, r.stderr  # escaped, one line
     assert not (tmp_path / "pwned").exists()
+
+
+def test_session_list_prints_registry_values_escaped(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    a = _host(s3_env, s3_bucket, pg_dsn, tmp_path)
+    record = json.dumps({"state": "stopped\nforged  running", "head": None, "dirty": False,
+                         "mode": "per-session", "parent": None, "created_ns": 1, "spec": {}})
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("INSERT INTO sessions(id, host, record) VALUES "
+                  "('x\nfake-session  running per-session /tmp/x', 'hostX', %s), "
+                  "('s-ok', 'host\x1b[2JY', %s)", (record, record))
+    lines = a.run("session", "list").stdout.splitlines()
+    assert len(lines) == 2, lines
+    [forged] = [line for line in lines if line.endswith("on hostX")]
+    assert forged.startswith(repr("x\nfake-session  running per-session /tmp/x")), lines
+    assert repr("stopped\nforged  running") in forged, lines
+    [ok] = [line for line in lines if line.startswith("s-ok  ")]
+    assert ok.endswith(f"on {repr(chr(27).join(['host', '[2JY']))}"), lines
+    assert "\x1b" not in "".join(lines)
