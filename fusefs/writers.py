@@ -281,14 +281,14 @@ def mapped(device: str, *, skip: tuple[int, ...] | None = None) -> tuple[set[int
             continue
         try:
             with open(f"/proc/{name}/maps", "rb") as f:
-                lines = f.read().splitlines()
+                data = f.read()
         except OSError as e:
             unseen += e.errno in _REFUSED
             continue
-        for line in lines:
+        for line in _shared_writable(data):
             parts = line.split(maxsplit=5)
-            if len(parts) < 5 or parts[1][1:2] != b"w" or parts[1][3:4] != b"s":
-                continue
+            if len(parts) < 5 or parts[1] not in (b"rw-s", b"rwxs"):
+                continue  # the text was in a path name
             dev_major, _, dev_minor = parts[3].partition(b":")
             try:
                 if (int(dev_major, 16), int(dev_minor, 16)) == (major, minor):
@@ -296,3 +296,17 @@ def mapped(device: str, *, skip: tuple[int, ...] | None = None) -> tuple[set[int
             except ValueError:
                 continue
     return inodes, unseen
+
+
+def _shared_writable(maps: bytes) -> Iterator[bytes]:
+    """The lines of a ``/proc/<pid>/maps`` text whose permissions are ``rw-s`` or ``rwxs``,
+    found by searching for them (most processes map nothing so: nothing to split)."""
+    for perms in (b" rw-s ", b" rwxs "):
+        pos = maps.find(perms)
+        while pos >= 0:
+            start = maps.rfind(b"\n", 0, pos) + 1
+            end = maps.find(b"\n", pos)
+            if end < 0:
+                end = len(maps)
+            yield maps[start:end]
+            pos = maps.find(perms, end)

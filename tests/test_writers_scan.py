@@ -2,7 +2,7 @@
 system (the one holding ``tmp_path``; the scan looks only at /proc and at mount ids, so no
 FUSE mount is needed): a thread with a descriptor table of its own, kcmp keeping the cost
 of threads that share one table to one read, and descriptors whose mount no namespace
-lists any more, told by their device.
+lists any more, told by their device; ``mapped``, the files mapped shared and writable.
 """
 
 from __future__ import annotations
@@ -124,3 +124,33 @@ def test_a_descriptor_of_a_gone_namespace_is_told_by_its_device(tmp_path: Path) 
     finally:
         for fd in fds:
             os.close(fd)
+
+
+MAPS = r"""
+import mmap, os, sys
+maps = []
+for path, shared, prot in ((sys.argv[1], True, mmap.PROT_READ | mmap.PROT_WRITE),
+                           (sys.argv[2], False, mmap.PROT_READ | mmap.PROT_WRITE),
+                           (sys.argv[3], True, mmap.PROT_READ)):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(fd, 8192)
+    maps.append(mmap.mmap(fd, 8192, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE, prot))
+    os.close(fd)
+print("ready", flush=True); sys.stdin.readline()
+"""
+
+
+def test_mapped_finds_files_mapped_shared_and_writable_only(tmp_path: Path) -> None:
+    paths = [tmp_path / n for n in ("shared rw-s ", "private", "shared-ro")]
+    p = subprocess.Popen([sys.executable, "-c", MAPS, *map(str, paths)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        inodes, _ = writers.mapped(device(tmp_path))
+        assert os.stat(paths[0]).st_ino in inodes
+        assert not {os.stat(q).st_ino for q in paths[1:]} & inodes
+        assert os.stat(paths[0]).st_ino not in writers.mapped(device(tmp_path),
+                                                              skip=(p.pid,))[0]
+    finally:
+        p.kill()
+        p.wait(30)
