@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +38,11 @@ class SessionHost(Host):
         super().__init__(name, tmp, url, endpoint, dsn)
         self.base = tmp / f"{name}-ws"
         self.killed: list[str] = []
+        self.dsn = dsn
+        # A runtime directory of its own (control sockets, mount records), as on another
+        # machine: two hosts running one session must not share its socket path.
+        self.runtime = tempfile.mkdtemp(prefix=f"rt-{name}-")
+        self.env["XDG_RUNTIME_DIR"] = self.runtime
 
     def session(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run("session", *args, check=check)
@@ -63,6 +70,17 @@ class SessionHost(Host):
                    lambda sid: self.session("shutdown", sid, "--force", check=False))
         for root in self.killed:
             subprocess.run(["fusermount3", "-uz", root], capture_output=True)
+        shutil.rmtree(self.runtime, ignore_errors=True)
+
+    def row(self, session_id: str) -> tuple[str, dict[str, object]]:
+        """The session's row in the catalog's registry: (host, record)."""
+        import psycopg
+
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            got = conn.execute("SELECT host, record FROM sessions WHERE id=%s",
+                               (session_id,)).fetchone()
+        assert got is not None
+        return got[0], json.loads(got[1])
 
 
 @pytest.fixture
@@ -342,3 +360,83 @@ def test_a_takeover_during_a_catalog_outage_still_faults_the_old_holder(
     finally:
         a.cleanup()
         b.cleanup()
+
+
+def _taken_over(a: SessionHost, b: SessionHost, tmp_path: Path, ttl: float) -> tuple[str, Path]:
+    """A session started on B with a change left in B's upper; B's process paused until its
+    lease expired, A resuming it meanwhile with ``--discard-upper``; B's process continued.
+    Returns (session id, A's root)."""
+    s = b.started("new", "--seed", str(project(tmp_path)), "--lease-ttl", str(ttl))
+    sid, root_b = s["id"], Path(s["root"])
+    (root_b / "README").write_text("on B, never checkpointed\n")
+    (root_b / "only-on-b").write_text("B's\n")
+    pid = b.pid(sid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(ttl + 1.5)  # renewed every ttl/3: expired by now
+        moved = a.started("resume", sid, "--discard-upper")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert moved["id"] == sid
+    return sid, Path(moved["root"])
+
+
+def test_a_taken_over_holder_does_not_register_its_shutdown(
+        hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
+    """Host B's session process paused past its lease's ttl, host A taking the session over
+    (epoch 2): B's checkpoint is refused, and B's shutdown, which still stops B's process,
+    leaves the registry row A's (running at A's epoch). It used to write B's row (stopped,
+    dirty, epoch 0, B's old head) over A's, unfenced: every host then listed the session as
+    stopped on B while A served it."""
+    a, b = hosts
+    sid, root_a = _taken_over(a, b, tmp_path, 4.0)
+    epoch = json.loads(a.run("status", str(root_a), "--json").stdout)["epoch"]
+    assert epoch >= 2 and a.row(sid)[0] == "hostA"
+    r = b.session("checkpoint", sid, check=False)
+    assert r.returncode == 10 and "lost" in r.stderr, r.stderr
+    b.session("shutdown", sid)  # B's process stops; the session stays A's
+    host, rec = a.row(sid)
+    assert (host, rec["state"], rec["epoch"]) == ("hostA", "running", epoch)
+    for h, where in ((a, None), (b, "hostA")):  # a host's own sessions name no host
+        listed = json.loads(h.session("list", "--json").stdout)
+        assert [(x["id"], x["state"], x.get("host")) for x in listed] == [
+            (sid, "running", where)]
+    log = (b.local / "sessions" / sid / "daemon.log").read_text()
+    assert "not registered as stopped" in log, log
+    # A still serves it, and stops it as its own.
+    (root_a / "README").write_text("on A\n")
+    a.run("checkpoint", str(root_a))
+    a.session("shutdown", sid, "--checkpoint")
+    host, rec = a.row(sid)
+    assert (host, rec["state"], rec["dirty"], rec["epoch"]) == ("hostA", "stopped", False,
+                                                                 epoch)
+
+
+def test_a_checkpoint_of_the_later_holder_is_what_the_session_serves_back_on_the_old_host(
+        hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
+    """After the takeover above, A checkpoints and is killed: B, whose stale state (the
+    seed and its own discarded upper) is still on its disk, refuses to resume the session
+    naming A (crashed there); given up, it serves A's last checkpoint, not B's old tree.
+    B used to resume its stale upper and journal a restore to its old head, losing A's
+    checkpoint from the served tree."""
+    a, b = hosts
+    ttl = 4.0
+    sid, root_a = _taken_over(a, b, tmp_path, ttl)
+    b.session("shutdown", sid)
+    (root_a / "README").write_text("checkpointed on A\n")
+    (root_a / "new-on-a").write_text("A's\n")
+    last = json.loads(a.run("checkpoint", str(root_a), "--json").stdout)["ref"]
+    a.killed.append(str(root_a))
+    os.kill(a.pid(sid), signal.SIGKILL)
+    time.sleep(ttl + 1.5)
+    r = b.refused("resume", sid)
+    assert r["type"] == "SessionChangesElsewhereError" and r["reason"] == "crashed"
+    assert r["host"] == "hostA" and r["head"] == last, r
+    moved = b.started("resume", sid, "--discard-upper")
+    root_b = Path(moved["root"])
+    assert str(ref_of(root_b)) == last
+    assert (root_b / "README").read_text() == "checkpointed on A\n"
+    assert not (root_b / "only-on-b").exists() and (root_b / "new-on-a").exists()
+    events = json.loads(b.run("log", sid, "--json").stdout)
+    assert events[-1]["ref"] == last and events[-1]["event"] == "WorkspaceCheckpointed"
+    b.session("shutdown", sid, "--checkpoint")

@@ -116,8 +116,9 @@ def publish(store: Any, session_id: str, state: str, *, head: Ref | None,
             dirty: bool | None, mode: str | None, parent: str | None, created_ns: int,
             epoch: int, spec: dict[str, Any]) -> None:
     """Register ``session_id`` as this host's in ``state`` (no-op on an embedded store),
-    fenced by the session lease at ``epoch`` (the writer's): FencedError, nothing written,
-    if that lease was taken over since (store/catalog.py)."""
+    fenced by the session lease at ``epoch`` (the writer's, > 0: a session process holds
+    its lease whenever it writes here): FencedError, nothing written, if that lease is at
+    another epoch (taken over since, or ``epoch`` 0: no lease held; store/catalog.py)."""
     if not shared(store):
         return
     from store.hostid import host_id
@@ -126,7 +127,7 @@ def publish(store: Any, session_id: str, state: str, *, head: Ref | None,
         "state": state, "head": None if head is None else str(head), "dirty": dirty,
         "mode": mode, "parent": parent, "created_ns": created_ns, "time_ns": time.time_ns(),
         "epoch": epoch, "spec": spec}, sort_keys=True),
-        fence=lease_name(session_id) if epoch else None, epoch=epoch)
+        fence=lease_name(session_id), epoch=epoch)
 
 
 def lease_name(session_id: str) -> str:
@@ -147,8 +148,8 @@ def forget(store: Any, session_id: str, epoch: int) -> None:
     store.catalog.put_session(session_id, host_id(), json.dumps({
         "state": REMOVED, "head": e.head, "dirty": False, "mode": e.mode,
         "parent": e.parent, "created_ns": e.created_ns, "time_ns": time.time_ns(),
-        "epoch": 0, "spec": {}}, sort_keys=True),
-        fence=lease_name(session_id) if epoch else None, epoch=epoch)
+        "epoch": epoch, "spec": {}}, sort_keys=True),
+        fence=lease_name(session_id), epoch=epoch)
 
 
 def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,

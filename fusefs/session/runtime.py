@@ -225,8 +225,11 @@ class SessionCore:
         """True if every lease is held. A lease the catalog shows expired (a renewal could
         not reach it for a whole time to live) is renewed here first if it is still this
         holder's at its epoch; one taken over faults the session terminally (False).
-        Raises the catalog's errors if it cannot be reached."""
+        False once the leases are released (or before they are taken): no lease, nothing
+        held. Raises the catalog's errors if it cannot be reached."""
         with self._lease_lock:
+            if not self._leases:
+                return False
             for i, lease in enumerate(self._leases):
                 if lease.name not in self._lapsed and self._leaser_of(i).held(lease):
                     continue
@@ -606,6 +609,8 @@ class SessionCore:
         self.state = CLOSING
         self.policy.stop()
         with self._op_lock:
+            if self.state == CLOSED:  # a concurrent shutdown (its request, the host's stop)
+                return
             try:
                 self.barrier.close()
                 self.tree.close()
@@ -632,7 +637,9 @@ class SessionCore:
         """At shutdown, the tree closed, the leases still held: ``stopped`` with the restore
         pointer and whether the upper still holds un-checkpointed changes (the tree's
         ``holds_changes(pointer)``; None where it cannot tell). A failure is logged: the
-        row then still says ``running``, which other hosts treat as changes held here."""
+        row then still says ``running``, which other hosts treat as changes held here.
+        A holder whose lease was taken over writes nothing (the row is the new holder's:
+        ``moves.publish`` is fenced by the lease epoch, FencedError logged here)."""
         try:
             if not self.leases_healthy():
                 log.warning("session %s: not registered as stopped: its lease is not held",
