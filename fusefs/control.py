@@ -47,7 +47,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -197,6 +198,38 @@ class Live:
             log.info("checkpoint: upload ahead stopped (%s: %s); the freeze does it",
                      type(e).__name__, e)
         return True
+
+    @asynccontextmanager
+    async def _ahead(self, wanted: bool,
+                     fail: Callable[[Exception], Exception]) -> AsyncIterator[Writer | None]:
+        """For the block, on a shared store (and if ``wanted``): an open write batch with
+        the changes uploaded ahead (``_upload_ahead``, then the pages written meanwhile
+        flushed), to give the freeze; closed on the way out. None on an embedded store,
+        where the freeze writes locally with a batch of its own. An error opening the
+        batch or uploading is raised as ``fail(error)``, logged, before anything pauses."""
+        import trio
+
+        if not (wanted and self.store.catalog.shared):
+            yield None
+            return
+        try:
+            writer = await trio.to_thread.run_sync(self.store.writer)
+        except Exception as e:
+            log.error("checkpoint failed: %s: %s", type(e).__name__, e)
+            raise fail(e) from e
+        try:
+            try:
+                ahead = await self._upload_ahead(writer)
+            except Exception as e:
+                log.error("checkpoint failed: %s: %s", type(e).__name__, e)
+                raise fail(e) from e
+            self._lap("upload_ahead")
+            if ahead:  # pages written meanwhile reach the daemon
+                await self._syncfs()
+                self._lap("syncfs_again")
+            yield writer
+        finally:
+            await trio.to_thread.run_sync(writer.close)
 
     async def _freeze(self, *, origin: str, label: str | None,
                       list_it: bool = True, writer: Writer | None = None) -> dict[str, Any]:
@@ -386,27 +419,8 @@ class Live:
                 self._lap("permits")
                 await self._syncfs()
                 self._lap("syncfs")
-                if not self.store.catalog.shared:
-                    done = await self._paused_freeze(trigger, origin, label, None)
-                else:  # uploads to S3: as much as can be, ahead of the pause
-                    try:
-                        writer = await trio.to_thread.run_sync(self.store.writer)
-                    except Exception as e:
-                        log.error("checkpoint failed: %s: %s", type(e).__name__, e)
-                        raise CheckpointError(trigger, e) from e
-                    try:
-                        try:
-                            ahead = await self._upload_ahead(writer)
-                        except Exception as e:
-                            log.error("checkpoint failed: %s: %s", type(e).__name__, e)
-                            raise CheckpointError(trigger, e) from e
-                        self._lap("upload_ahead")
-                        if ahead:  # pages written meanwhile reach the daemon
-                            await self._syncfs()
-                            self._lap("syncfs_again")
-                        done = await self._paused_freeze(trigger, origin, label, writer)
-                    finally:
-                        await trio.to_thread.run_sync(writer.close)
+                async with self._ahead(True, lambda e: CheckpointError(trigger, e)) as writer:
+                    done = await self._paused_freeze(trigger, origin, label, writer)
                 await self._drop_folded_listings(done)
         ms = (time.perf_counter() - t0) * 1000
         log.info("checkpoint (%s) -> %s in %.1f ms%s", trigger, done["ref"], ms,
@@ -448,7 +462,10 @@ class Live:
         self._lap("invalidate")
 
     async def _admit_restore(self, target: Ref, permits_s: float,
-                             writers_s: float | None, wanted: list[bytes] | None) -> None:
+                             writers_s: float | None, wanted: list[bytes] | None,
+                             stack: AsyncExitStack,
+                             ahead: AbstractAsyncContextManager[Writer | None]
+                             ) -> Writer | None:
         """Pause admission of opens and mutations for a restore and drain what runs: first
         wait up to ``permits_s`` for write permits (tool calls in flight) to end, then, with
         ``writers_s``, up to that long for files open for writing to close. Returns paused
@@ -458,7 +475,9 @@ class Live:
         dentries their covers are mounted on): RestoreError(permit_failed) when one is not
         confirmed gone in time. In no-open mode the writers are those a scan of /proc
         finds (``scan_writers``), polled every 50 ms: an approximation, since processes
-        the daemon may not inspect are not seen."""
+        the daemon may not inspect are not seen. ``ahead`` (``_ahead``), entered into
+        ``stack`` once the pages are flushed, before the pause, gives the pre-restore
+        freeze's write batch, returned."""
         import trio
 
         with trio.move_on_after(permits_s) as cs:
@@ -474,6 +493,7 @@ class Live:
             raise RestoreError(RestoreError.PERMIT_FAILED, str(target), str(e)) from e
         await self._syncfs()  # dirty pages reach the daemon before anything pauses
         self._lap("syncfs")
+        writer = await stack.enter_async_context(ahead)
         deadline = trio.current_time() + (writers_s or 0.0)
         poll = 0.05 if self.no_open else 0.005
         while True:
@@ -490,10 +510,10 @@ class Live:
                 self.gate.resume(opens=True)
                 raise
             if writers_s is None:
-                return
+                return writer
             n = await self._count_writers()
             if n == 0:
-                return
+                return writer
             self.gate.resume(opens=True)
             if trio.current_time() >= deadline:
                 raise RestoreError(RestoreError.PERMIT_FAILED, str(target),
@@ -557,9 +577,13 @@ class Live:
                                            "cannot pin the target in the catalog", e) from e
         append_error: BaseException | None = None
         discarded: dict[str, str] = {}
-        async with self._busy, self.gate.exclusive():
+        async with self._busy, self.gate.exclusive(), AsyncExitStack() as stack:
             self._start_laps()
-            await self._admit_restore(target, wait, wait_writers_s, wanted)
+            writer = await self._admit_restore(
+                target, wait, wait_writers_s, wanted, stack, self._ahead(
+                    not discard, lambda e: RestoreError.because(
+                        RestoreError.SWAP_FAILED, str(target),
+                        "pre-restore checkpoint failed", e)))
             ck.crash_point("restore.paused")
             # Paused: writes wait from here. The scan for open writers (no-open mode) runs
             # beside the verify and the freeze.
@@ -580,7 +604,8 @@ class Live:
                     rb0: ck.Rebase
                     if not discard:
                         try:
-                            done = await self._freeze(origin="pre_restore", label=label)
+                            done = await self._freeze(origin="pre_restore", label=label,
+                                                      writer=writer)
                         except Exception as e:
                             raise RestoreError.because(
                                 RestoreError.SWAP_FAILED, str(target),

@@ -63,15 +63,16 @@ def pending(d: fh.Daemon, ck: subprocess.Popen[str]) -> bool:
     return "checkpoint failed" not in daemon_log(d) and ck.poll() is None
 
 
-def wait_for_upload(d: fh.Daemon, ck: subprocess.Popen[str]) -> None:
-    """Return once the daemon's log says the checkpoint started uploading (the checkpoint
-    still running); fail if the checkpoint ended first."""
+def wait_for_upload(d: fh.Daemon, ck: subprocess.Popen[str], after: int = 0) -> None:
+    """Return once the daemon's log says the checkpoint started uploading (its line
+    number ``after`` + 1: ``after`` such lines were there before; the checkpoint still
+    running); fail if the checkpoint ended first."""
     import time
 
     assert d.state is not None
     log = d.state / "daemon.log"
     deadline = time.monotonic() + 60  # a bound on a hang of the test, not a measure
-    while AHEAD not in log.read_text(errors="replace"):
+    while log.read_text(errors="replace").count(AHEAD) <= after:
         assert ck.poll() is None, ck.communicate()
         assert time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
         time.sleep(0.05)
@@ -144,3 +145,54 @@ def test_changes_made_while_the_upload_waits_are_in_the_checkpoint_once_s3_answe
     last = json.loads(cli(fuse_store, "checkpoint", str(m), "--json").stdout)["ref"]
     assert read_in(fuse_store, last, "after.txt") == b"after\n"
     assert read_in(fuse_store, last, "during.txt") == b"created during the checkpoint\n"
+
+
+
+def start_restore(store: Path, mnt: Path, ref: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "rewindfs", "--store", str(store),
+                             "restore", str(mnt), ref, "--json"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_restore_uploads_its_pre_restore_checkpoint_before_it_pauses(
+        mounter: fh.Mounter, fuse_store: Path, lower_ref: str, own_seaweed: object,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore's pre-restore checkpoint uploads before the restore pauses anything. S3
+    hung until the read timeout: the restore fails (exit 11, kind swap_failed) with
+    nothing changed, a write made meanwhile kept. S3 hung, then resumed once a write made
+    while the restore waits has completed: the restore succeeds, its pre-restore
+    checkpoint holding the changes made before and during it."""
+    monkeypatch.setenv("REWINDFS_S3_ATTEMPTS", "1")
+    monkeypatch.setenv("REWINDFS_S3_READ_TIMEOUT", "15")
+    d = mounter.rw(lower_ref)
+    m = d.mnt
+    (m / "before.txt").write_text("written before the restore\n")
+    with hung(own_seaweed):
+        rs = start_restore(fuse_store, m, lower_ref)
+        try:
+            wait_for_upload(d, rs)
+            (m / "during.txt").write_text("created during the failed restore\n")
+            out, err = rs.communicate(timeout=120)
+        finally:
+            if rs.poll() is None:
+                rs.kill()
+                rs.wait()
+    assert rs.returncode == 11, (rs.returncode, out, err)
+    assert "swap_failed" in out + err and "s3://" in out + err, (out, err)
+    assert (m / "before.txt").read_text() == "written before the restore\n"
+    assert (m / "during.txt").read_text() == "created during the failed restore\n"
+    with hung(own_seaweed):
+        rs = start_restore(fuse_store, m, lower_ref)
+        try:
+            wait_for_upload(d, rs, after=1)
+            (m / "during2.txt").write_text("created while the restore waits\n")
+        except BaseException:
+            rs.kill()
+            rs.wait()
+            raise
+    out, err = rs.communicate(timeout=120)
+    assert rs.returncode == 0, (out, err)
+    pre = json.loads(out)["pre_restore"]
+    assert read_in(fuse_store, pre, "before.txt") == b"written before the restore\n"
+    assert read_in(fuse_store, pre, "during2.txt") == b"created while the restore waits\n"
+    assert not (m / "during2.txt").exists() and not (m / "before.txt").exists()
