@@ -215,12 +215,17 @@ class ChunkList(Sequence[ObjectId]):
             yield cid, end - prev
             prev = end
 
-    def spans(self) -> Iterator[tuple[int, int, ObjectId]]:
-        """Yield ``(first slot, k, id)`` per run, in file order."""
+    def spans(self) -> list[tuple[int, int, ObjectId]]:
+        """``(first slot, k, id)`` per run, in file order."""
+        ids, ends = self._ids, self._ends
+        if len(ids) == 1:
+            return [(0, ends[0], ids[0])]
+        out = []
         prev = 0
-        for cid, end in zip(self._ids, self._ends, strict=True):
-            yield prev, end - prev, cid
+        for cid, end in zip(ids, ends, strict=True):
+            out.append((prev, end - prev, cid))
             prev = end
+        return out
 
     def between(self, start: int, stop: int) -> Iterator[tuple[ObjectId, int]]:
         """Yield ``(id, k)`` runs covering slots ``[start, stop)`` (clipped to the list)."""
@@ -535,7 +540,12 @@ def _one(cid: bytes) -> ChunkList:
     if cl is None:
         if len(_ONE) > 1 << 16:
             _ONE.clear()
-        cl = _ONE[cid] = ChunkList.from_runs(((cid, 1),))
+        # from_runs's result for ((cid, 1),), without its loop (a file's list is most
+        # often one id the tree holds once)
+        cl = ChunkList.__new__(ChunkList)
+        cl._ids = (ObjectId(bytes(cid)),)
+        cl._ends = (1,)
+        _ONE[cl._ids[0]] = cl
     return cl
 
 
