@@ -26,7 +26,9 @@ first snapshot to FILE and of an unchanged re-snapshot to FILE.re.
 (unpacked with ``git archive`` and run from there): a first snapshot into a fresh store, an
 unchanged re-snapshot and a materialize, each contender in its own interpreter, taking
 turns run after run (the first to go alternates) so that load hits both alike; it prints
-each median, this tree's time over the baseline's, and the pack bytes of each. The many-hosts
+each median, this tree's time over the baseline's and its CPU time (user + system of
+the interpreter, less moved by a load beside the run than the wall time) over the
+baseline's, and the pack bytes of each. The many-hosts
 issue asks the embedded default to stay within 1.1x of its revision before the shared store
 (``run_all.py`` passes that revision).
 """
@@ -65,14 +67,16 @@ from store.materialize import materialize
 from store.objects import Store
 from store.snapshot import snapshot
 tree, root, dest = sys.argv[1:4]
-t0 = time.perf_counter()
-ref = snapshot(Store(root), tree)
-t1 = time.perf_counter()
-snapshot(Store(root), tree)
-t2 = time.perf_counter()
-materialize(Store(root), ref, dest)
-t3 = time.perf_counter()
-print(json.dumps({"snapshot_s": t1 - t0, "resnapshot_s": t2 - t1, "materialize_s": t3 - t2}))
+out = {}
+for op, step in (("snapshot_s", lambda: snapshot(Store(root), tree)),
+                 ("resnapshot_s", lambda: snapshot(Store(root), tree)),
+                 ("materialize_s", lambda: materialize(Store(root), ref, dest))):
+    t0, c0 = time.perf_counter(), time.process_time()
+    got = step()
+    out[op], out["cpu_" + op] = time.perf_counter() - t0, time.process_time() - c0
+    if op == "snapshot_s":
+        ref = got
+print(json.dumps(out))
 """
 _OPS = ("snapshot_s", "resnapshot_s", "materialize_s")
 
@@ -84,7 +88,8 @@ def against_baseline(rev: str, tree: Path, runs: int, tmp: Path) -> dict[str, An
     code = {"baseline": tmp / "baseline-code", "current": common.REPO}
     out: dict[str, Any] = {"rev": rev, "commit": common.unpack(rev, code["baseline"]),
                            "runs": runs}
-    times: dict[str, dict[str, list[float]]] = {k: {op: [] for op in _OPS} for k in code}
+    keys = (*_OPS, *(f"cpu_{op}" for op in _OPS))
+    times: dict[str, dict[str, list[float]]] = {k: {op: [] for op in keys} for k in code}
     packs: dict[str, int] = {}
     for i in range(runs):
         for name in (("baseline", "current") if i % 2 == 0 else ("current", "baseline")):
@@ -94,13 +99,13 @@ def against_baseline(rev: str, tree: Path, runs: int, tmp: Path) -> dict[str, An
             got = json.loads(subprocess.run(
                 [sys.executable, "-c", _DRIVER, str(tree), str(root), str(dest)],
                 cwd=code[name], check=True, capture_output=True, text=True).stdout)
-            for op in _OPS:
+            for op in keys:
                 times[name][op].append(got[op])
             packs[name] = pack_bytes(root)[1]
     for name in code:
-        for op in _OPS:
+        for op in keys:
             out[f"{name}_{op}"] = statistics.median(times[name][op])
-    for op in _OPS:
+    for op in keys:
         out[f"ratio_{op}"] = out[f"current_{op}"] / out[f"baseline_{op}"]
     out["baseline_pack_bytes"], out["current_pack_bytes"] = packs["baseline"], packs["current"]
     out["ratio_pack_bytes"] = packs["current"] / packs["baseline"]
@@ -255,18 +260,27 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def cpu_ratio(b: dict[str, Any], op: str) -> str:
+    """This tree's CPU time (user + system of the contender's interpreter, all threads)
+    over the baseline's for ``op``, as "1.02x" ("-" in a report from before it was
+    measured). Less moved by a load beside the run than the wall time."""
+    x = b.get(f"ratio_cpu_{op}")
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def baseline_report(b: dict[str, Any]) -> str:
     """The comparison with a baseline revision as Markdown: a table, then the goal."""
     names = {"snapshot_s": "first snapshot", "resnapshot_s": "re-snapshot, unchanged tree",
              "materialize_s": "materialize"}
     rows = [[names[op], f"{b[f'baseline_{op}'] * 1e3:.0f} ms", f"{b[f'current_{op}'] * 1e3:.0f} ms",
-             f"{b[f'ratio_{op}']:.2f}x"] for op in _OPS]
+             f"{b[f'ratio_{op}']:.2f}x", cpu_ratio(b, op)] for op in _OPS]
     rows.append(["stored size (packs)", f"{b['baseline_pack_bytes'] / 1e6:.2f} MB",
-                 f"{b['current_pack_bytes'] / 1e6:.2f} MB", f"{b['ratio_pack_bytes']:.3f}x"])
+                 f"{b['current_pack_bytes'] / 1e6:.2f} MB", f"{b['ratio_pack_bytes']:.3f}x", "-"])
     return "\n".join([
         f"The embedded store against revision {b['rev']} ({b['commit'][:12]}), each in its own "
         f"interpreter, taking turns; median of {b['runs']} runs:", "",
-        markdown_table(["operation", "baseline", "this tree", "this tree / baseline"], rows), "",
+        markdown_table(["operation", "baseline", "this tree", "this tree / baseline",
+                        "CPU time ratio"], rows), "",
         f"- goal {'met' if b['within_1_1x'] else 'MISSED'}: every figure within 1.1x of the "
         "baseline's"])
 

@@ -387,18 +387,21 @@ def store_section(res: Result) -> str:
     b = d.get("baseline")
     if b:
         brows = [[what, fmt_s(b[f"current_{op}"]), fmt_s(b[f"baseline_{op}"]),
-                  ratio(b[f"current_{op}"], b[f"baseline_{op}"])]
+                  ratio(b[f"current_{op}"], b[f"baseline_{op}"]),
+                  ratio(b[f"current_cpu_{op}"], b[f"baseline_cpu_{op}"])
+                  if f"current_cpu_{op}" in b else "-"]
                  for what, op in (("first snapshot", "snapshot_s"),
                                   ("re-snapshot, unchanged tree", "resnapshot_s"),
                                   ("materialize", "materialize_s"))]
         brows.append(["stored size (packs)", f"{b['current_pack_bytes'] / 1e6:.2f} MB",
                       f"{b['baseline_pack_bytes'] / 1e6:.2f} MB",
-                      ratio(b["current_pack_bytes"], b["baseline_pack_bytes"])])
+                      ratio(b["current_pack_bytes"], b["baseline_pack_bytes"]), "-"])
         out += (f"\n\nThe embedded store (local directory + SQLite) against its code at "
                 f"{b['commit'][:7]}, before the shared store was built (each in its own "
                 f"interpreter, taking turns; median of {b['runs']} run(s); goal: within 1.1x; "
                 f"{'met' if b['within_1_1x'] else 'missed'}):\n\n" +
-                table(["operation", "this commit", f"at {b['commit'][:7]}", "ratio"], brows))
+                table(["operation", "this commit", f"at {b['commit'][:7]}", "ratio",
+                       "CPU time ratio"], brows))
     return out
 
 
