@@ -440,3 +440,44 @@ def test_a_checkpoint_of_the_later_holder_is_what_the_session_serves_back_on_the
     events = json.loads(b.run("log", sid, "--json").stdout)
     assert events[-1]["ref"] == last and events[-1]["event"] == "WorkspaceCheckpointed"
     b.session("shutdown", sid, "--checkpoint")
+
+
+def test_a_registry_row_older_than_the_journal_does_not_reopen_the_stale_upper(
+        hosts: tuple[SessionHost, SessionHost], tmp_path: Path) -> None:
+    """B's row (stopped with changes in its upper, at epoch 1) left in the catalog although
+    A took the session over since (epoch 2), checkpointed and was killed: the row is not
+    current (the journal has events of a later lease epoch), so B's resume does not reopen
+    its own upper, which A gave up: refused as superseded, naming A (whose lease was never
+    released); with --discard-upper B serves A's checkpoint. B used to resume its stale
+    upper and journal a restore to the head under it, dropping A's checkpoint."""
+    import psycopg
+
+    a, b = hosts
+    ttl = 4.0
+    s = b.started("new", "--seed", str(project(tmp_path)), "--lease-ttl", str(ttl))
+    sid, root_b = s["id"], Path(s["root"])
+    (root_b / "only-on-b").write_text("B's, never checkpointed\n")
+    b.session("shutdown", sid)
+    host, stale = b.row(sid)
+    assert (host, stale["state"], stale["dirty"], stale["epoch"]) == ("hostB", "stopped",
+                                                                      True, 1)
+    moved = a.started("resume", sid, "--discard-upper", "--lease-ttl", str(ttl))
+    root_a = Path(moved["root"])
+    (root_a / "new-on-a").write_text("A's\n")
+    last = json.loads(a.run("checkpoint", str(root_a), "--json").stdout)["ref"]
+    a.killed.append(str(root_a))
+    os.kill(a.pid(sid), signal.SIGKILL)
+    with psycopg.connect(b.dsn, autocommit=True) as conn:  # A's registration lost
+        conn.execute("UPDATE sessions SET host=%s, record=%s WHERE id=%s",
+                     ("hostB", json.dumps(stale, sort_keys=True), sid))
+    time.sleep(ttl + 1.5)
+    r = b.refused("resume", sid)
+    assert r["type"] == "SessionChangesElsewhereError" and r["reason"] == "superseded", r
+    assert r["host"] == "hostA" and r["head"] == last, r
+    assert not (root_b / "only-on-b").exists()  # not mounted again
+    moved = b.started("resume", sid, "--discard-upper")
+    assert str(ref_of(moved["root"])) == last
+    assert not (root_b / "only-on-b").exists() and (root_b / "new-on-a").exists()
+    events = json.loads(b.run("log", sid, "--json").stdout)
+    assert events[-1]["ref"] == last and events[-1]["event"] == "WorkspaceCheckpointed"
+    b.session("shutdown", sid, "--checkpoint")

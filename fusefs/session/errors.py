@@ -160,8 +160,10 @@ class SessionChangesElsewhereError(SessionError):
     took. ``reason``: ``crashed`` (its process there ended without a shutdown, or cannot
     be reached: its lease expired), ``dirty`` (stopped without ``--checkpoint`` with
     changes in its upper), ``unknown`` (stopped where that cannot be told: a session
-    without FUSE, or with a fixed root). ``head`` is its last checkpoint or restore (the
-    tree that opening it here would serve), None if it has none."""
+    without FUSE, or with a fixed root), ``superseded`` (a later holder of its lease ran
+    it and the catalog's record does not say how it left it; ``host`` is that holder's
+    if it did not release the lease, else ``unknown``). ``head`` is its last checkpoint or
+    restore (the tree that opening it here would serve), None if it has none."""
 
     kind = "changes_elsewhere"
 
@@ -174,6 +176,8 @@ class SessionChangesElsewhereError(SessionError):
         self.op = op
         why = {"crashed": "its process there ended without a shutdown",
                "dirty": "it was stopped there without --checkpoint",
+               "superseded": "a later holder of its lease ran it there, and the catalog "
+                             "does not record how it left it",
                }.get(reason, "it was stopped there where its changes cannot be told")
         there = (f"resume it on {host} (then `session shutdown {session} --checkpoint` "
                  "there lets it move)")

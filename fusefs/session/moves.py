@@ -76,6 +76,7 @@ class SessionEntry:
     parent: str | None
     created_ns: int
     spec: dict[str, Any]
+    epoch: int = 0  # the session lease epoch of its writer (0: a record of before 13.4b)
 
     @classmethod
     def parse(cls, session: str, host: str, record: str) -> SessionEntry:
@@ -85,7 +86,7 @@ class SessionEntry:
             return cls(session, host, str(d["state"]), d.get("head") or None,
                        None if dirty is None else bool(dirty), d.get("mode"),
                        d.get("parent"), int(d.get("created_ns") or 0),
-                       dict(d.get("spec") or {}))
+                       dict(d.get("spec") or {}), int(d.get("epoch") or 0))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise SessionError(f"the catalog's record of session {session!r} is not readable "
                                f"({e})") from None
@@ -105,11 +106,35 @@ def entry(store: Any, session_id: str) -> SessionEntry | None:
 
 
 def elsewhere(store: Any, session_id: str) -> SessionEntry | None:
-    """The registry row of ``session_id`` if it names another host than this one."""
+    """The registry row of ``session_id`` if another host may have run it last: the row
+    names another host than this one, or names this one but is ``superseded`` (a holder
+    of a later lease epoch journaled since: this host's local state of it is stale)."""
     from store.hostid import host_id
 
     e = entry(store, session_id)
-    return e if e is not None and e.host != host_id() else None
+    if e is None:
+        return None
+    if e.host != host_id() or superseded(e, store.journal(session_id)):
+        return e
+    return None
+
+
+def superseded(e: SessionEntry, events: list[Any]) -> bool:
+    """Whether row ``e`` is not current: one of the session's journal ``events`` was
+    appended at a later session lease epoch than the row's writer held (a holder that
+    took the session over and did not register itself: it ended before it could). Such
+    a row does not tell where the session ran last nor how it was left. A row without an
+    epoch (written before rows recorded it) is taken as current."""
+    return e.epoch > 0 and any(ev.epoch > e.epoch for ev in events)
+
+
+def last_holder_host(leaser: Any, session_id: str) -> str | None:
+    """The host of the session lease's last holder if it did not release it (it still
+    holds it, crashed, or was cut off), else None."""
+    row = leaser.store.catalog.lease(lease_name(session_id))
+    if row is None or not row[0]:
+        return None
+    return str(row[0]).rsplit(":", 2)[0]
 
 
 def publish(store: Any, session_id: str, state: str, *, head: Ref | None,
@@ -154,11 +179,15 @@ def forget(store: Any, session_id: str, epoch: int) -> None:
 
 def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,
                   op: str = "resume") -> Ref:
-    """May session ``e`` (a row naming another host) be opened here? Returns the Ref it
-    would serve (its head). Raises SessionNotFoundError (removed there: a tombstone),
-    SessionBusyError (its lease is held elsewhere),
-    SessionChangesElsewhereError (changes may be in the other host's upper; with
-    ``discard_upper`` only if it has no head), SessionError (a fixed root, or no head)."""
+    """May session ``e`` (a row naming another host, or ``superseded``) be opened here?
+    Returns the Ref it would serve: the session's restore pointer, its journal's last
+    checkpoint or restore (the row's head only for a journal that has none). Raises
+    SessionNotFoundError (removed there: a tombstone), SessionBusyError (its lease is held
+    elsewhere), SessionChangesElsewhereError (changes may be in another host's upper:
+    reason ``crashed``, ``dirty``, ``unknown``, or ``superseded``, naming the host of the
+    lease's last holder that did not release it, else ``unknown``; with
+    ``discard_upper`` only if it has no head), SessionError (a fixed root, or no
+    head)."""
     if e.state == REMOVED:
         raise SessionNotFoundError(e.id)
     cur = leaser.current(lease_name(e.id))
@@ -168,13 +197,20 @@ def check_move_in(leaser: Any, e: SessionEntry, *, discard_upper: bool = False,
     if op != "fork" and e.mode not in (None, "per-session"):
         raise SessionError(f"session {e.id} has a fixed root ({e.mode}) on host {e.host}; "
                            "such a session does not move: fork it here instead")
+    from .journal import restore_pointer
+
     reason = None
-    if e.state != STOPPED:
+    # A running row was written when it started, and any row may lag the journal: the
+    # journal has its checkpoints and restores since.
+    events = leaser.store.journal(e.id)
+    pointer = restore_pointer(events)
+    if pointer is not None:
+        e = replace(e, head=str(pointer))
+    if superseded(e, events):
+        reason = "superseded"
+        e = replace(e, host=last_holder_host(leaser, e.id) or "unknown")
+    elif e.state != STOPPED:
         reason = "crashed"
-        # Its row was written when it started: its journal has its checkpoints since.
-        events = leaser.store.journal(e.id)
-        if events:
-            e = replace(e, head=str(events[-1].ref))
     elif e.dirty is None:
         reason = "unknown"
     elif e.dirty:

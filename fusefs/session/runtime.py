@@ -291,12 +291,20 @@ class SessionCore:
         The live tree (with its un-checkpointed changes) is kept as it is."""
         self._acquire_leases()
         try:
+            before = None
+            if moves.shared(self.store):
+                # Registered first, at this epoch: a restore the recovery journals is then
+                # this holder's, not a later one's (moves.superseded), even if this process
+                # ends before it serves.
+                before = self.journal.restore_pointer()
+                self._publish(moves.RUNNING, before)
             self.tree.recover(self._roll_forward)
             pointer = self.journal.restore_pointer()
             if pointer is not None and self.tree.is_empty() and not os.path.isdir(
                     self.tree.root):
                 self.tree.install(pointer)  # the root was removed while closed
-            self._publish(moves.RUNNING, pointer)
+            if pointer != before:
+                self._publish(moves.RUNNING, pointer)
         except BaseException:
             self._release_leases()
             raise
