@@ -43,7 +43,7 @@ from .errors import (
     LeaseLostError,
     StoreFullError,
 )
-from .pack import Codec, Location, ObjKind
+from .pack import Codec, Location, ObjKind, make_location
 from .ref import ObjectId
 
 SnapshotRow = tuple[str, int, str, "str | None", str]
@@ -144,8 +144,8 @@ def location(row: Any) -> Location:
     kind, codec = _OBJ_KINDS.get(row[1]), _CODECS.get(row[5])
     if kind is None or codec is None:
         raise IntegrityError(oid.hex(), "index row has an unknown kind or codec")
-    return Location(ObjectId(oid), kind, str(row[2]), int(row[3]), int(row[4]), codec,
-                    int(row[6]), int(row[7]))
+    return make_location(ObjectId(oid), kind, str(row[2]), int(row[3]), int(row[4]), codec,
+                         int(row[6]), int(row[7]))
 
 
 def object_row(r: Location) -> tuple[Any, ...]:

@@ -56,6 +56,7 @@ import blake3
 import zstandard
 
 from .errors import IntegrityError
+from .maker import maker
 from .ref import ObjectId
 
 PACK_MAGIC = b"RWP2"
@@ -103,6 +104,11 @@ class Location:
     codec: Codec
     inner_offset: int
     raw_length: int
+
+
+# A Location with its fields set directly (store/maker.py): the writer makes one per object
+# it packs, the catalog one per index row it reads.
+make_location = maker(Location)
 
 
 def pack_key(digest_hex: str) -> str:
@@ -371,7 +377,7 @@ class PackBuilder:
                                   FOOTER_MAGIC)
         data = bytes(self._buf)
         key = pack_key(blake3.blake3(data).hexdigest())
-        rows = [Location(oid, kind, key, off, ln, codec, inner, n)
+        rows = [make_location(oid, kind, key, off, ln, codec, inner, n)
                 for oid, kind, off, ln, codec, inner, n in self._rows]
         self._buf = bytearray(PACK_MAGIC)
         self._rows = []

@@ -49,13 +49,14 @@ from __future__ import annotations
 
 import stat
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
 from itertools import repeat
-from typing import cast, overload
+from typing import overload
 
 from .errors import ArchiveEntryError, IntegrityError
+from .maker import maker
 from .ref import DIGEST_SIZE, ObjectId, object_id
 
 MAGIC = b"RWT1"
@@ -498,21 +499,10 @@ def _take(buf: bytes, pos: int, n: int) -> tuple[bytes, int]:
 _KINDS = {int(k): k for k in Kind}
 
 
-def _entry_maker() -> Callable[..., Entry]:
-    """A function taking Entry's fields in order and returning the Entry, for the decoder:
-    it sets the slots directly, which takes less than half the time of the dataclass's
-    frozen ``__init__`` (a huge directory decodes an Entry per name). The decoder passes a
-    ChunkList always, so ``__post_init__``'s conversion has nothing to do."""
-    names = [f.name for f in fields(Entry)]
-    setters = {f"set_{n}": getattr(Entry, n).__set__ for n in names}
-    src = (f"def make({', '.join(names)}):\n    e = new(Entry)\n"
-           + "".join(f"    set_{n}(e, {n})\n" for n in names) + "    return e\n")
-    scope: dict[str, object] = {"new": object.__new__, "Entry": Entry, **setters}
-    exec(src, scope)  # noqa: S102 - the source is built above from Entry's field names
-    return cast(Callable[..., Entry], scope["make"])
-
-
-_make_entry = _entry_maker()
+# Entry's fields set directly (store/maker.py), for the decoder: a huge directory decodes
+# an Entry per name. The decoder passes a ChunkList always, so ``__post_init__``'s
+# conversion has nothing to do.
+_make_entry = maker(Entry)
 
 
 def decode_tree(data: bytes, tree_id: str = "tree") -> Tree:
