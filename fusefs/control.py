@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
     from store.objects import Store, Writer
 
+    from .checkpoint import Plan
     from .gate import Gate
     from .operations import Operations
     from .writers import Scan
@@ -157,12 +158,12 @@ class Live:
     def _listed(self, ref: Ref) -> bool:
         return self.store.catalog.snapshot(str(ref)) is not None
 
-    async def _upload_ahead(self, w: Writer) -> bool:
-        """A shared store's checkpoint, before it pauses anything: hash the changes as they
-        are now and upload them through ``w``, committed (indexed, in no snapshot), while
-        mutations go on. The paused freeze that follows then finds those chunks and trees
-        stored and uploads only what changed meanwhile: the time mutations wait holds no
-        upload of what was there before. Returns True if something was planned.
+    async def _upload_ahead(self, p: Plan, w: Writer) -> None:
+        """A shared store's checkpoint, before it pauses anything: hash the changes planned
+        in ``p`` (the overlay as it was, mutations going on) and upload them through ``w``,
+        committed (indexed, in no snapshot). The paused freeze that follows then finds
+        those chunks and trees stored and uploads only what changed meanwhile: the time
+        mutations wait holds no upload of what was there before.
 
         A speculative pass: whatever it uploaded that the freeze does not use is left
         unreferenced (GC removes it). Raises the store's error (BackendError, a catalog
@@ -175,13 +176,6 @@ class Live:
 
         from . import checkpoint as ck
 
-        try:
-            p = ck.plan(self.ov)
-        except Exception as e:
-            log.info("checkpoint: no upload ahead (plan failed: %s: %s)", type(e).__name__, e)
-            return False
-        if p.unchanged:
-            return False
         store = self.store
         log.info("checkpoint: uploading %d changed directories ahead of the pause",
                  len(p.dirs))
@@ -197,19 +191,28 @@ class Live:
         except Exception as e:
             log.info("checkpoint: upload ahead stopped (%s: %s); the freeze does it",
                      type(e).__name__, e)
-        return True
 
     @asynccontextmanager
     async def _ahead(self, wanted: bool,
                      fail: Callable[[Exception], Exception]) -> AsyncIterator[Writer | None]:
-        """For the block, on a shared store (and if ``wanted``): an open write batch with
-        the changes uploaded ahead (``_upload_ahead``, then the pages written meanwhile
-        flushed), to give the freeze; closed on the way out. None on an embedded store,
-        where the freeze writes locally with a batch of its own. An error opening the
-        batch or uploading is raised as ``fail(error)``, logged, before anything pauses."""
+        """For the block, on a shared store (and if ``wanted``) with changes to checkpoint:
+        an open write batch with them uploaded ahead (``_upload_ahead``, then the pages
+        written meanwhile flushed), to give the freeze; closed on the way out. Else None:
+        the freeze writes with a batch of its own (an embedded store writes locally). An
+        error opening the batch or uploading is raised as ``fail(error)``, logged, before
+        anything pauses."""
         import trio
 
-        if not (wanted and self.store.catalog.shared):
+        from . import checkpoint as ck
+
+        p: Plan | None = None
+        if wanted and self.store.catalog.shared:
+            try:  # the overlay as it is (this thread, atomic); a failure leaves it to the freeze
+                p = ck.plan(self.ov)
+            except Exception as e:
+                log.info("checkpoint: no upload ahead (plan failed: %s: %s)",
+                         type(e).__name__, e)
+        if p is None or p.unchanged:
             yield None
             return
         try:
@@ -219,14 +222,13 @@ class Live:
             raise fail(e) from e
         try:
             try:
-                ahead = await self._upload_ahead(writer)
+                await self._upload_ahead(p, writer)
             except Exception as e:
                 log.error("checkpoint failed: %s: %s", type(e).__name__, e)
                 raise fail(e) from e
             self._lap("upload_ahead")
-            if ahead:  # pages written meanwhile reach the daemon
-                await self._syncfs()
-                self._lap("syncfs_again")
+            await self._syncfs()  # pages written meanwhile reach the daemon
+            self._lap("syncfs_again")
             yield writer
         finally:
             await trio.to_thread.run_sync(writer.close)
