@@ -2,9 +2,9 @@
 
 The index is a cache of the backend, never the only copy of anything: ``rebuild-index``
 recreates ``objects``, ``packs``, ``snapshots``, ``snapshot_labels``, ``journal`` and
-``config`` from the packs' trailers and the append-only history objects. It runs in WAL mode. Tables are created here
-and nowhere else, with plain SQL (the statements sqlite-utils, which made them before, makes);
-hot paths use plain prepared SQL.
+``config`` from the packs' trailers and the append-only history objects. It runs in WAL mode. Tables are created with
+sqlite-utils here and nowhere else (``dirs_cache`` with plain SQL, below); hot paths use
+plain prepared SQL.
 
 On a shared store (store/config.py) the catalog tables (``objects``, ``packs``,
 ``snapshots``, ``snapshot_labels``, ``journal``, ``named_refs``, ``state_dirs`` with a
@@ -182,63 +182,46 @@ TABLES: dict[str, dict[str, str]] = {
 }
 
 
-# The tables as sqlite-utils (which made them before) creates them: the same statement
-# text, so that a new index and one made by an earlier version hold the same schema.
-_TABLES = (
-    ("objects", '"id" BLOB PRIMARY KEY,\n   "kind" INTEGER NOT NULL,\n   "pack" TEXT NOT NULL,'
-     '\n   "rec_offset" INTEGER NOT NULL,\n   "rec_length" INTEGER NOT NULL,\n   "codec" '
-     'INTEGER NOT NULL,\n   "inner_offset" INTEGER NOT NULL,\n   "raw_length" INTEGER NOT NULL'),
-    ("packs", '"key" TEXT PRIMARY KEY,\n   "size" INTEGER,\n   "objects" INTEGER'),
-    ("snapshots", '"ref" TEXT PRIMARY KEY,\n   "time_ns" INTEGER,\n   "origin" TEXT,\n   '
-     '"label" TEXT,\n   "key" TEXT'),
-    ("snapshot_labels", '"ref" TEXT,\n   "label" TEXT,\n   "time_ns" INTEGER,\n   "key" TEXT,'
-     '\n   PRIMARY KEY ("ref", "label")'),
-    ("journal", '"session" TEXT,\n   "seq" INTEGER,\n   "time_ns" INTEGER,\n   "epoch" INTEGER,'
-     '\n   "event" TEXT,\n   "ref" TEXT,\n   "trigger_" TEXT,\n   "consistency" TEXT,\n   '
-     '"key" TEXT,\n   PRIMARY KEY ("session", "seq")'),
-    ("named_refs", '"name" TEXT PRIMARY KEY,\n   "ref" TEXT'),
-    ("state_dirs", '"path" TEXT PRIMARY KEY'),
-    ("files_cache", '"path" BLOB PRIMARY KEY,\n   "size" INTEGER,\n   "mtime_ns" INTEGER,\n   '
-     '"ctime_ns" INTEGER,\n   "inode" INTEGER,\n   "chunks" BLOB,\n   '
-     '"trusted_before_ns" INTEGER'),
-    ("config", '"key" TEXT PRIMARY KEY,\n   "value" TEXT'),
-    ("leases", '"name" TEXT PRIMARY KEY,\n   "holder" TEXT,\n   "epoch" INTEGER,\n   '
-     '"expires_ns" INTEGER'),
-    ("sessions", '"id" TEXT PRIMARY KEY,\n   "host" TEXT,\n   "record" TEXT'),
-)
-
-
-def _create_table(conn: sqlite3.Connection, name: str) -> None:
-    """``CREATE TABLE IF NOT EXISTS`` the table ``name`` of ``_TABLES``."""
-    columns = dict(_TABLES)[name]
-    conn.execute(f'CREATE TABLE IF NOT EXISTS "{name}" (\n   {columns}\n)')
-
-
 def create(conn: sqlite3.Connection) -> None:
     """Create every table that is missing (idempotent) and switch the file to WAL.
 
-    A file already at SCHEMA_VERSION is left alone after one query. Plain SQL (no
-    sqlite-utils: its import, about 45 ms of click, dateutil and pluggy, was most of what
-    opening a new store cost)."""
+    A file already at SCHEMA_VERSION is left alone without importing sqlite-utils, which
+    keeps short CLI commands fast.
+    """
     try:
         row = conn.execute("SELECT value FROM config WHERE key='schema_version'").fetchone()
     except sqlite3.OperationalError:
         row = None
     if row is not None and row[0] == str(SCHEMA_VERSION):
         return
+    import sqlite_utils
+
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
-    for name in ("objects", "packs", "snapshots"):
-        _create_table(conn, name)
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name="
-                    "'snapshot_labels'").fetchone() is None:
-        _create_table(conn, "snapshot_labels")
+    db = sqlite_utils.Database(conn)
+    db.table("objects").create(
+        {"id": bytes, "kind": int, "pack": str, "rec_offset": int, "rec_length": int,
+         "codec": int, "inner_offset": int, "raw_length": int},
+        pk="id", not_null={"kind", "pack", "rec_offset", "rec_length", "codec",
+                           "inner_offset", "raw_length"}, if_not_exists=True)
+    db.table("packs").create({"key": str, "size": int, "objects": int}, pk="key", if_not_exists=True)
+    db.table("snapshots").create({"ref": str, "time_ns": int, "origin": str, "label": str,
+                            "key": str}, pk="ref", if_not_exists=True)
+    if not db.table("snapshot_labels").exists():
+        db.table("snapshot_labels").create({"ref": str, "label": str, "time_ns": int,
+                                            "key": str}, pk=("ref", "label"))
         conn.execute("INSERT INTO snapshot_labels(ref, label, time_ns, key) SELECT ref, "
                      "label, time_ns, key FROM snapshots WHERE label IS NOT NULL")
-    for name in ("journal", "named_refs", "state_dirs", "files_cache"):
-        _create_table(conn, name)
-    # Only a cache: recreated at every schema upgrade. WITHOUT ROWID keeps rows in key
-    # order, so a snapshot reads its rows in one range scan.
+    db.table("journal").create({"session": str, "seq": int, "time_ns": int, "epoch": int,
+                          "event": str, "ref": str, "trigger_": str, "consistency": str,
+                          "key": str}, pk=("session", "seq"), if_not_exists=True)
+    db.table("named_refs").create({"name": str, "ref": str}, pk="name", if_not_exists=True)
+    db.table("state_dirs").create({"path": str}, pk="path", if_not_exists=True)
+    db.table("files_cache").create({"path": bytes, "size": int, "mtime_ns": int, "ctime_ns": int,
+                              "inode": int, "chunks": bytes, "trusted_before_ns": int},
+                             pk="path", if_not_exists=True)
+    # Only a cache: recreated at every schema upgrade. WITHOUT ROWID (which sqlite-utils
+    # cannot create) keeps rows in key order, so a snapshot reads its rows in one range scan.
     conn.execute("DROP TABLE IF EXISTS dirs_cache")
     conn.execute("CREATE TABLE dirs_cache (path BLOB PRIMARY KEY NOT NULL, own BLOB, "
                  "subdirs BLOB, others BLOB, stat_digest BLOB, children_digest BLOB, "
@@ -251,9 +234,12 @@ def create(conn: sqlite3.Connection) -> None:
                  "inner_offset INTEGER NOT NULL, raw_length INTEGER NOT NULL) WITHOUT ROWID")
     conn.execute("CREATE TABLE IF NOT EXISTS located_trees (id BLOB PRIMARY KEY NOT NULL) "
                  "WITHOUT ROWID")
-    for name in ("config", "leases", "sessions"):
-        _create_table(conn, name)
-    conn.execute('CREATE INDEX IF NOT EXISTS "idx_objects_pack"\n    ON "objects" ("pack")')
+    db.table("config").create({"key": str, "value": str}, pk="key", if_not_exists=True)
+    db.table("leases").create({"name": str, "holder": str, "epoch": int, "expires_ns": int},
+                        pk="name", if_not_exists=True)
+    db.table("sessions").create({"id": str, "host": str, "record": str}, pk="id",
+                                if_not_exists=True)
+    db.table("objects").create_index(["pack"], if_not_exists=True)
     conn.execute("INSERT OR REPLACE INTO config(key, value) VALUES ('schema_version', ?)",
                  (str(SCHEMA_VERSION),))
     conn.commit()

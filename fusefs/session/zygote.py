@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Any
 
-PRELOAD = ("pyfuse3", "trio", "fusefs.operations", "fusefs.overlay",
+PRELOAD = ("pyfuse3", "trio", "sqlite_utils", "fusefs.operations", "fusefs.overlay",
            "fusefs.control", "fusefs.checkpoint", "fusefs.restore", "fusefs.gate",
            "fusefs.mounts", "store.objects", "store.lease", "store.snapshot",
            "store.materialize", "store.diff", "fusefs.session.fusehost",
