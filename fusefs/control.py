@@ -528,15 +528,20 @@ class Live:
         """:meth:`_restore`; no sandbox covering what it may change (anything, for a whole
         restore; for a path restore, a path at or below one of ``paths``) registers while
         it runs, and those running are stopped once the write permits are released
-        (:meth:`_admit_restore`)."""
+        (:meth:`_admit_restore`). A failure is logged (``restore failed: <type>: <message>``,
+        as a failed checkpoint is) and raised as it came."""
         from . import restore as rs
 
         guard = self.ops.guard
-        wanted = None if paths is None else rs.normalize_paths(paths)
-        with guard.restoring(wanted):
-            return await self._restore(ref, discard=discard, timeout_s=timeout_s,
-                                       wait_writers_s=wait_writers_s, label=label,
-                                       paths=paths)
+        try:
+            wanted = None if paths is None else rs.normalize_paths(paths)
+            with guard.restoring(wanted):
+                return await self._restore(ref, discard=discard, timeout_s=timeout_s,
+                                           wait_writers_s=wait_writers_s, label=label,
+                                           paths=paths)
+        except Exception as e:
+            log.error("restore failed: %s: %s", type(e).__name__, e)
+            raise
 
     async def _restore(self, ref: Ref | str, *, discard: bool = False,
                        timeout_s: float | None = None, wait_writers_s: float | None = None,

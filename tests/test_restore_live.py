@@ -400,3 +400,18 @@ def test_git_work_tree_across_restores(mounter: fh.Mounter, lower_ref: str) -> N
     out = subprocess.run([sys.executable, "-c", "import m3"], cwd=repo, capture_output=True,
                          text=True)
     assert out.stdout == "3\n"
+
+
+def test_a_failed_restore_is_logged_by_the_daemon(mounter: fh.Mounter, lower_ref: str) -> None:
+    """A restore that fails writes ``restore failed: <type>: <message>`` to the daemon log,
+    as a failed checkpoint writes ``checkpoint failed: ...``; the tree is unchanged."""
+    d = mounter.rw(lower_ref)
+    missing = "v1:blake3:" + "0" * 64
+    with pytest.raises(RefNotFoundError):
+        client(d.mnt).restore(missing)
+    assert d.state is not None
+    log = (d.state / "daemon.log").read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if "restore failed: " in ln]
+    assert len(lines) == 1, log
+    assert "restore failed: RefNotFoundError: " in lines[0] and missing in lines[0], lines
+    assert str(compute_ref(d.mnt)) == lower_ref
