@@ -348,14 +348,18 @@ def cmd_new(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from fusefs.session.control import live_host
 
-    away = _registered_elsewhere(args)
-    rows = []
-    for rec in _registry(args).list():
+    away, unreadable = _registered_elsewhere(args)
+    rows: list[dict[str, Any]] = []
+    records, bad = _registry(args).listing()
+    for rec in records:
         if rec.id in away:
             continue  # it ran on another host since: that host's row below says how it is
         rows.append({"id": rec.id, "root": rec.root, "placement": rec.mode,
                      "state": "running" if live_host(rec.state_dir) else "stopped",
                      "parent": rec.parent})
+    for sid, reason in [(u.id, u.reason) for u in bad] + unreadable:
+        rows.append({"id": sid, "root": None, "placement": None, "state": "unreadable",
+                     "parent": None, "reason": reason})
     for e in away.values():  # a shared store's sessions of other hosts (host: where)
         if e.state == "removed":  # `session rm` there (a stale local record is hidden)
             continue
@@ -365,7 +369,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         emit(args, rows)
     else:
         for r in rows:
-            where = f"on {_shown(r['host'])}" if r.get("host") else r["root"]
+            where = (f"on {_shown(r['host'])}" if r.get("host") else
+                     repr(r["reason"]) if r["state"] == "unreadable" else r["root"])
             print(f"{_shown_id(r['id'])}  {_shown(r['state']):<8} {_shown(r['placement']):<12} "
                   f"{where}")
     return 0
@@ -394,23 +399,33 @@ def _shown(text: object) -> str:
     return repr(text)
 
 
-def _registered_elsewhere(args: argparse.Namespace) -> dict[str, Any]:
+def _registered_elsewhere(args: argparse.Namespace
+                          ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """id -> registry row of every session a shared store's catalog registers on another
-    host (``fusefs.session.moves``); empty for an embedded store."""
+    host (``fusefs.session.moves``), and (id, reason) of each such row that cannot be read
+    (SessionError); both empty for an embedded store."""
     from store import config
 
     if config.read(args.store) is None:
-        return {}
+        return {}, []
+    from fusefs.session.errors import SessionError
     from fusefs.session.moves import SessionEntry
     from store.hostid import host_id
     from store.objects import Store
 
     st = Store(args.store)
+    rows, bad = {}, []
     try:
-        return {sid: SessionEntry.parse(sid, host, record)
-                for sid, host, record in st.catalog.sessions() if host != host_id()}
+        for sid, host, record in st.catalog.sessions():
+            if host == host_id():
+                continue
+            try:
+                rows[sid] = SessionEntry.parse(sid, host, record)
+            except SessionError as e:
+                bad.append((sid, str(e)))
     finally:
         st.close()
+    return rows, bad
 
 
 def _elsewhere(args: argparse.Namespace, session_id: str) -> Any:

@@ -157,3 +157,38 @@ def test_shutdown_checkpoints_only_when_asked(cli: Cli) -> None:
     assert [(e["trigger"], e["ref"]) for e in log][-1] == ("shutdown", want)  # type: ignore
     states = {r["id"]: r["state"] for r in cli.json("session", "list")}  # type: ignore
     assert states == {s["id"]: "stopped"}
+
+
+def test_list_shows_an_unreadable_record_and_every_readable_one(cli: Cli) -> None:
+    """A session record that cannot be read (not JSON, not an object of a record's fields)
+    does not hide the others: ``session list`` exits 0 with every readable session and one
+    escaped line per unreadable record, marked unreadable with the reason."""
+    from fusefs.session.registry import RECORD, SessionRecord
+
+    Store(cli.store).close()
+    reg = Registry(str(cli.store / "sessions"))
+    good = ["20261204-010000-0000000a", "20261204-010000-0000000b"]
+    for i, sid in enumerate(good):
+        reg.create(SessionRecord(id=sid, fingerprint=None, mode=None, root=None,
+                                 state_dir=reg.state_dir(sid), backend="fallback",
+                                 created_ns=i + 1))
+    bad = {"20261204-010000-0000000c": b"{\"id\": \"x\n\x1b[2J",  # cut short, a control byte
+           "20261204-010000-0000000d": b"[1, 2]",
+           "20261204-010000-0000000e": b"{\"id\": \"20261204-010000-0000000e\"}"}
+    for sid, text in bad.items():
+        os.mkdir(reg.state_dir(sid), 0o700)
+        with open(os.path.join(reg.state_dir(sid), RECORD), "wb") as f:
+            f.write(text)
+
+    r = cli.run("session", "list")
+    lines = r.stdout.splitlines()
+    assert "\x1b" not in r.stdout and len(lines) == len(good) + len(bad), r.stdout
+    for sid in good:
+        assert any(ln.startswith(f"{sid}  stopped") for ln in lines), lines
+    for sid in bad:
+        line = [ln for ln in lines if ln.startswith(sid)]
+        assert len(line) == 1 and " unreadable " in line[0], lines
+    rows = cli.json("session", "list")
+    assert isinstance(rows, list)
+    assert sorted(x["id"] for x in rows if x["state"] == "unreadable") == sorted(bad)
+    assert all(x["reason"] for x in rows if x["state"] == "unreadable"), rows

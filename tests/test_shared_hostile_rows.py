@@ -75,3 +75,22 @@ def test_session_list_prints_registry_values_escaped(
     [ok] = [line for line in lines if line.startswith("s-ok  ")]
     assert ok.endswith(f"on {repr(chr(27).join(['host', '[2JY']))}"), lines
     assert "\x1b" not in "".join(lines)
+
+
+def test_session_list_shows_an_unreadable_registry_row_and_lists_the_others(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    """A registry row whose record is not readable is one escaped line marked unreadable
+    with the reason; every readable row is listed; exit 0."""
+    a = _host(s3_env, s3_bucket, pg_dsn, tmp_path)
+    record = json.dumps({"state": "stopped", "head": None, "dirty": False,
+                         "mode": "per-session", "parent": None, "created_ns": 1, "spec": {}})
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute("INSERT INTO sessions(id, host, record) VALUES "
+                  "('s-ok', 'hostX', %s), ('s-bad\x1b[2J', 'hostX', %s)",
+                  (record, "{not json\n"))
+    r = a.run("session", "list")
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and "\x1b" not in r.stdout, lines
+    assert any(line.startswith("s-ok  stopped") for line in lines), lines
+    [bad] = [line for line in lines if " unreadable " in line]
+    assert bad.startswith(repr("s-bad\x1b[2J")) and "not readable" in bad, lines

@@ -110,14 +110,12 @@ class Registry:
             yield
 
     def load(self, session_id: str) -> SessionRecord:
-        """The record of ``session_id``. Raises SessionNotFoundError."""
+        """The record of ``session_id``. Raises SessionNotFoundError (no such session, or
+        a record that cannot be read: see :meth:`listing`)."""
         try:
-            path = os.path.join(self.state_dir(session_id), RECORD)
-            with open(path, "rb") as f:
-                data = json.loads(f.read())
-        except (ValueError, FileNotFoundError, NotADirectoryError):
+            return _read(os.path.join(self.state_dir(session_id), RECORD))
+        except (ValueError, TypeError, FileNotFoundError, NotADirectoryError):
             raise SessionNotFoundError(session_id) from None
-        return SessionRecord(**data)
 
     def exists(self, session_id: str) -> bool:
         try:
@@ -126,19 +124,58 @@ class Registry:
             return False
         return True
 
-    def list(self) -> list[SessionRecord]:
-        """Every registered session, oldest first."""
+    def listing(self) -> tuple[list[SessionRecord], list[Unreadable]]:
+        """Every registered session whose record can be read (oldest first), and every
+        record that cannot (by name): a state directory named as a session id holding a
+        ``session.json`` that is not JSON, not an object of the record's fields, or cannot
+        be opened (other than missing: a session being created has its directory first,
+        then its record; an entry named as no session id is not a session)."""
         try:
             names = os.listdir(self.state_base)
         except FileNotFoundError:
-            return []
+            return [], []
         out = []
+        bad = []
         for name in names:
             try:
-                out.append(self.load(name))
-            except SessionNotFoundError:
+                path = os.path.join(self.state_dir(name), RECORD)
+            except ValueError:
                 continue
-        return sorted(out, key=lambda r: (r.created_ns, r.id))
+            try:
+                out.append(_read(path))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except (ValueError, TypeError, OSError) as e:
+                bad.append(Unreadable(name, f"{type(e).__name__}: {e}"))
+        return sorted(out, key=lambda r: (r.created_ns, r.id)), sorted(bad)
+
+    def list(self) -> list[SessionRecord]:
+        """Every registered session whose record can be read, oldest first."""
+        return self.listing()[0]
+
+
+@dataclass(frozen=True, order=True)
+class Unreadable:
+    """A session record that cannot be read: the session id it is filed under and why
+    (``<exception type>: <message>``)."""
+
+    id: str
+    reason: str
+
+
+def _read(path: str) -> SessionRecord:
+    """The session record in file ``path``. Raises OSError, ValueError (not JSON: also
+    UnicodeDecodeError), TypeError (not an object of the record's fields, or a field of
+    another type)."""
+    with open(path, "rb") as f:
+        data = json.loads(f.read())
+    if not isinstance(data, dict):
+        raise TypeError(f"a record is a JSON object, not {type(data).__name__}")
+    rec = SessionRecord(**data)
+    for name, kind in (("id", str), ("state_dir", str), ("backend", str), ("created_ns", int)):
+        if type(getattr(rec, name)) is not kind:
+            raise TypeError(f"field {name} is {type(getattr(rec, name)).__name__}")
+    return rec
 
 
 @contextlib.contextmanager
