@@ -33,9 +33,12 @@ kernel's inode), so any thread may call it, also while the serving loop waits fo
    be the one ``fdinfo`` gave. Without statx in the C library (glibc before 2.28) such a
    descriptor is not seen.
 
-Processes the scan may not inspect (other users' when the daemon is not root: EACCES) are
-counted in ``Scan.unseen``, never an error; a process, thread or descriptor that goes away
-during the scan (ESRCH, ENOENT) is skipped. Pids are those of this process's pid namespace
+Processes the scan may not inspect (other users' when the daemon is not root; as root,
+those holding capabilities this process lacks when it lacks CAP_SYS_PTRACE, as in a
+container: EACCES, EPERM) are counted in ``Scan.unseen``, never an error, except those that
+can hold no descriptor and no mapping (``_holds_nothing``): a kernel thread, a zombie
+without live threads, a process gone by the time it was refused. A process, thread or
+descriptor that goes away during the scan (ESRCH, ENOENT) is skipped. Pids are those of this process's pid namespace
 (a sandboxed command shows under its host pid). Not seen: this process itself (``skip``),
 a file written only through a shared writable mapping after its descriptor was closed, a
 descriptor held only in a unix socket's queue (sent with SCM_RIGHTS and not yet received:
@@ -87,6 +90,26 @@ class Scan:
     processes: int = 0
     unseen: int = 0
     tables: int = 0
+
+
+_PF_KTHREAD = 0x00200000  # the flags field of /proc/<pid>/stat (include/linux/sched.h)
+
+
+def _holds_nothing(pid: int) -> bool:
+    """Whether process ``pid``, which refused to be inspected, can hold no descriptor and
+    no mapping: it is gone, a kernel thread, or a zombie (or dead) with no thread left.
+    Read from ``/proc/<pid>/stat`` (state, flags) and ``/proc/<pid>/task``, which any
+    process may read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        if int(fields[6]) & _PF_KTHREAD:
+            return True
+        return fields[0] in (b"Z", b"X") and os.stat(f"/proc/{pid}/task").st_nlink <= 3
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def _fdinfo(name: str, dir_fd: int) -> tuple[int, int] | None:
@@ -253,7 +276,7 @@ def scan(device: str, *, skip: tuple[int, ...] | None = None) -> Scan:
             mounts.meet(base)
             _read_table(base, pid, mounts, out)
         except OSError as e:
-            out.unseen += e.errno in _REFUSED
+            out.unseen += e.errno in _REFUSED and not _holds_nothing(pid)
             continue
         out.processes += 1
         for table in itertools.islice(_tables(base, pid, kcmp), 1, None):
@@ -283,7 +306,7 @@ def mapped(device: str, *, skip: tuple[int, ...] | None = None) -> tuple[set[int
             with open(f"/proc/{name}/maps", "rb") as f:
                 data = f.read()
         except OSError as e:
-            unseen += e.errno in _REFUSED
+            unseen += e.errno in _REFUSED and not _holds_nothing(int(name))
             continue
         for line in _shared_writable(data):
             parts = line.split(maxsplit=5)

@@ -154,3 +154,38 @@ def test_mapped_finds_files_mapped_shared_and_writable_only(tmp_path: Path) -> N
     finally:
         p.kill()
         p.wait(30)
+
+
+ZOMBIE_SCAN = r"""
+import os, sys
+from fusefs import writers
+zombie = sys.argv[1]
+skip = tuple(int(n) for n in os.listdir("/proc") if n.isdigit() and n != zombie)
+print(writers.scan("0:0", skip=skip).unseen, writers.mapped("0:0", skip=skip)[1])
+"""
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # one user 1001 may run (the venv's may be under /root)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="needs another user's zombie (run as root) and a system python")
+def test_a_zombie_that_refuses_inspection_is_not_counted_unseen() -> None:
+    """A process this one may not inspect counts as unseen only if it can hold a
+    descriptor or a mapping: another user's zombie (no thread left) refuses, and holds
+    nothing. Scanned as user 1001, the only process looked at being root's zombie."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        while not open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z":
+            os.sched_yield()
+        repo = Path(__file__).resolve().parent.parent
+        r = subprocess.run([SYSTEM_PYTHON, "-c", ZOMBIE_SCAN, str(pid)], user=1001,
+                           group=1001, extra_groups=[], capture_output=True, text=True,
+                           cwd="/", env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"},
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["0", "0"], r.stdout
+    finally:
+        os.waitpid(pid, 0)
