@@ -1258,6 +1258,7 @@ def apply(ov: Overlay, p: Plan, rb: Rebase) -> None:
     ov._dirty_dent = {pn for pn in ov._dirty_dent if pn[0] in rb.keep_dentries}
     ov._dirty_xattr = {i for i in ov._dirty_xattr if i in kept or i in below}
     ov._dirty_data = {i for i in ov._dirty_data if i in kept or i in below}
+    ov.recharge()
     # what the upper still holds counts against the quotas
     if rb.graft is None:
         ov.recount(p.uppers)

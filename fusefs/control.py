@@ -326,6 +326,7 @@ class Live:
         """Batches that failed to write before a reset describe the old upper: drop them."""
         if hasattr(self.ops, "_failed"):
             self.ops._failed = []
+            self.ops._unwritten = 0
 
     def _writable_handles(self) -> int:
         return sum(1 for h in self.ov.handles.values() if h.writable)

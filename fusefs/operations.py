@@ -49,7 +49,7 @@ from .guard import SandboxGuard
 from .inodes import Node
 from .lower import SMALL_CHUNK
 from .overlay import Overlay, sync_paths
-from .upper import Batch
+from .upper import INLINE_MAX, Batch
 
 log = logging.getLogger("rewindfs.fuse")
 
@@ -226,6 +226,9 @@ class Operations(pyfuse3.Operations):
         self.seconds: defaultdict[str, float] = defaultdict(float)  # wall time in handlers
         self.errors = 0
         self._failed: list[Batch] = []
+        # An upper bound of the spill payload of batches taken from the overlay and not
+        # yet written (being written, or ``_failed``): ``admit`` counts them.
+        self._unwritten = 0
         self._unsynced: list[str] = []  # data files whose sync failed: synced at the next fsync
         self._inflight: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
@@ -339,6 +342,7 @@ class Operations(pyfuse3.Operations):
                     upper.regrow_reserve()  # space may be back (a checkpoint, another rm)
                 return
             paths = self._unsynced + self.ov.take_unsynced() if durable else []
+            self._unwritten += self.ov.pending_bytes
             batches = self._failed + [self.ov.collect()]
             self._failed = []
             if durable:
@@ -357,8 +361,31 @@ class Operations(pyfuse3.Operations):
                     except BaseException:
                         self._failed = batches[i:]
                         raise
+                self._unwritten = 0  # in the database, or in the spill (``spilled_bytes``)
 
             await trio.to_thread.run_sync(work)
+
+    async def admit(self, more: int) -> None:
+        """Before a change that adds at most ``more`` bytes to the next batch's spill
+        payload (``Overlay.change_bytes`` and the inline content or xattrs it writes) is
+        applied: if what is not yet written would then exceed what the spill is sure to
+        take (``Upper.spill_room``), commit first (``commit``, in order, as fsync does), so
+        that a full disk never leaves acknowledged changes that fit nowhere. Raises
+        OSError(ENOSPC) if the change still does not fit (the disk is full: the commit went
+        to the spill, or could not be written): the change is then not applied. An upper
+        without a spill (its disk was full when it was made) commits before every change
+        and refuses it only while ``has_room`` is false: the one change then unwritten
+        has no fallback."""
+        upper = self.ov.upper
+        if upper is None or \
+                self._unwritten + self.ov.pending_bytes + more <= upper.spill_room():
+            return
+        await self.commit()
+        if self._unwritten + self.ov.pending_bytes + more > upper.spill_room() and \
+                (upper.spill_slot or not upper.has_room()):
+            raise OSError(errno.ENOSPC, "No space left on device (ENOSPC): the state "
+                          "directory's disk cannot take more unwritten changes",
+                          upper.state_dir)
 
     persist = commit
 
@@ -435,6 +462,7 @@ class Operations(pyfuse3.Operations):
     async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields,
                       fh: FileHandleT | None, ctx: RequestContext) -> EntryAttributes:
         async with self.gate.mutation():
+            await self.admit(self.ov.change_bytes(inode))
             n = self.ov.setattr(
                 inode,
                 mode=attr.st_mode if fields.update_mode else None,
@@ -455,18 +483,21 @@ class Operations(pyfuse3.Operations):
     async def mknod(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
         async with self.gate.mutation():
+            await self.admit(self.ov.change_bytes(parent_inode, name))
             return self.attrs(self.ov.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @_boundary
     async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT,
                     ctx: RequestContext) -> EntryAttributes:
         async with self.gate.mutation():
+            await self.admit(self.ov.change_bytes(parent_inode, name))
             return self.attrs(self.ov.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_boundary
     async def symlink(self, parent_inode: InodeT, name: FileNameT, target: FileNameT,
                       ctx: RequestContext) -> EntryAttributes:
         async with self.gate.mutation():
+            await self.admit(self.ov.change_bytes(parent_inode, name) + len(target))
             return self.attrs(self.ov.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     def _ino_at(self, parent: int, name: bytes) -> int:
@@ -489,12 +520,14 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         async with self.gate.mutation():
             await self._unguard(ctx, (parent_inode, bytes(name)))
+            await self.admit(self.ov.change_bytes(parent_inode, name))
             self.ov.unlink(parent_inode, name)
 
     @_boundary
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         async with self.gate.mutation():
             await self._unguard(ctx, (parent_inode, bytes(name)))
+            await self.admit(self.ov.change_bytes(parent_inode, name))
             self.ov.rmdir(parent_inode, name)
 
     @_boundary
@@ -506,6 +539,8 @@ class Operations(pyfuse3.Operations):
             # (or, with RENAME_EXCHANGE, moved)
             await self._unguard(ctx, (parent_inode_old, bytes(name_old)),
                                 (parent_inode_new, bytes(name_new)))
+            await self.admit(self.ov.change_bytes(parent_inode_old, bytes(name_old))
+                             + self.ov.change_bytes(parent_inode_new, bytes(name_new)))
             self.ov.rename(parent_inode_old, bytes(name_old), parent_inode_new,
                            bytes(name_new), flags)
 
@@ -515,6 +550,8 @@ class Operations(pyfuse3.Operations):
         async with self.gate.mutation():
             if self.guard.by_ino:   # a new name of a covered object: no cover on it
                 await self.guard.clear(ctx.pid, inode)
+            await self.admit(self.ov.change_bytes(inode)
+                             + self.ov.change_bytes(new_parent_inode, bytes(new_name)))
             return self.attrs(self.ov.link(inode, new_parent_inode, new_name))
 
     # -- files -----------------------------------------------------------------------------
@@ -543,6 +580,7 @@ class Operations(pyfuse3.Operations):
             # one request fewer per file made.
             raise FUSEError(errno.ENOSYS)
         async with self.gate.mutation():
+            await self.admit(self.ov.change_bytes(parent_inode, name))
             fh, n = self.ov.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
             return FileInfo(fh=FileHandleT(fh), keep_cache=True), self.attrs(n)
 
@@ -559,6 +597,8 @@ class Operations(pyfuse3.Operations):
         async with self.gate.mutation():
             h = self._fh(fh, inode)
             await self._load_chunks(h, off, len(buf))
+            await self.admit(self.ov.change_bytes(self.ov.handle(h).node.ino)
+                             + min(len(buf), INLINE_MAX))
             return self.ov.write(h, off, buf, bool(flags & self._kill_write_flag))
 
     async def flush(self, fh: FileHandleT, inode: InodeT | None = None) -> None:
@@ -653,6 +693,7 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes,
                        ctx: RequestContext) -> None:
         async with self.gate.mutation():
+            await self.admit(self.ov.change_bytes(inode) + len(name) + len(value))
             self.ov.setxattr(inode, name, value)
 
     @_boundary
@@ -673,4 +714,5 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
         async with self.gate.mutation():
+            await self.admit(self.ov.change_bytes(inode))
             self.ov.removexattr(inode, name)

@@ -49,12 +49,25 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from store import chunker
-from store.ref import ObjectId, Ref
+from store.ref import DIGEST_SIZE, ObjectId, Ref
 from store.tree import NAME_MAX, ChunkList, Entry, Kind, decode_runs, encode_runs
 
 from .inodes import ROOT_INO, Node, derive_ino, origin_key
 from .lower import LOCATE_AHEAD, Lower
-from .upper import INLINE_MAX, Batch, Loaded, Upper, bitmap, iter_data_files, unbitmap
+from .upper import (
+    BATCH_BYTES,
+    INLINE_MAX,
+    ITEM_BYTES,
+    NAME_BYTES,
+    ROW_BYTES,
+    XATTR_BYTES,
+    Batch,
+    Loaded,
+    Upper,
+    bitmap,
+    iter_data_files,
+    unbitmap,
+)
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -75,6 +88,9 @@ GEN_KEEP = 8  # listing states kept per directory (the newest ones)
 # next this many entries' chunks at once: one query per 500 chunks, not one per file.
 PAGES_AHEAD = 1024
 INLINE_BUDGET = 256 << 20  # inline content kept in memory at most; beyond, data files
+# What one change adds to ``pending_bytes`` besides the rows ``change_bytes`` counts: a few
+# rows of its own (a new inode, one it frees), two names, a data file to unlink.
+CHANGE_BYTES = 4096
 MAX_FILE_SIZE = 1 << 40  # 1 TiB: larger sizes get EFBIG (a checkpoint lists every chunk)
 
 _KIND_OF_FMT = {stat.S_IFREG: Kind.FILE, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK: Kind.SOCKET,
@@ -234,6 +250,9 @@ class Overlay:
         self.step_inos: set[int] | None = None
         self.step_dents: set[tuple[int, bytes]] = set()
         self._unlink_after: list[str] = []
+        # An upper bound of the spill payload of the next batch (``collect``): charged as
+        # changes mark rows, names and xattrs (``_changed``...) and as inline content grows.
+        self.pending_bytes = BATCH_BYTES
         self.inline_bytes = 0  # total inline content in memory
         self.quota_bytes: int | None = None  # caps on the upper (see the module doc)
         self.quota_inodes: int | None = None
@@ -596,7 +615,9 @@ class Overlay:
         self._dirty_xattr.discard(n.ino)
         self._dirty_data.discard(n.ino)
         if n.has_data and self.upper is not None:
-            self._unlink_after.append(self.upper.data_path(n.ino))
+            path = self.upper.data_path(n.ino)
+            self._unlink_after.append(path)
+            self.pending_bytes += ITEM_BYTES + len(path)
 
     # -- detached inodes -------------------------------------------------------------------
 
@@ -639,6 +660,7 @@ class Overlay:
             if self.nodes.get(n.ino) is n:
                 self.held[n.ino] = ref
                 self._held_changed = True
+                self.pending_bytes += len(ref) + 1
 
     def held_lowers(self) -> list[str]:
         """Ref texts of the older lowers detached files still read, sorted."""
@@ -754,19 +776,28 @@ class Overlay:
     def _changed(self, ino: int) -> None:
         """Inode ``ino`` changed (or went): its row goes in the next batch and the open
         step looks at it."""
-        self._dirty_ino.add(ino)
+        if ino not in self._dirty_ino:
+            self._dirty_ino.add(ino)
+            n = self.nodes.get(ino)
+            self.pending_bytes += ROW_BYTES if n is None else row_bytes(n, self.cs)
         if self.step_inos is not None:
             self.step_inos.add(ino)
 
     def _changed_name(self, parent: int, name: bytes) -> None:
         """The dentry ``name`` of directory ``parent`` changed (``_changed``)."""
-        self._dirty_dent.add((parent, name))
+        if (parent, name) not in self._dirty_dent:
+            self._dirty_dent.add((parent, name))
+            self.pending_bytes += NAME_BYTES + len(name)
         if self.step_inos is not None:
             self.step_dents.add((parent, name))
 
     def _changed_xattrs(self, ino: int) -> None:
-        """The extended attributes of inode ``ino`` changed (``_changed``)."""
+        """The extended attributes of inode ``ino`` changed (``_changed``): charged whole
+        at every change, as they may have grown since the last one."""
         self._dirty_xattr.add(ino)
+        n = self.nodes.get(ino)
+        if n is not None:
+            self.pending_bytes += XATTR_BYTES + xattr_bytes(n) + ITEM_BYTES * len(n.xattrs)
         if self.step_inos is not None:
             self.step_inos.add(ino)
 
@@ -855,6 +886,7 @@ class Overlay:
         if kind is Kind.SYMLINK:
             n.target = target
             n.size = len(target)
+            self.pending_bytes += len(target)  # its row was charged without it
         self._set_name(d, name, n, now)
         if kind is Kind.DIR:
             d.nlink += 1
@@ -1526,6 +1558,7 @@ class Overlay:
             buf.extend(bytes(off - before))
         buf[off:off + len(data)] = data
         self.inline_bytes += len(buf) - before
+        self.pending_bytes += max(0, len(buf) - before)  # the row was charged as it was
         self._data_changed(n)
         end = off + len(data)
         if end > n.size:
@@ -1747,6 +1780,43 @@ class Overlay:
         return bool(self._dirty_ino or self._dirty_dent or self._dirty_xattr
                     or self._unlink_after or self._held_changed)
 
+    def change_bytes(self, ino: int, name: bytes | None = None) -> int:
+        """An upper bound of what one change to inode ``ino`` (with ``name``: to the entry
+        ``name`` of directory ``ino``) adds to ``pending_bytes``, besides inline content it
+        writes and extended attributes it sets: ``CHANGE_BYTES`` and the rows of the
+        inode (the one ``name`` names, and the directory) and of the directories above it
+        up to the first with a row (copy-up marks them). O(depth of that copy-up)."""
+        nodes = self.nodes
+        b = CHANGE_BYTES
+        n = nodes.get(ino)
+        if n is not None and name is not None and n.kind is Kind.DIR:
+            try:
+                c = self._child(n, name)
+            except (OSError, KeyError):
+                c = None
+            if c is not None:
+                b += row_bytes(c, self.cs) + xattr_bytes(c) + ITEM_BYTES * len(c.xattrs)
+        while n is not None:
+            b += row_bytes(n, self.cs) + xattr_bytes(n) + ITEM_BYTES * len(n.xattrs)
+            if n.upper or n.nlink == 0 or n.ino == ROOT_INO:
+                break
+            n = nodes.get(n.parent)
+        return b
+
+    def recharge(self) -> None:
+        """Count ``pending_bytes`` again from what is marked (after a checkpoint kept some
+        marks on rows it changed). O(marks)."""
+        nodes = self.nodes
+        b = BATCH_BYTES + len(" ".join(self.held_lowers()))
+        for ino in self._dirty_ino:
+            n = nodes.get(ino)
+            b += ROW_BYTES if n is None else row_bytes(n, self.cs)
+        b += sum(NAME_BYTES + len(name) for _, name in self._dirty_dent)
+        for ino in self._dirty_xattr:
+            if (n := nodes.get(ino)) is not None:
+                b += XATTR_BYTES + xattr_bytes(n) + ITEM_BYTES * len(n.xattrs)
+        self.pending_bytes = b + sum(ITEM_BYTES + len(p) for p in self._unlink_after)
+
     def collect(self) -> Batch:
         """Take the changes since the last batch, as rows (cheap; on the request thread)."""
         b = Batch()
@@ -1770,6 +1840,7 @@ class Overlay:
                 b.xattrs[ino] = sorted(n.xattrs.items())
         b.meta = {"next_ino": str(self.next_ino), "next_cookie": str(self.next_cookie),
                   "held_lowers": " ".join(self.held_lowers())}
+        self.pending_bytes = BATCH_BYTES + len(b.meta["held_lowers"])  # the next batch's
         self._held_changed = False
         b.unlink_after = self._unlink_after
         self._unlink_after = []
@@ -1802,6 +1873,19 @@ class Overlay:
                 self.commit(durable=True)
             finally:
                 self.upper.close()
+
+
+def row_bytes(n: Node, cs: int) -> int:
+    """An upper bound of the spill payload of ``n``'s row (``row_of``) from now until its
+    inline content grows (the overlay charges that growth) or its symlink target is set:
+    the chunks it may still copy up are counted in its ``present`` bitmap already. O(1).
+    ``cs``: the chunk size."""
+    b = ROW_BYTES + len(n.target) + len(n.origin or b"") + len(n.lower_tree or b"")
+    if n.inline is not None:
+        b += len(n.inline)
+    if n.lower_len:
+        b += n.lower_chunks.run_count * (10 + DIGEST_SIZE) + -(-n.lower_len // cs) // 8 + 1
+    return b
 
 
 def row_of(n: Node) -> tuple[object, ...]:

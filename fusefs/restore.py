@@ -457,6 +457,7 @@ def apply_swap(ov: Overlay, sp: SwapPlan) -> None:
         graft_apply(ov, sp.rebase.graft)
         discount_shadowed(ov, sp.rebase.graft)
         ov.recount()
+    ov.recharge()  # rows still marked may have changed under their marks
     for h in ov.dirs.values():
         h.refresh()
     for ls in ov.inode_dirs.values():

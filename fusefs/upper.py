@@ -36,7 +36,10 @@ transaction; ``open`` replays a spill newer than that before anything else. Whil
 reserve is short or batches wait in the spill, ``has_room`` is false and the overlay
 answers every change but a removal with ENOSPC, so what waits in memory stays small. Only
 when even the spill cannot take the batches does ``write`` raise ``OSError(ENOSPC)``; the
-caller keeps them and retries.
+caller keeps them and retries. The mount makes sure that never happens to changes it
+acknowledged: before a change would leave more unwritten than the spill takes
+(``spill_room``, bounded by the ``*_BYTES`` sizes below), it commits first, and answers
+the change ENOSPC if it still does not fit (``Operations.admit``).
 
 Invariants, each checked by ``check`` under the stable name in brackets:
 
@@ -309,6 +312,22 @@ def _encode_batches(batches: list[Batch], state_dir: str) -> bytes:
          [os.path.relpath(p, state_dir) for p in b.unlink_after]) for b in batches], 4)
 
 
+def payload_bytes(batches: list[Batch], state_dir: str) -> int:
+    """Bytes ``batches`` take in the spill's payload (a record's head apart)."""
+    return len(_encode_batches(batches, state_dir))
+
+
+# Upper bounds, in bytes, of what a batch's items take in the spill's payload
+# (``_encode_batches``, marshal format 4), so that the overlay can bound a batch before it
+# exists (``Overlay.pending_bytes``): a scalar (an int below 2^64, None, a short string's
+# head) takes at most 15, a bytes value 5 plus its length, a tuple or list head 5.
+BATCH_BYTES = 512  # a batch's own tuple, lists and meta (held_lowers apart: its length)
+ROW_BYTES = 5 + 20 * 15  # an inodes row, plus the lengths of its bytes values
+NAME_BYTES = 5 + 4 * 15  # a dentry (or a removed one), plus the name's length
+XATTR_BYTES = 5 + 2 * 15  # an inode's xattrs list, plus per attribute ITEM_BYTES
+ITEM_BYTES = 5 + 2 * 5  # one (name, value) pair or a path to unlink, plus its lengths
+
+
 def _decode_batches(payload: bytes, state_dir: str) -> list[Batch]:
     out = []
     for (inodes, deleted, dentries, gone, xattrs, pins, pins_gone, meta,
@@ -419,6 +438,7 @@ class Upper:
         self.reserve_full = False
         self._regrow_at = 0.0  # monotonic time of the next regrowth attempt
         self.spilled: list[Batch] = []  # in the spill, not yet in the database
+        self.spilled_bytes = 0  # their payload in the spill
         self.spill_seq = 0  # sequence number of the newest spill record
         self._spill_new = False  # made by this open: its directory entry is not synced yet
         self.failing = False  # the last write could not be stored anywhere
@@ -541,6 +561,7 @@ class Upper:
             seq, batches = pending
             self.spill_seq = seq
             self.spilled = batches
+            self.spilled_bytes = payload_bytes(batches, self.state_dir)
             log.info("%s: applying %d batch(es) from the spill (sequence %d)",
                      self.state_dir, len(batches), seq)
             for b in batches:  # the spill is durable: what it frees may go first
@@ -593,6 +614,7 @@ class Upper:
                 os.close(dfd)
             self._spill_new = False
         self.spill_seq = seq
+        self.spilled_bytes = len(payload)
 
     def _release_reserve(self) -> bool:
         """Free the reserve's space (True if it held any)."""
@@ -636,6 +658,15 @@ class Upper:
             return False
         return self.reserve_full or self.regrow_reserve()
 
+    def spill_room(self) -> int:
+        """Bytes of batches' payload (``_encode_batches``), beyond the batches in the spill,
+        that the spill is sure to take: a slot less its record head and what the spill
+        holds; 0 without a spill. The overlay commits before it holds more unwritten
+        (``Operations.admit``), so that a full disk never finds more than this to keep."""
+        if not self.spill_slot:
+            return 0
+        return max(0, self.spill_slot - _SPILL_HEAD.size - self.spilled_bytes)
+
     def transact(self, body: Callable[[sqlite3.Connection], None],
                  durable: bool = False) -> None:
         """Run ``body`` in one transaction (synchronous when ``durable``) that also records
@@ -647,6 +678,7 @@ class Upper:
             try:
                 self._transaction(body, durable)
                 self.spilled = []
+                self.spilled_bytes = 0
                 return
             except sqlite3.Error as e:
                 if not _is_full(e):

@@ -639,3 +639,85 @@ def test_a_restore_on_a_full_state_disk_fails_cleanly_and_works_once_freed(
         assert " big" in listed and " two" in listed, listed
     assert m.umount().returncode == 0
     assert fh.upper_problems(m.state, m.store) == []
+
+
+TINY_MIB = 20  # reserve 640 KiB (1/32) and spill slots of 320 KiB (1/64): many small files
+SMALL_FILE = 3000  # inline content (below INLINE_MAX): it waits in the write-behind batch
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real TINY_MIB MiB tmpfs at ``tmp_path/tiny`` for a state directory; needs FUSE."""
+    if not os.path.exists("/dev/fuse") or shutil.which(fh.FUSERMOUNT) is None:
+        pytest.skip("needs /dev/fuse and fusermount3")
+    yield from _tmpfs(tmp_path / "tiny", TINY_MIB)
+
+
+def small_files_until_full(mnt: Path, prefix: str, limit: int = 20000) -> dict[str, bytes]:
+    """Create files of SMALL_FILE random bytes in ``mnt`` until one is refused; assert it
+    was refused with ENOSPC; return the acknowledged ones (create, write, close all
+    succeeded), name -> content."""
+    acked: dict[str, bytes] = {}
+    for i in range(limit):
+        data = os.urandom(SMALL_FILE)
+        err = write_new(mnt / f"{prefix}{i}", data)
+        if err:
+            assert err == errno.ENOSPC, os.strerror(err)
+            return acked
+        acked[f"{prefix}{i}"] = data
+    raise AssertionError(f"{limit} files of {SMALL_FILE} bytes acknowledged on a "
+                         f"{TINY_MIB} MiB disk")
+
+
+def assert_kept_after_growing(m: Mount, disk: Path, acked: dict[str, bytes]) -> None:
+    """Unmount (the changes kept, if only in the spill), grow the disk, mount again: every
+    acknowledged file is there with its bytes."""
+    r = m.umount()
+    assert "lost" not in r.stderr, r.stderr + m.log()
+    assert not fh.is_fuse_mounted(m.mnt)
+    subprocess.run(["mount", "-o", f"remount,size={4 * TINY_MIB}m", str(disk)], check=True)
+    m.mount(with_ref=False)
+    have = {p.name for p in m.mnt.iterdir()}
+    missing = sorted(set(acked) - have)
+    assert not missing, f"{len(missing)} of {len(acked)} acknowledged files lost"
+    wrong = [name for name, data in acked.items() if (m.mnt / name).read_bytes() != data]
+    assert not wrong, f"{len(wrong)} of {len(acked)} acknowledged files changed"
+    r = m.umount()
+    assert r.returncode == 0, r.stderr + m.log()
+    assert fh.upper_problems(m.state, m.store) == []
+
+
+def test_small_files_acknowledged_until_the_state_disk_fills_are_all_kept(
+        tiny_disk: Path, fuse_store: Path, lower_ref: str, tmp_path: Path) -> None:
+    """Small files live in the write-behind batch, not in data files: the mount commits
+    before more of them wait than its spill could take, so the disk filling up refuses
+    the next file (ENOSPC) and never drops files it acknowledged."""
+    m = Mount(fuse_store, lower_ref, tmp_path / "mnt", tiny_disk / "state")
+    try:
+        m.mount()
+        acked = small_files_until_full(m.mnt, "s")
+        assert len(acked) * SMALL_FILE > TINY_MIB * MIB // 4, len(acked)  # the disk filled
+        assert_kept_after_growing(m, tiny_disk, acked)
+    finally:
+        m.teardown()
+
+
+def test_small_files_in_space_a_truncate_freed_on_a_full_disk_are_all_kept(
+        tiny_disk: Path, fuse_store: Path, lower_ref: str, tmp_path: Path) -> None:
+    """A file fills the disk, a truncate frees part of it; the small files made in that
+    space are refused once it is used up, and every one acknowledged is kept."""
+    m = Mount(fuse_store, lower_ref, tmp_path / "mnt", tiny_disk / "state")
+    try:
+        m.mount()
+        total, err = fill(m.mnt / "big")
+        assert err == errno.ENOSPC and total > TINY_MIB * MIB // 2, (total, err)
+        os.truncate(m.mnt / "big", total - 2 * MIB - MIB // 4)
+        acked = small_files_until_full(m.mnt, "t")
+        assert acked
+        assert_kept_after_growing(m, tiny_disk, acked)
+        m.mount(with_ref=False)
+        assert os.stat(m.mnt / "big").st_size == total - 2 * MIB - MIB // 4
+        r = m.umount()
+        assert r.returncode == 0, r.stderr + m.log()
+    finally:
+        m.teardown()

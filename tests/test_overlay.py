@@ -11,7 +11,8 @@ import errno
 import os
 import sqlite3
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from fusefs.errors import BaseMismatchError, NoBaseError, StateLockedError
 from fusefs.inodes import DERIVED_BIT, ROOT_INO, Node
 from fusefs.lower import Lower
 from fusefs.overlay import RENAME_EXCHANGE, RENAME_NOREPLACE, Overlay
-from fusefs.upper import INLINE_MAX, Upper, check
+from fusefs.upper import INLINE_MAX, Upper, check, payload_bytes
 from store.objects import Store
 from store.ref import Ref
 from store.snapshot import snapshot
@@ -723,3 +724,58 @@ def test_st_blocks_follow_a_write_that_changes_no_size_or_time(env: Env, ov: Ove
     write(ov, "holey", b"x" * (1 << 16), flags=os.O_WRONLY, off=0)
     assert n.size == off + 3
     assert ov.blocks(n) >= before + (1 << 16) // 512
+
+
+# -- the write-behind batch's size bound ----------------------------------------------------
+
+def test_the_pending_bound_covers_the_spill_payload_of_every_kind_of_change(
+        env: Env, ov: Overlay) -> None:
+    """``pending_bytes`` bounds the spill payload of the batch ``collect`` takes, and
+    ``change_bytes`` (plus the inline bytes and xattrs a change writes) bounds what each
+    change adds to it: the mount commits on them before a full disk could leave more
+    unwritten than its spill takes."""
+    assert ov.upper is not None
+    state = env.state
+    ov.commit()
+
+    def step(more: int, change: Callable[..., object], *args: object) -> None:
+        before = ov.pending_bytes
+        change(*args)
+        grew = ov.pending_bytes - before
+        assert grew <= more, (change.__name__, grew, more)
+
+    root = ROOT_INO
+    for i in range(3):  # check the bound on batches made of different changes
+        d = node(ov, "dir/sub")
+        step(ov.change_bytes(d.ino, b"x"), ov.mkdir, d.ino, b"n%d" % i, 0o755, 0, 0)
+        fd, n = ov.create(root, b"f%d" % i, 0o644, os.O_RDWR, 0, 0)
+        data = os.urandom(3000 + 5000 * i)
+        step(ov.change_bytes(n.ino) + len(data), ov.write, fd, 0, data)
+        step(ov.change_bytes(n.ino) + 10, ov.write, fd, 1000, data[:10])
+        ov.release(fd)
+        big = node(ov, "big.bin")
+        step(ov.change_bytes(big.ino), partial(ov.setattr, mode=0o600), big.ino)
+        h = node(ov, "hello.txt")
+        step(ov.change_bytes(h.ino) + 7 + 300, ov.setxattr, h.ino, b"user.k%d" % i,
+             b"v" * 300)
+        step(ov.change_bytes(root, b"l") + 2000, ov.symlink, root, b"l%d" % i, b"t" * 2000,
+             0, 0)
+        step(ov.change_bytes(h.ino) + ov.change_bytes(root, b"h"), ov.link, h.ino, root,
+             b"h%d" % i)
+        step(ov.change_bytes(root, b"f%d" % i) + ov.change_bytes(d.ino, b"g%d" % i),
+             ov.rename, root, b"f%d" % i, d.ino, b"g%d" % i, 0)
+        step(ov.change_bytes(d.ino, b"g%d" % i), ov.unlink, d.ino, b"g%d" % i)
+        bound = ov.pending_bytes
+        assert payload_bytes([ov.collect()], state) <= bound
+        ov.commit()
+
+    # Small files (what an untar makes): the bound stays close to the payload, so the
+    # mount commits about once per spill slot of them, not more often.
+    for i in range(500):
+        fd, _ = ov.create(root, b"s%d" % i, 0o644, os.O_WRONLY, 0, 0)
+        ov.write(fd, 0, os.urandom(3000))
+        ov.release(fd)
+    bound = ov.pending_bytes
+    payload = payload_bytes([ov.collect()], state)
+    assert payload <= bound <= payload * 5 // 4, (payload, bound)
+    ov.commit()
