@@ -79,7 +79,8 @@ def resolve_store(args: argparse.Namespace) -> None:
                               cache_bytes=int(cache_bytes) if cache_bytes
                               else config.DEFAULT_CACHE_BYTES)
     local = getattr(args, "local", None) or config.default_local_dir()
-    config.refuse_secrets(cfg.check())  # before any server is asked
+    cfg = cfg.check()  # the store's one spelling, for every comparison and record
+    config.refuse_secrets(cfg)  # before any server is asked
     if config.read(local) is None:  # a first binding: written only once both servers answer
         config.probe(cfg)
     config.configure(local, cfg)

@@ -266,10 +266,12 @@ def open_parts(root: str, cfg: SharedConfig) -> tuple[Any, Any]:
     command that needs only the catalog and the cache works while it is down), except
     that a catalog of an earlier version recording no store is checked for a few of its
     packs in this one once (``pgcatalog.bind_store``). Raises CatalogError if the catalog
-    cannot be reached, StoreConfigError if it indexes another store."""
+    cannot be reached, StoreConfigError if it indexes another store or ``cfg`` breaks the
+    rules (``SharedConfig.check``: the store is compared in its canonical spelling)."""
     from .blobcache import CachedBackend
     from .pgcatalog import PostgresCatalog
 
+    cfg = cfg.check()
     s3 = _s3(cfg)
     cache_dir = os.path.join(cfg.cache or default_cache_dir(), _cache_name(cfg.blobs))
     catalog = PostgresCatalog(cfg.catalog, store=cfg.blobs, holds=s3.exists)
@@ -281,9 +283,12 @@ def probe(cfg: SharedConfig) -> None:
     credentials, CatalogError unless its catalog does, StoreConfigError if that catalog
     indexes another store (``pgcatalog.bind_store``; nothing is created): what a first
     ``configure`` of a directory checks, so that a failed first open leaves no
-    ``store.json`` binding the directory to a store it never opened."""
+    ``store.json`` binding the directory to a store it never opened. ``cfg`` is checked
+    first (``SharedConfig.check``), so the catalog compares the store's canonical spelling
+    (``canonical_blobs``: ``s3://b/p/`` is ``s3://b/p``)."""
     from .pgcatalog import probe as probe_catalog
 
+    cfg = cfg.check()
     s3 = _s3(cfg)
     s3.check()
     probe_catalog(cfg.catalog, store=cfg.blobs, holds=s3.exists)

@@ -66,6 +66,26 @@ def test_another_store_is_refused_by_the_catalog_of_a_store(
     assert _catalog_store(pg_dsn) == url
 
 
+def test_every_spelling_of_a_store_opens_it_from_a_fresh_local_directory(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    """``s3://B/P/`` and ``s3://B//P`` are the store ``s3://B/P``: the first host records
+    that spelling, and each later host's first command (a fresh --local, which probes the
+    catalog before binding the directory) opens it under any of them."""
+    ep = s3_env.endpoint  # type: ignore[attr-defined]
+    url = f"s3://{s3_bucket}/x"
+    h1 = Host("h1", tmp_path, f"{url}/", ep, pg_dsn)
+    h1.run("snapshot", str(_project(tmp_path)), "--label", "team")
+    assert _catalog_store(pg_dsn) == url
+    listed = h1.run("list").stdout
+    for i, spelling in enumerate((f"{url}/", f"s3://{s3_bucket}//x", f"s3://{s3_bucket}//x//")):
+        h = Host(f"h{i + 2}", tmp_path, spelling, ep, pg_dsn)
+        r = h.run("list", check=False)
+        assert r.returncode == 0, (spelling, r.stderr)
+        assert r.stdout == listed, spelling
+        assert json.loads((h.local / "store.json").read_text())["blobs"] == url
+    assert _catalog_store(pg_dsn) == url
+
+
 def test_a_catalog_of_an_earlier_version_adopts_the_store_holding_its_packs(
         s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
     ep = s3_env.endpoint  # type: ignore[attr-defined]
