@@ -117,8 +117,8 @@ def register(sub: Any) -> None:
                    help="shared store: how long to wait for writers of other hosts to "
                         "finish before refusing, as gc (default 120)")
     p.add_argument("--force", action="store_true",
-                   help="rebuild even if the store lacks listed snapshots or journal "
-                        "events the index holds (refused otherwise)")
+                   help="rebuild even if the store lacks listed snapshots, journal "
+                        "events or packs the index holds (refused otherwise)")
     add_json(p)
     p.set_defaults(handler=cmd_rebuild_index)
 

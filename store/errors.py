@@ -231,20 +231,24 @@ class WritersBusyError(GCError):
 
 
 class RebuildShrinkError(GCError):
-    """``rebuild-index`` refused (nothing changed): the store's listing lacks history the
+    """``rebuild-index`` refused (nothing changed): the store's listing lacks what the
     catalog indexes, so the rebuilt catalog would lose it: ``snapshots`` listed Refs and
-    ``journal_events`` journal events (at least) with no record in the store. A listing
-    of a damaged, emptied or wrong bucket or prefix looks so; the message says what to do:
-    check the store (``verify``), or ``rebuild-index --force`` to index only what it
-    holds. ``examples``: a few of the Refs it would drop."""
+    ``journal_events`` journal events (at least) with no record in the store, ``packs``
+    indexed packs it does not list (their objects' rows would go, and every tree and file
+    they hold with them). A listing of a damaged, emptied or wrong bucket or
+    prefix looks so; the message says what to do: check the store (``verify``), or
+    ``rebuild-index --force`` to index only what it holds. ``examples``: a few of the Refs
+    and pack keys it would drop."""
 
-    def __init__(self, snapshots: int, journal_events: int, examples: list[str]) -> None:
+    def __init__(self, snapshots: int, journal_events: int, examples: list[str],
+                 packs: int = 0) -> None:
         self.snapshots = snapshots
         self.journal_events = journal_events
+        self.packs = packs
         self.examples = examples
         lost = [f"{n} {what}{'' if n == 1 else 's'}"
                 for n, what in ((snapshots, "listed snapshot"),
-                                (journal_events, "journal event")) if n]
+                                (journal_events, "journal event"), (packs, "pack")) if n]
         eg = f" (e.g. {', '.join(examples)})" if examples else ""
         cause = (f"the store's listing lacks {' and '.join(lost)} that the catalog indexes"
                  f"{eg}; the rebuilt catalog would lose them; nothing changed. Check that "

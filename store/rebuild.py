@@ -236,7 +236,7 @@ def rebuild_index(store: Store, *, wait_s: float | None = None,
     (``sharedgc.exclusive``: it waits up to ``wait_s`` seconds, default ``sharedgc.WAIT_S``,
     for writers of every host); GCBusyError if another GC or rebuild runs, WritersBusyError
     (a GCError, exit 8) if writers stay. Unless ``force``, RebuildShrinkError (exit 8,
-    nothing changed) if the backend's history lacks listed snapshots or journal events the
+    nothing changed) if the backend lacks listed snapshots, journal events or packs the
     index holds (``_refuse_shrink``)."""
     from . import sharedgc
 
@@ -252,24 +252,29 @@ def rebuild_index(store: Store, *, wait_s: float | None = None,
     return rep
 
 
-def _refuse_shrink(store: Store, h: History) -> None:
-    """Raise RebuildShrinkError if replacing the index with the backend's history ``h``
-    would drop listed snapshots or journal events that it indexes: a history record is
-    written before its row, so a row without its record means a listing that is not the
-    store's whole (an emptied, damaged or wrong bucket or prefix)."""
+def _refuse_shrink(store: Store, h: History, packs: set[str]) -> None:
+    """Raise RebuildShrinkError if replacing the index with the backend's history ``h`` and
+    the listed packs ``packs`` (keys) would drop listed snapshots, journal events or packs
+    that it indexes: a history record is written before its row and a pack before its
+    rows, so a row without its record or pack means a listing that is not the store's
+    whole (an emptied, damaged or wrong bucket or prefix, a lost pack). A listed pack
+    that cannot be read is not one: the rebuild reports it (``skipped_packs``)."""
     from .errors import RebuildShrinkError
 
     gone = sorted({r[0] for r in store.catalog.snapshots()} - set(h.snapshots))
     events = store.catalog.summary().journal_events
     lost_events = max(0, events - len({(jr.session, jr.seq) for jr in h.journal}))
-    if gone or lost_events:
-        raise RebuildShrinkError(len(gone), lost_events, gone[:3])
+    lost_packs = sorted({key for key, _, _ in store.catalog.packs()} - packs)
+    if gone or lost_events or lost_packs:
+        raise RebuildShrinkError(len(gone), lost_events, gone[:3] + lost_packs[:3],
+                                 len(lost_packs))
 
 
 def _rebuild(store: Store, rep: RebuildReport, hold: Any, force: bool = False) -> None:
     """``rebuild_index``'s work into ``rep``; ``hold`` (a ``sharedgc.GCHold`` or None) is
     kept renewed while the packs are read."""
     packs: list[tuple[str, int, list[Location]]] = []
+    listed: set[str] = set()
     for key in store.backend.list(""):
         if hold is not None:
             hold.keep()
@@ -278,6 +283,7 @@ def _rebuild(store: Store, rep: RebuildReport, hold: Any, force: bool = False) -
             if not is_known_key(key):
                 rep.unknown_keys.append(key)
             continue
+        listed.add(key)
         try:
             data, rows = read_pack(store.backend, key)
         except (IntegrityError, BackendError) as e:
@@ -289,7 +295,7 @@ def _rebuild(store: Store, rep: RebuildReport, hold: Any, force: bool = False) -
     h = read_history(store.backend)
     rep.skipped_records = list(h.bad)
     if not force:
-        _refuse_shrink(store, h)
+        _refuse_shrink(store, h, listed)
     if hold is not None:  # lost (this host paused past its ttl): stop before any change
         hold.renew()
     # GC refuses until verify passes: set before the tables change, so a crash in

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from test_gc import reachable
 from test_verify import build, new_store
 
+from store.errors import RebuildShrinkError
 from store.objects import Store
 from store.rebuild import rebuild_index
 from store.verify import verify
@@ -100,6 +102,29 @@ def test_damaged_packs_and_records_are_skipped_and_reported(tmp_path: object) ->
     problems = verify(s2)
     assert {p.invariant for p in problems} == {"snapshot-root", "journal-ref", "history-object"}
     assert s2.config_value("unverified_rebuild") == "1"
+
+
+def test_rebuild_refuses_to_drop_the_rows_of_a_pack_the_store_lost(tmp_path: object) -> None:
+    """A pack the index holds gone from the store (its snapshot records kept): the rebuild
+    would silently drop its rows, and with them the second snapshot's trees; it is refused
+    (exit 8) naming the pack, nothing changed; --force indexes what the store holds."""
+    s = new_store(tmp_path)
+    build(s, seed=1)
+    b = build(s, seed=2, session="s2")
+    lost = s.locate(b.spare_chunk).pack
+    os.unlink(os.path.join(s.root, "backend", *lost.split("/")))
+    before = [sorted(s.conn.execute(f"SELECT * FROM {t}").fetchall())
+              for t in ("objects", "packs", "snapshots", "journal")]
+    with pytest.raises(RebuildShrinkError) as e:
+        rebuild_index(s)
+    assert e.value.exit_code == 8 and e.value.packs == 1 and e.value.snapshots == 0
+    assert lost in str(e.value) and "1 pack that the catalog indexes" in str(e.value)
+    assert [sorted(s.conn.execute(f"SELECT * FROM {t}").fetchall())
+            for t in ("objects", "packs", "snapshots", "journal")] == before
+    assert s.config_value("unverified_rebuild") is None
+    rep = rebuild_index(s, force=True)
+    assert rep.packs == len(before[1]) - 1 and not s.has(b.spare_chunk)
+    assert s.config_value("unverified_rebuild") == "1"
 
 
 def test_rebuild_twice_gives_the_same_index(tmp_path: object) -> None:

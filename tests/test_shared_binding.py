@@ -155,6 +155,40 @@ def test_rebuild_index_from_a_listing_lacking_the_catalogs_history_is_refused(
     assert second not in a.run("list").stdout
 
 
+def test_rebuild_index_from_a_listing_lacking_an_indexed_pack_is_refused(
+        s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
+    """A pack object of the bucket deleted (every snapshot record kept): rebuild-index
+    exits 8 naming the pack and changes nothing (verify still finds what it found before);
+    --force rebuilds from what the bucket holds."""
+    ep = s3_env.endpoint  # type: ignore[attr-defined]
+    a = Host("hostA", tmp_path, f"s3://{s3_bucket}/team", ep, pg_dsn)
+    src = _project(tmp_path)
+    a.run("snapshot", str(src))
+    (src / "b.txt").write_text("more of the team's work\n" * 100)
+    a.run("snapshot", str(src))
+    s3 = s3_env.client()  # type: ignore[attr-defined]
+    got = s3.list_objects_v2(Bucket=s3_bucket, Prefix="team/packs/")
+    packs = sorted(o["Key"] for o in got.get("Contents", []))
+    assert len(packs) == 2, packs
+    s3.delete_object(Bucket=s3_bucket, Key=packs[-1])
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        rows = c.execute("SELECT key, size, objects FROM packs ORDER BY key").fetchall()
+        objects = c.execute("SELECT count(*) FROM objects").fetchone()
+    lost = packs[-1].removeprefix("team/")
+    r = a.run("rebuild-index", check=False)
+    assert r.returncode == 8, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("rewindfs: rebuild-index refused: ") and lost in r.stderr
+    assert "lacks 1 pack that the catalog indexes" in r.stderr and "--force" in r.stderr
+    doc = json.loads(a.run("rebuild-index", "--json", check=False).stdout)
+    assert doc["exit_code"] == 8 and doc["packs"] == 1, doc
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        assert c.execute("SELECT key, size, objects FROM packs ORDER BY key"
+                         ).fetchall() == rows
+        assert c.execute("SELECT count(*) FROM objects").fetchone() == objects
+    rebuilt = json.loads(a.run("rebuild-index", "--force", "--json").stdout)
+    assert rebuilt["packs"] == 1 and rebuilt["snapshots"] == 2, rebuilt
+
+
 def test_a_local_directory_runs_as_the_host_id_first_given_with_it(
         s3_env: object, s3_bucket: str, pg_dsn: str, tmp_path: Path) -> None:
     """hostA's --local given --host-id hostD (or REWINDFS_HOST_ID) is refused with exit 2
