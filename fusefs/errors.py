@@ -91,11 +91,19 @@ class UpperFormatError(FuseFSError):
 
 
 class MountError(FuseFSError):
-    """The mount could not be set up, or an unmount failed; ``cause`` says why."""
+    """The mount could not be set up, or an unmount failed; ``cause`` says why. ``because``:
+    the store's error that stopped it, if any (a blob backend that cannot be read); then
+    ``cause_type`` is its class name and ``exit_code`` 11 or 12 when it is a failed
+    server's (``store.errors.typed_cause``), else 9."""
 
-    def __init__(self, mountpoint: str, cause: str) -> None:
+    def __init__(self, mountpoint: str, cause: str, *,
+                 because: BaseException | None = None) -> None:
         self.mountpoint = mountpoint
         self.cause = cause
+        if because is not None:
+            from store.errors import typed_cause
+
+            self.cause_type, self.exit_code = typed_cause(because, otherwise=9)
         super().__init__(f"{mountpoint}: {cause}")
 
 

@@ -481,3 +481,51 @@ def test_a_registry_row_older_than_the_journal_does_not_reopen_the_stale_upper(
     events = json.loads(b.run("log", sid, "--json").stdout)
     assert events[-1]["ref"] == last and events[-1]["event"] == "WorkspaceCheckpointed"
     b.session("shutdown", sid, "--checkpoint")
+
+
+def test_a_resume_that_fails_on_a_hung_s3_server_leaves_the_session_where_it_was(
+        own_seaweed: object, pg_dsn: str, tmp_path: Path) -> None:
+    """SeaweedFS stopped with SIGSTOP while host C, whose cache is empty, resumes a session
+    B stopped with a checkpoint: the resume fails with the backend's error (exit 11) before
+    its mount serves, and leaves the session's registry row as it was, so that once the
+    server answers again the session resumes on B (or C) with the checkpointed tree."""
+    url = f"s3://{own_seaweed.new_bucket()}/team/store"  # type: ignore[attr-defined]
+    ep = own_seaweed.endpoint  # type: ignore[attr-defined]
+    b = SessionHost("hostB", tmp_path, url, ep, pg_dsn)
+    c = SessionHost("hostC", tmp_path, url, ep, pg_dsn)
+    c.env.update(REWINDFS_S3_ATTEMPTS="2", REWINDFS_S3_READ_TIMEOUT="0.5",
+                 REWINDFS_S3_CONNECT_TIMEOUT="0.5")
+    try:
+        s = b.started("new", "--seed", str(project(tmp_path)))
+        sid, root = s["id"], Path(s["root"])
+        (root / "README").write_text("changed on B\n")
+        want = ref_of(root)
+        b.session("shutdown", sid, "--checkpoint")
+        before = b.row(sid)
+        assert before[0] == "hostB" and before[1]["state"] == "stopped"
+        # C has opened the store before (its local directory made), none of this tree.
+        assert [e["host"] for e in json.loads(c.session("list", "--json").stdout)] == \
+            ["hostB"]
+
+        group = own_seaweed.proc.pid  # type: ignore[attr-defined]
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            r = c.session("resume", sid, "--base", str(c.base), "--json", check=False)
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        assert r.returncode == 11, (r.returncode, r.stdout, r.stderr)
+        assert "BackendError" in r.stdout, r.stdout
+        assert b.row(sid) == before  # C never served it: nothing of it moved there
+
+        listed = json.loads(b.session("list", "--json").stdout)
+        assert [(e["id"], e["state"]) for e in listed] == [(sid, "stopped")]
+        again = b.started("resume", sid)
+        assert ref_of(again["root"]) == want
+        assert (Path(again["root"]) / "README").read_text() == "changed on B\n"
+        b.session("shutdown", sid, "--checkpoint")
+        moved = c.started("resume", sid)  # and C, the server answering again, takes it
+        assert ref_of(moved["root"]) == want
+        c.session("shutdown", sid)
+    finally:
+        c.cleanup()
+        b.cleanup()

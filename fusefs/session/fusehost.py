@@ -509,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
                 assert proc is not None
                 proc.discard(host)
             finally:
-                report(error_reply(MountError(mount.mountpoint, mount.error)))
+                report(error_reply(MountError(mount.mountpoint, mount.error,
+                                                 because=mount.error_cause)))
             return
         try:
             assert proc is not None

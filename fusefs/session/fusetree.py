@@ -318,6 +318,7 @@ class FuseMount:
         self.error: str | None = None
         self.persist_error: str | None = None  # set when the last persist failed (``leave``)
         self.served = False  # the mount served at some point (a fixed root is written back)
+        self.error_cause: BaseException | None = None  # the store's error behind ``error``
         self.live: Any = None  # fusefs.control.Live while serving
         # caps recorded in the upper when it opens (bytes, inodes; None: keep the recorded)
         self.quota: tuple[int | None, int | None] = (None, None)
@@ -413,6 +414,7 @@ class FuseMount:
             ov = open_overlay(self.store, self.upper_dir, self.base, cache_mib, self.quota,
                               self.exclude)
         except Exception as e:
+            self.error_cause = e
             return self._failed(f"cannot open the upper: {type(e).__name__}: {e}")
         gate = _notifying_gate(self)
         ops = Operations(ov, gate=gate)
@@ -513,12 +515,16 @@ class FuseMount:
         return code
 
     def _failed(self, why: str) -> int:
+        """Never served, because of ``why``: 9, or the exit code of the failed server behind
+        it (``error_cause``: 11 the blob backend, 12 the catalog)."""
         log.error("%s", why)
         self.error = why
         self.phase = STOPPED
         self.unmounted.set()
         self.ready.set()
-        return 9
+        from fusefs.errors import MountError
+
+        return int(MountError(self.mountpoint, why, because=self.error_cause).exit_code)
 
     def mutated(self) -> None:
         for fn in list(self.on_mutation):
@@ -872,6 +878,11 @@ class FuseTree:
         if m.fixed or not m.unmounted.is_set():
             return None
         return upper_holds_changes(self.store, m.upper_dir, pointer)
+
+    @property
+    def served(self) -> bool:
+        """True once the mount served (for any of its sessions)."""
+        return bool(self.mount.served)
 
     def close(self) -> None:
         """Leave the mount: the last session unmounts it (and writes a fixed root back)."""

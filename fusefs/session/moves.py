@@ -8,7 +8,8 @@ record), written by the session process itself::
      "mode": placement mode, "parent": id or Ref | null, "created_ns", "time_ns",
      "epoch": session lease epoch, "spec": the workspace spec (host.spec_of)}
 
-- ``running`` once the process holds the session lease, before the root is usable;
+- ``running`` once the process holds the session lease, before the root is usable; a
+  resume whose mount fails before it serves puts the row it found back (``put_back``);
 - ``stopped`` at shutdown, after the tree is closed (unmounted, the upper persisted) and
   before the leases are released: ``head`` is the restore pointer (the last checkpoint or
   restore), ``dirty`` whether the upper still holds changes no checkpoint took (None: it
@@ -153,6 +154,24 @@ def publish(store: Any, session_id: str, state: str, *, head: Ref | None,
         "mode": mode, "parent": parent, "created_ns": created_ns, "time_ns": time.time_ns(),
         "epoch": epoch, "spec": spec}, sort_keys=True),
         fence=lease_name(session_id), epoch=epoch)
+
+
+def row(store: Any, session_id: str) -> tuple[str, str] | None:
+    """The raw registry row of ``session_id``, ``(host, record)``, or None (no row, or an
+    embedded store): what ``put_back`` writes again."""
+    return store.catalog.session(session_id) if shared(store) else None
+
+
+def put_back(store: Any, session_id: str, before: tuple[str, str] | None,
+             epoch: int) -> None:
+    """Undo this host's ``running`` row of a session opened here that never served (its
+    mount failed before it did: nothing of it changed here): write ``before`` (``row``'s
+    value when it was opened) again, fenced by the session lease at ``epoch`` as
+    ``publish`` (FencedError if it moved on). No-op for ``before`` None (no row then)."""
+    if not shared(store) or before is None:
+        return
+    store.catalog.put_session(session_id, before[0], before[1],
+                              fence=lease_name(session_id), epoch=epoch)
 
 
 def lease_name(session_id: str) -> str:

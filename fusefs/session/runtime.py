@@ -143,6 +143,9 @@ class SessionCore:
         self._step_lock = threading.Lock()  # steps are numbered in the order they close
         # The last checkpoint was a shutdown's and no mutation was seen since (moves.py)
         self._shutdown_checkpointed = False
+        # The registry row found when the session was opened here (``moves.row``), put back
+        # if it closes before its tree ever served (``_put_back``).
+        self._row_before: tuple[str, str] | None = None
 
     # -- leases (CONTRACT 4.2) ----------------------------------------------------------
 
@@ -297,6 +300,7 @@ class SessionCore:
                 # this holder's, not a later one's (moves.superseded), even if this process
                 # ends before it serves.
                 before = self.journal.restore_pointer()
+                self._row_before = moves.row(self.store, self.id)
                 self._publish(moves.RUNNING, before)
             self.tree.recover(self._roll_forward)
             pointer = self.journal.restore_pointer()
@@ -623,7 +627,10 @@ class SessionCore:
                 self.barrier.close()
                 self.tree.close()
                 if moves.shared(self.store):
-                    self._publish_stopped()
+                    if self._unserved():
+                        self._put_back()
+                    else:
+                        self._publish_stopped()
             finally:
                 self._release_leases()
                 self.state = CLOSED
@@ -640,6 +647,22 @@ class SessionCore:
                       mode=self.record.mode, parent=self.record.parent,
                       created_ns=self.record.created_ns, epoch=self.epoch,
                       spec=spec_of(self.cfg, self.record.backend))
+
+    def _unserved(self) -> bool:
+        """True if this session was resumed here and its tree never served (a mount that
+        failed before it did: a store that cannot be read, a refused mount)."""
+        return self._row_before is not None and getattr(self.tree, "served", True) is False
+
+    def _put_back(self) -> None:
+        """At shutdown of a session that never served here: its row as it was found, so
+        that no host takes this one for the session's (nothing of it changed here). A
+        failure is logged, as ``_publish_stopped``'s."""
+        try:
+            moves.put_back(self.store, self.id, self._row_before, self.epoch)
+            log.info("session %s: never served here; its registry row is put back", self.id)
+        except Exception as e:
+            log.error("session %s: putting its registry row back failed: %s: %s",
+                      self.id, type(e).__name__, e)
 
     def _publish_stopped(self) -> None:
         """At shutdown, the tree closed, the leases still held: ``stopped`` with the restore
