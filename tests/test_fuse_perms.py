@@ -122,16 +122,19 @@ def as_nobody(ops: list[tuple[str, str, list[object]]]) -> dict[str, object]:
     return as_user(ops, NOBODY, NOBODY, [])
 
 
+def mk(p: Path, mode: int, uid: int, gid: int, data: bytes | None = None) -> None:
+    """A directory at ``p`` (a file holding ``data`` if given) owned by ``uid:gid`` with
+    permission bits ``mode`` (set after the chown, so setgid and setuid bits stay)."""
+    if data is None:
+        p.mkdir()
+    else:
+        p.write_bytes(data)
+    os.chown(p, uid, gid)
+    os.chmod(p, mode)
+
+
 def build_perm_lower(root: Path) -> None:
     """Lower tree for the permission tests; see the assertions for what each entry is for."""
-    def mk(p: Path, mode: int, uid: int, gid: int, data: bytes | None = None) -> None:
-        if data is None:
-            p.mkdir()
-        else:
-            p.write_bytes(data)
-        os.chown(p, uid, gid)
-        os.chmod(p, mode)
-
     root.mkdir()
     mk(root / "own", 0o755, NOBODY, NOBODY)
     mk(root / "own" / "ro.txt", 0o444, NOBODY, NOBODY, b"mine, read-only\n")
@@ -334,15 +337,6 @@ SCRIPT = b"#!/bin/sh\nexit 0\n"
 
 def build_compare_tree(root: Path) -> None:
     """The tree both sides of ``test_permissions_equal_a_native_directory`` start from."""
-    def mk(rel: str, mode: int, uid: int, gid: int, data: bytes | None = None) -> None:
-        p = root / rel
-        if data is None:
-            p.mkdir()
-        else:
-            p.write_bytes(data)
-        os.chown(p, uid, gid)
-        os.chmod(p, mode)
-
     root.mkdir()
     for rel, mode, uid, gid, data in [
         ("pub", 0o755, 0, 0, None),
@@ -371,7 +365,7 @@ def build_compare_tree(root: Path) -> None:
         ("home/sub", 0o755, USER, USER, None),
         ("home/sub/file", 0o644, USER, USER, b"in sub\n"),
     ]:
-        mk(rel, mode, uid, gid, data)
+        mk(root / rel, mode, uid, gid, data)
 
 
 def user_ops(r: str) -> list[tuple[str, str, list[object]]]:
