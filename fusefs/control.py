@@ -231,7 +231,10 @@ class Live:
             self._lap("syncfs_again")
             yield writer
         finally:
-            await trio.to_thread.run_sync(writer.close)
+            # Shielded: a cancelled upload (the mount shutting down) still closes the
+            # write batch, whose renewed writer pin would otherwise hold off GC for good.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(writer.close)
 
     async def _freeze(self, *, origin: str, label: str | None,
                       list_it: bool = True, writer: Writer | None = None) -> dict[str, Any]:

@@ -568,6 +568,8 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.ENOSYS)
         writable = flags & os.O_ACCMODE != os.O_RDONLY or bool(flags & os.O_TRUNC)
         async with self.gate.opening(writable):
+            if flags & os.O_TRUNC:  # truncates: marks rows as a setattr does
+                await self.admit(self.ov.change_bytes(inode))
             return FileInfo(fh=FileHandleT(self.ov.open(inode, flags)), keep_cache=True)
 
     @_boundary

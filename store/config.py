@@ -202,6 +202,9 @@ def bind_host(root: str, given: str | None) -> str | None:
     except OSError as e:
         raise StoreConfigError(f"{path}: cannot read the host id of this directory ({e})"
                                ) from None
+    if have == "":  # never written so (a link publishes it whole): damaged
+        raise StoreConfigError(f"{path}: the host id file of this directory is empty; "
+                               f"remove it and give --host-id again")
     if have:
         from .hostid import check_host_id
 
