@@ -599,8 +599,11 @@ class Operations(pyfuse3.Operations):
         async with self.gate.mutation():
             h = self._fh(fh, inode)
             await self._load_chunks(h, off, len(buf))
-            await self.admit(self.ov.change_bytes(self.ov.handle(h).node.ino)
-                             + min(len(buf), INLINE_MAX))
+            node = self.ov.handle(h).node
+            # Inline content grows by the zeros before ``off`` too (a write past its end).
+            grown = min(off + len(buf), INLINE_MAX) - len(node.inline or b"")
+            await self.admit(self.ov.change_bytes(node.ino)
+                             + max(min(len(buf), INLINE_MAX), grown))
             return self.ov.write(h, off, buf, bool(flags & self._kill_write_flag))
 
     async def flush(self, fh: FileHandleT, inode: InodeT | None = None) -> None:
