@@ -327,9 +327,9 @@ class Live:
 
     def _forget_pending_batches(self) -> None:
         """Batches that failed to write before a reset describe the old upper: drop them."""
-        if hasattr(self.ops, "_failed"):
-            self.ops._failed = []
-            self.ops._unwritten = 0
+        forget = getattr(self.ops, "forget_unwritten", None)
+        if forget is not None:
+            forget()
 
     def _writable_handles(self) -> int:
         return sum(1 for h in self.ov.handles.values() if h.writable)

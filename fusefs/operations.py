@@ -365,6 +365,12 @@ class Operations(pyfuse3.Operations):
 
             await trio.to_thread.run_sync(work)
 
+    def forget_unwritten(self) -> None:
+        """Drop the batches that failed to write, and their count in ``admit``'s bound: a
+        checkpoint or restore reset the upper they describe."""
+        self._failed = []
+        self._unwritten = 0
+
     async def admit(self, more: int) -> None:
         """Before a change that adds at most ``more`` bytes to the next batch's spill
         payload (``Overlay.change_bytes`` and the inline content or xattrs it writes) is
