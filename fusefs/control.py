@@ -800,6 +800,7 @@ class Live:
                 "paused": self.gate.paused, "permits": self.gate.permits,
                 "mountpoint": self.mountpoint, "state": self.state_dir, "pid": os.getpid(),
                 "requests": dict(self.ops.counts), "binding": binding.info(),
+                "affinity": self.ops.affinity.info() if self.ops.affinity else None,
                 "no_open": self.no_open, "kernel_inodes": held,
                 "quota": ov.quota(),
                 **self._disk()}

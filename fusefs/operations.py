@@ -44,6 +44,7 @@ from pyfuse3 import (
 )
 
 from . import binding
+from .affinity import ServingAffinity
 from .errors import UpperSpilledError
 from .guard import SandboxGuard
 from .inodes import Node
@@ -148,6 +149,11 @@ def _boundary(fn: F) -> F:
     @functools.wraps(fn)
     async def handler(self: Operations, *args: Any) -> Any:
         self.counts[op] += 1
+        aff = self.affinity
+        if aff is not None:
+            aff.countdown -= 1
+            if aff.countdown <= 0:
+                aff.note(args)
         t0 = perf_counter()
         try:
             return await fn(self, *args)
@@ -189,6 +195,9 @@ class Operations(pyfuse3.Operations):
     # once when the kernel has queued it, without a round through the event loop; after
     # this many in a row it waits once, so that timers and worker threads' results run.
     eager_requests = 32
+    # With the patched binding, replies can be written under SCHED_IDLE, so the woken
+    # requester runs on the serving thread's CPU (fusefs/affinity.py turns it on).
+    idle_replies = True
 
     def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S,
                  gate: Gate | None = None, upper_lock: trio.Lock | None = None,
@@ -233,9 +242,15 @@ class Operations(pyfuse3.Operations):
         self._inflight: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self.on_init: Callable[[], None] | None = None
+        # Set at INIT, on the thread that answers requests (fusefs/affinity.py).
+        self.affinity: ServingAffinity | None = None
 
     def init(self) -> None:
         """The kernel's INIT was answered: the mount serves from now on."""
+        try:
+            self.affinity = ServingAffinity(self.no_open)
+        except Exception as e:  # init must not raise (pyfuse3 docs)
+            self.log_unexpected("init", e)
         if self.on_init is not None:
             try:
                 self.on_init()

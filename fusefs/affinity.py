@@ -1,0 +1,200 @@
+"""The serving thread's CPU: the CPU of the process whose requests it is answering.
+
+A FUSE request is a round trip: the requester sleeps in the kernel until the daemon's reply
+wakes it. When the two run on different CPUs, each round trip wakes a CPU twice, and on a
+virtual machine waking an idle vCPU is the dearest part of a small request. On the 2-vCPU
+benchmark VM (Linux 6.18) an untar of the Django tree into a session mount took 6.2 s with
+the daemon and tar free to run anywhere and 1.24 s with both pinned to one CPU (the same
+71,630 requests); with the daemon alone pinned, tar moved to the other CPU and it took
+7.3 s. The scheduler does not put them together by itself: waking the requester, it picks
+an idle CPU over the one the daemon is busy replying on.
+
+``ServingAffinity`` does, in no-open mode with the patched binding's idle replies
+(``pyfuse3.set_idle_replies``, scripts/pyfuse3/README.md): the binding writes a reply
+under SCHED_IDLE, so the CPU looks idle to the requester's wake-up and the requester runs
+there at once, and the serving thread is pinned to that CPU, so the next request wakes it
+there too. Every ``SAMPLE_EVERY`` requests the thread reads the requester's CPU
+(``/proc/PID/stat`` field 39, ``processor``, proc(5)):
+
+- two samples in a row from one requester (a thread id) pin the serving thread to its CPU,
+  within the CPUs the daemon was allowed when it started, and turn idle replies on;
+- a sample from another requester, or from one on a CPU outside that mask, unpins the
+  thread and turns them off (several processes at once are left to the scheduler);
+- a window in which the pinned thread waited to run over ``STARVED`` of the wall time
+  (``/proc/thread-self/schedstat`` run_delay, the kernel's sched stats) unpins it for
+  ``COOL_DOWN_S``: other work shares that CPU.
+
+Threads that the serving thread starts while pinned (trio's worker threads) would inherit
+its one CPU; a ``threading.setprofile`` hook gives each new thread the daemon's mask back
+before it runs. Going back from SCHED_IDLE to SCHED_OTHER needs CAP_SYS_NICE or a
+RLIMIT_NICE of 20 (sched(7)); it is tried once in a throwaway thread, and without it, on a
+stock binding, in handle mode or with one allowed CPU, nothing here changes anything.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import pyfuse3
+
+SAMPLE_EVERY = 32  # requests between two samples of the requester's CPU
+STARVED = 0.5  # share of a window's wall time spent waiting to run that unpins
+COOL_DOWN_S = 2.0  # seconds without pinning after a starved window
+_OFF = 1 << 62  # countdown of a disabled instance: never reaches 0
+
+
+def requester_cpu(pid: int) -> int | None:
+    """The CPU thread ``pid`` last ran on (proc(5) ``processor``), or None when it is
+    gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat.rsplit(b")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_delay_s() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU, or None
+    where the kernel keeps no sched stats (``/proc/thread-self/schedstat``)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def can_leave_sched_idle() -> bool:
+    """Whether a thread of this process can go to SCHED_IDLE and back to SCHED_OTHER
+    (tried in a throwaway thread, which stays idle if the way back is closed)."""
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        return False
+    ok: list[bool] = []
+
+    def attempt() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=attempt, name="rewindfs-sched-probe")
+    t.start()
+    t.join()
+    return bool(ok)
+
+
+class ServingAffinity:
+    """Pins the serving thread to a serial requester's CPU (module docstring).
+
+    Created and called on the thread that answers requests (the event loop's): ``note``
+    with each request's handler arguments (the last one is its ``RequestContext`` for the
+    handlers that have one). ``reason`` says why it is off, if it is."""
+
+    def __init__(self, wanted: bool) -> None:
+        self.mask = frozenset(os.sched_getaffinity(0))
+        self.countdown = _OFF
+        self.reason = self._unavailable(wanted)
+        self.pinned: int | None = None  # the CPU the thread is pinned to
+        self.pid = 0  # requester of the last sample
+        self.pins = self.releases = self.starved = 0
+        self._window = (0.0, 0.0)  # (monotonic, run delay) when the window began
+        self._cool_until = 0.0
+        if self.reason is None:
+            self.countdown = SAMPLE_EVERY
+            threading.setprofile(self._thread_started)
+
+    def _unavailable(self, wanted: bool) -> str | None:
+        if not wanted:
+            return "off in handle mode"
+        if "idle_replies" not in getattr(pyfuse3, "extensions", ()):
+            return "needs the patched binding's idle replies"
+        if len(self.mask) < 2:
+            return "one CPU allowed"
+        if not can_leave_sched_idle():
+            return "no way back from SCHED_IDLE (needs CAP_SYS_NICE or RLIMIT_NICE 20)"
+        return None
+
+    def _thread_started(self, frame: Any, event: str, arg: Any) -> None:
+        sys.setprofile(None)
+        try:
+            if os.sched_getaffinity(0) != self.mask:
+                os.sched_setaffinity(0, self.mask)
+        except OSError:
+            pass
+
+    def note(self, args: tuple[Any, ...]) -> None:
+        """Count a request; every ``SAMPLE_EVERY``-th with a context, sample."""
+        ctx = args[-1] if args else None
+        if not isinstance(ctx, pyfuse3.RequestContext) or not ctx.pid:
+            self.countdown = 1  # the next request with a context samples
+            return
+        self.countdown = SAMPLE_EVERY
+        self.sample(ctx.pid)
+
+    def sample(self, pid: int) -> None:
+        """Pin to, stay on or leave ``pid``'s CPU (module docstring)."""
+        now = time.monotonic()
+        delay = run_delay_s()
+        if self.pinned is not None and delay is not None:
+            t0, d0 = self._window
+            if now > t0 and (delay - d0) / (now - t0) > STARVED:
+                self.starved += 1
+                self._cool_until = now + COOL_DOWN_S
+                self.release()
+        self._window = (now, delay or 0.0)
+        same, self.pid = pid == self.pid, pid
+        if now < self._cool_until:
+            return
+        cpu = requester_cpu(pid) if same else None
+        if cpu is None or cpu not in self.mask:
+            self.release()
+            return
+        if cpu != self.pinned:
+            try:
+                os.sched_setaffinity(0, {cpu})
+            except OSError as e:
+                self.disable(f"sched_setaffinity failed: {e}")
+                return
+            self.pinned = cpu
+            self.pins += 1
+            if not pyfuse3.set_idle_replies(True):
+                self.disable("the binding refused idle replies (no mount serving them, "
+                             "or the serving thread is not SCHED_OTHER)")
+
+    def release(self) -> None:
+        """Unpin the thread (the daemon's mask back) and write replies normally."""
+        if self.pinned is None:
+            return
+        pyfuse3.set_idle_replies(False)
+        self.pinned = None
+        self.releases += 1
+        try:
+            os.sched_setaffinity(0, self.mask)
+        except OSError as e:
+            self.disable(f"sched_setaffinity failed: {e}")
+
+    def disable(self, reason: str) -> None:
+        """Off for the rest of the mount, unpinned."""
+        self.reason = reason
+        self.countdown = _OFF
+        self.release()
+
+    def info(self) -> dict[str, Any]:
+        """What ``status`` reports: ``{following, reason, pid, cpu, pins, releases,
+        starved, idle_replies}``; ``idle_replies`` is the binding's ``[on, failures,
+        errno]`` (None on a binding without them)."""
+        idle = getattr(pyfuse3, "idle_replies", None)
+        return {"following": self.reason is None, "reason": self.reason,
+                "pid": self.pid if self.pinned is not None else None,
+                "cpu": self.pinned, "pins": self.pins, "releases": self.releases,
+                "starved": self.starved,
+                "idle_replies": list(idle()) if callable(idle) else None}
