@@ -13,13 +13,16 @@ an idle CPU over the one the daemon is busy replying on.
 (``pyfuse3.set_idle_replies``, scripts/pyfuse3/README.md): the binding writes a reply
 under SCHED_IDLE, so the CPU looks idle to the requester's wake-up and the requester runs
 there at once, and the serving thread is pinned to that CPU, so the next request wakes it
-there too. Every ``SAMPLE_EVERY`` requests the thread reads the requester's CPU
-(``/proc/PID/stat`` field 39, ``processor``, proc(5)):
+there too. Every ``SAMPLE_EVERY`` requests the thread looks at two requests in a row and,
+when one requester (a thread id) sent both, samples it: reads its CPU (``/proc/PID/stat``
+field 39, ``processor``, proc(5)):
 
-- two samples in a row from one requester (a thread id) pin the serving thread to its CPU,
-  within the CPUs the daemon was allowed when it started, and turn idle replies on;
-- a sample from another requester, or from one on a CPU outside that mask, unpins the
-  thread and turns them off (several processes at once are left to the scheduler);
+- two samples in a row from one requester pin the serving thread to its CPU, within the
+  CPUs the daemon was allowed when it started, and turn idle replies on;
+- two requests in a row from two requesters, a sample from another requester, or one on
+  a CPU outside that mask unpin the thread and turn them off (several processes at once
+  are left to the scheduler; two taking turns request by request are never taken for
+  one, whatever the length of their turns);
 - a window in which the pinned thread waited to run over ``STARVED`` of the wall time
   (``/proc/thread-self/schedstat`` run_delay, the kernel's sched stats) unpins it for
   ``COOL_DOWN_S``: other work shares that CPU.
@@ -105,6 +108,7 @@ class ServingAffinity:
         self.reason = self._unavailable(wanted)
         self.pinned: int | None = None  # the CPU the thread is pinned to
         self.pid = 0  # requester of the last sample
+        self._first = 0  # requester of the first request of a pair being looked at
         self.pins = self.releases = self.starved = 0
         self._window = (0.0, 0.0)  # (monotonic, run delay) when the window began
         self._cool_until = 0.0
@@ -132,12 +136,24 @@ class ServingAffinity:
             pass
 
     def note(self, args: tuple[Any, ...]) -> None:
-        """Count a request; every ``SAMPLE_EVERY``-th with a context, sample."""
+        """Count a request. Every ``SAMPLE_EVERY``-th with a context is looked at with the
+        next one with a context: from one requester, it is sampled; from two, the thread
+        is released (two requesters taking turns would otherwise be sampled as one, the
+        same one each time, when their turns divide ``SAMPLE_EVERY``)."""
         ctx = args[-1] if args else None
         if not isinstance(ctx, pyfuse3.RequestContext) or not ctx.pid:
-            self.countdown = 1  # the next request with a context samples
+            self.countdown = 1  # the next request with a context is looked at
             return
-        self.countdown = SAMPLE_EVERY
+        if not self._first:
+            self._first = ctx.pid
+            self.countdown = 1
+            return
+        first, self._first = self._first, 0
+        self.countdown = SAMPLE_EVERY - 1
+        if ctx.pid != first:
+            self.pid = 0
+            self.release()
+            return
         self.sample(ctx.pid)
 
     def sample(self, pid: int) -> None:

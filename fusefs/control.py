@@ -15,8 +15,10 @@ per line each way; requests ``{"op": ...}``:
 - ``status``: ``{ref, dirty_inodes, dirty_bytes, detached_inodes, held_lowers,
   open_handles, writable_handles, open_writers, writers_found_by, writer_pids,
   writers_unseen_processes, parked, paused, mountpoint, state, pid, requests, binding,
-  no_open, kernel_inodes, quota}`` (``requests``: FUSE requests served so far by
+  affinity, no_open, kernel_inodes, quota}`` (``requests``: FUSE requests served so far by
   operation, those that reached a handler; ``binding``: ``fusefs.binding.info()``;
+  ``affinity``: ``fusefs.affinity.ServingAffinity.info()``, the serving thread's CPU,
+  null before the kernel's INIT;
   ``kernel_inodes``: inodes the kernel holds a lookup on. In no-open mode
   ``open_handles`` and ``writable_handles`` are 0 (no file has a handle);
   ``open_writers`` is the number of files open for writing, found by their writable

@@ -1,0 +1,296 @@
+"""The serving thread on the requester's CPU (``fusefs.affinity``) on real mounts: a process
+making requests one after another gets the daemon's serving thread (its main thread, the
+event loop's) pinned to its CPU and followed when it moves; two processes taking turns
+leave it unpinned; no thread stays SCHED_IDLE and threads started while it is pinned get
+the daemon's whole CPU mask; handle mode and a daemon without CAP_SYS_NICE leave it alone
+and still serve. What the daemon does is read from ``status`` (its ``affinity`` key) and
+from /proc/<daemon>/task/*.
+
+Skipped with fewer than two CPUs allowed, on a binding without idle replies, and where this
+user's processes cannot return from SCHED_IDLE (the daemon would not follow either).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fusehelpers as fh
+import pyfuse3
+import pytest
+from ckpt_support import cli, client
+
+from fusefs.affinity import COOL_DOWN_S, ServingAffinity, can_leave_sched_idle
+
+MASK = frozenset(os.sched_getaffinity(0))
+
+pytestmark = [
+    pytest.mark.skipif(fh.SELFTEST, reason="needs real mounts"),
+    pytest.mark.skipif(len(MASK) < 2, reason="needs two allowed CPUs"),
+    pytest.mark.skipif("idle_replies" not in getattr(pyfuse3, "extensions", ()),
+                       reason="needs the patched binding's idle replies"),
+]
+
+needs_way_back = pytest.mark.skipif(not can_leave_sched_idle(),
+                                    reason="needs CAP_SYS_NICE or RLIMIT_NICE 20")
+
+# Runs of a serial requester a test makes at most to see one not starved by other load on
+# the machine: a starved window releases the thread for COOL_DOWN_S (module docstring of
+# fusefs.affinity), which is the feature at work, not the case under test.
+ROUNDS = 8
+
+# argv: CPU, directory, count, "data" or "empty". Pinned to CPU before it touches the
+# mount; creates count files (with a line naming each when "data") and stats each.
+REQUESTER = r"""
+import os, sys
+cpu, where, n, data = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "data"
+os.sched_setaffinity(0, {cpu})
+os.makedirs(where, exist_ok=True)
+for i in range(n):
+    p = os.path.join(where, f"f{i}")
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+    if data:
+        os.write(fd, f"{where} {i}\n".encode())
+    os.close(fd)
+    os.stat(p)
+"""
+
+# argv: CPU a, CPU b, directory, turns. Two processes, on CPUs a and b, take turns of one
+# request each (a LOOKUP of a name that does not exist), passing the turn through pipes.
+TAKE_TURNS = r"""
+import os, sys
+a, b, where, n = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+mine, theirs = os.pipe(), os.pipe()
+child = os.fork()
+me, rd, wr = ("b", theirs[0], mine[1]) if child == 0 else ("a", mine[0], theirs[1])
+os.sched_setaffinity(0, {b if child == 0 else a})
+if child:
+    os.write(mine[1], b".")
+for i in range(n):
+    os.read(rd, 1)
+    try:
+        os.stat(os.path.join(where, f"{me}{i}"))
+        os._exit(3)
+    except FileNotFoundError:
+        pass
+    os.write(wr, b".")
+if child == 0:
+    os._exit(0)
+_, status = os.waitpid(child, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def cpus(text: str) -> set[int]:
+    """``0-2,5`` (a Cpus_allowed_list) as ``{0, 1, 2, 5}``."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def allowed(pid: int, tid: int | None = None) -> set[int]:
+    """The CPUs thread ``tid`` (default: the main thread) of process ``pid`` may run on."""
+    with open(f"/proc/{pid}/task/{tid or pid}/status") as f:
+        for line in f:
+            if line.startswith("Cpus_allowed_list:"):
+                return cpus(line.split()[1])
+    raise AssertionError(f"no Cpus_allowed_list for {pid}/{tid}")
+
+
+def threads(pid: int) -> set[int]:
+    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def policies(pid: int) -> dict[int, int]:
+    """``{tid: scheduling policy}`` of every thread of ``pid`` (proc(5) stat field 41;
+    0 SCHED_OTHER, 5 SCHED_IDLE); threads that left while being read are left out."""
+    out = {}
+    for t in threads(pid):
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat", "rb") as f:
+                out[t] = int(f.read().rsplit(b")", 1)[1].split()[38])
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def affinity(d: fh.Daemon) -> dict[str, Any]:
+    """``status``'s ``affinity``, asked through the state directory: a client that goes
+    by the mount point would make requests of its own."""
+    assert d.state is not None
+    return dict(client(d.state).status()["affinity"])
+
+
+def requester(cpu: int, where: Path, n: int = 300, *, data: bool = False) -> int:
+    """Run REQUESTER to its end; return its pid."""
+    p = subprocess.Popen([sys.executable, "-c", REQUESTER, str(cpu), str(where), str(n),
+                          "data" if data else "empty"])
+    assert p.wait(120) == 0
+    return p.pid
+
+
+def follow(d: fh.Daemon, cpu: int, where: Path, *, data: bool = False
+           ) -> tuple[dict[str, Any], int]:
+    """Run a serial requester on ``cpu`` (files under ``where``/rN) until a run of it was
+    not starved (at most ROUNDS); return ``affinity`` after it and its pid."""
+    for n in range(ROUNDS):
+        before = affinity(d)["starved"]
+        pid = requester(cpu, where / f"r{n}", data=data)
+        aff = affinity(d)
+        if aff["starved"] == before:
+            return aff, pid
+        time.sleep(COOL_DOWN_S)
+    raise AssertionError(f"{ROUNDS} runs on CPU {cpu} were all starved by other load: {aff}")
+
+
+def check_data(where: Path, n: int = 300) -> None:
+    for r in where.iterdir():
+        for i in range(n):
+            assert (r / f"f{i}").read_text() == f"{r} {i}\n"
+
+
+@needs_way_back
+def test_the_serving_thread_follows_a_serial_requester(mounter: fh.Mounter, fuse_store: Path,
+                                                       lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    assert start == MASK
+    k, j = max(start), min(start)
+    aff, pid = follow(d, k, d.mnt / "k")
+    assert aff["following"] is True and aff["reason"] is None
+    assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (k, pid, True), aff
+    assert allowed(d.pid) == {k}
+    aff, pid = follow(d, j, d.mnt / "j")
+    assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (j, pid, True), aff
+    assert allowed(d.pid) == {j}
+    # what a user reads
+    st = json.loads(cli(fuse_store, "status", str(d.state), "--json").stdout)
+    assert (st["affinity"]["cpu"], st["affinity"]["following"]) == (j, True)
+
+
+@needs_way_back
+def test_no_thread_stays_idle_and_new_threads_get_the_whole_mask(mounter: fh.Mounter,
+                                                                 lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    k = max(start)
+    aff, _ = follow(d, k, d.mnt / "k")
+    assert aff["cpu"] == k and allowed(d.pid) == {k}, aff
+    assert set(policies(d.pid).values()) == {0}, policies(d.pid)
+    # The event loop's worker threads leave after 10 s idle (trio); once they have, a
+    # checkpoint starts new ones from the pinned thread.
+    deadline = time.monotonic() + 60
+    while threads(d.pid) != {d.pid}:
+        assert time.monotonic() < deadline, f"daemon threads stay: {threads(d.pid)}"
+        time.sleep(0.2)
+    assert d.state is not None
+    client(d.state).checkpoint()
+    assert allowed(d.pid) == {k}  # still pinned: they were started from CPU k
+    started = threads(d.pid) - {d.pid}
+    assert started, "the checkpoint started no thread"
+    assert {t: allowed(d.pid, t) for t in started} == {t: start for t in started}
+    assert set(policies(d.pid).values()) == {0}, policies(d.pid)
+
+
+@needs_way_back
+def test_requesters_taking_turns_leave_the_thread_unpinned(mounter: fh.Mounter,
+                                                           lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    k, j = max(start), min(start)
+    aff, _ = follow(d, k, d.mnt / "serial")
+    assert aff["cpu"] == k, aff
+    # two writers at once, one on each CPU
+    ps = [subprocess.Popen([sys.executable, "-c", REQUESTER, str(cpu),
+                            str(d.mnt / f"w{cpu}" / "r0"), "300", "data"]) for cpu in (k, j)]
+    assert [p.wait(120) for p in ps] == [0, 0]
+    os.sync()  # their pages written back now, not by the kernel's flusher below
+    pins = affinity(d)["pins"]
+    (d.mnt / "turns").mkdir()
+    r = subprocess.run([sys.executable, "-c", TAKE_TURNS, str(k), str(j), str(d.mnt / "turns"),
+                        "1000"], timeout=120)
+    assert r.returncode == 0
+    aff = affinity(d)
+    assert (aff["cpu"], aff["pid"], aff["pins"], aff["idle_replies"][0]) == \
+        (None, None, pins, False), aff
+    assert allowed(d.pid) == start
+    for cpu in (k, j):
+        check_data(d.mnt / f"w{cpu}")
+
+
+def test_handle_mode_leaves_the_thread_alone(mounter: fh.Mounter, lower_ref: str) -> None:
+    d = mounter.rw(lower_ref, extra=["--open-handles"])
+    start = allowed(d.pid)
+    requester(max(start), d.mnt / "k" / "r0", data=True)
+    aff = affinity(d)
+    assert aff["following"] is False and "handle mode" in aff["reason"], aff
+    assert (aff["cpu"], aff["pins"]) == (None, 0)
+    assert allowed(d.pid) == start
+    check_data(d.mnt / "k")
+
+
+@pytest.mark.skipif(not fh.AS_ROOT, reason="drops CAP_SYS_NICE from root")
+def test_without_cap_sys_nice_the_mount_serves_unpinned(mounter: fh.Mounter, fuse_store: Path,
+                                                        lower_ref: str) -> None:
+    base = mounter.base
+    d = fh.Daemon(store=fuse_store, mnt=base / "nonice", ref=lower_ref, state=base / "st",
+                  log=base / "nonice.log")
+    d.command = ["prlimit", "--nice=0:0", "setpriv", "--inh-caps=-sys_nice",
+                 "--bounding-set=-sys_nice", *d.argv()]
+    mounter.daemons.append(d)
+    fh.start(d)
+    start = allowed(d.pid)
+    requester(max(start), d.mnt / "k" / "r0", data=True)
+    aff = affinity(d)
+    assert aff["following"] is False and "SCHED_IDLE" in aff["reason"], aff
+    assert (aff["cpu"], aff["pins"]) == (None, 0)
+    assert allowed(d.pid) == start
+    assert set(policies(d.pid).values()) == {0}
+    check_data(d.mnt / "k")
+
+
+@needs_way_back
+def test_a_pin_the_binding_refuses_is_undone() -> None:
+    """Without a mount in this process the binding refuses idle replies: the pin that two
+    samples of one process make is undone and the instance is off."""
+    cpu = max(MASK)
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import os, sys, time\n"
+                              f"os.sched_setaffinity(0, {{{cpu}}})\n"
+                              "print('ready', flush=True)\n"
+                              "time.sleep(120)\n"],
+                             stdout=subprocess.PIPE, text=True)
+    seen: dict[str, Any] = {}
+    profile = threading.getprofile()
+
+    def in_a_thread() -> None:
+        aff = ServingAffinity(True)
+        seen["before"] = aff.info()
+        aff.sample(child.pid)
+        aff.sample(child.pid)
+        seen["after"] = aff.info()
+        seen["mask"] = os.sched_getaffinity(0)
+
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        t = threading.Thread(target=in_a_thread)
+        t.start()
+        t.join()
+    finally:
+        threading.setprofile(profile)
+        child.kill()
+        child.wait()
+    assert seen["before"]["following"] is True
+    after = seen["after"]
+    assert (after["following"], after["pins"], after["releases"], after["cpu"]) == \
+        (False, 1, 1, None), after
+    assert "refused idle replies" in after["reason"]
+    assert seen["mask"] == MASK
