@@ -14,8 +14,9 @@ an idle CPU over the one the daemon is busy replying on.
 under SCHED_IDLE, so the CPU looks idle to the requester's wake-up and the requester runs
 there at once, and the serving thread is pinned to that CPU, so the next request wakes it
 there too. Every ``SAMPLE_EVERY`` requests the thread looks at two requests in a row and,
-when one requester (a thread id) sent both, samples it: reads its CPU (``/proc/PID/stat``
-field 39, ``processor``, proc(5)):
+when one requester (a thread id: the binding's ``last_request_pid``, which READ and WRITE
+have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
+``processor``, proc(5)):
 
 - two samples in a row from one requester pin the serving thread to its CPU, within the
   CPUs the daemon was allowed when it started, and turn idle replies on;
@@ -23,9 +24,11 @@ field 39, ``processor``, proc(5)):
   a CPU outside that mask unpin the thread and turn them off (several processes at once
   are left to the scheduler; two taking turns request by request are never taken for
   one, whatever the length of their turns);
-- a window in which the pinned thread waited to run over ``STARVED`` of the wall time
-  (``/proc/thread-self/schedstat`` run_delay, the kernel's sched stats) unpins it for
-  ``COOL_DOWN_S``: other work shares that CPU.
+- a window of ``WINDOW_S`` in which the pinned thread waited to run over ``STARVED`` of
+  the wall time, not counting the requester's own CPU time (``/proc/thread-self/
+  schedstat`` run delay less ``/proc/PID/schedstat`` CPU time, the kernel's sched stats),
+  unpins it for a cool-down (``COOL_DOWN_S``, doubling while it recurs): other work
+  shares that CPU.
 
 Threads that the serving thread starts while pinned (trio's worker threads) would inherit
 its one CPU; a ``threading.setprofile`` hook gives each new thread the daemon's mask back
@@ -36,6 +39,7 @@ stock binding, in handle mode or with one allowed CPU, nothing here changes anyt
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -44,9 +48,13 @@ from typing import Any
 
 import pyfuse3
 
+log = logging.getLogger("rewindfs.affinity")
+
 SAMPLE_EVERY = 32  # requests between two samples of the requester's CPU
-STARVED = 0.5  # share of a window's wall time spent waiting to run that unpins
-COOL_DOWN_S = 2.0  # seconds without pinning after a starved window
+STARVED = 0.25  # share of a window's wall time spent waiting to run that unpins
+WINDOW_S = 0.05  # seconds over which waiting to run is judged
+COOL_DOWN_S = (0.25, 4.0)  # seconds without pinning after a starved window: the first,
+# doubled for each starved window that follows the cool-down, up to the second
 _OFF = 1 << 62  # countdown of a disabled instance: never reaches 0
 
 
@@ -61,12 +69,14 @@ def requester_cpu(pid: int) -> int | None:
         return None
 
 
-def run_delay_s() -> float | None:
-    """Seconds the calling thread has spent runnable but waiting for a CPU, or None
-    where the kernel keeps no sched stats (``/proc/thread-self/schedstat``)."""
+def schedstat(path: str = "/proc/thread-self/schedstat") -> tuple[float, float] | None:
+    """``(seconds on a CPU, seconds runnable but waiting for one)`` of the calling thread
+    (or of the thread whose ``/proc/PID/schedstat`` is ``path``), or None where the
+    kernel keeps no sched stats or the thread is gone."""
     try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1]) / 1e9
+        with open(path, "rb") as f:
+            fields = f.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
 
@@ -98,26 +108,31 @@ def can_leave_sched_idle() -> bool:
 class ServingAffinity:
     """Pins the serving thread to a serial requester's CPU (module docstring).
 
-    Created and called on the thread that answers requests (the event loop's): ``note``
-    with each request's handler arguments (the last one is its ``RequestContext`` for the
-    handlers that have one). ``reason`` says why it is off, if it is."""
+    Created and called on the thread that answers requests (the event loop's): each
+    request decrements ``countdown``, and ``note()`` is called when it reaches 0.
+    ``reason`` says why it is off, if it is."""
 
-    def __init__(self, wanted: bool) -> None:
+    def __init__(self, no_open: bool, wanted: bool = True) -> None:
         self.mask = frozenset(os.sched_getaffinity(0))
         self.countdown = _OFF
-        self.reason = self._unavailable(wanted)
+        self.reason = self._unavailable(no_open, wanted)
         self.pinned: int | None = None  # the CPU the thread is pinned to
         self.pid = 0  # requester of the last sample
         self._first = 0  # requester of the first request of a pair being looked at
         self.pins = self.releases = self.starved = 0
-        self._window = (0.0, 0.0)  # (monotonic, run delay) when the window began
+        # When the window began: (monotonic s, this thread's run delay s, requester,
+        # its CPU time s); see _starved.
+        self._window: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
         self._cool_until = 0.0
+        self._cool_s = COOL_DOWN_S[0]
         if self.reason is None:
             self.countdown = SAMPLE_EVERY
             threading.setprofile(self._thread_started)
 
-    def _unavailable(self, wanted: bool) -> str | None:
+    def _unavailable(self, no_open: bool, wanted: bool) -> str | None:
         if not wanted:
+            return "off (--no-follow-cpu)"
+        if not no_open:
             return "off in handle mode"
         if "idle_replies" not in getattr(pyfuse3, "extensions", ()):
             return "needs the patched binding's idle replies"
@@ -135,38 +150,46 @@ class ServingAffinity:
         except OSError:
             pass
 
-    def note(self, args: tuple[Any, ...]) -> None:
-        """Count a request. Every ``SAMPLE_EVERY``-th with a context is looked at with the
-        next one with a context: from one requester, it is sampled; from two, the thread
-        is released (two requesters taking turns would otherwise be sampled as one, the
-        same one each time, when their turns divide ``SAMPLE_EVERY``)."""
-        ctx = args[-1] if args else None
-        if not isinstance(ctx, pyfuse3.RequestContext) or not ctx.pid:
-            self.countdown = 1  # the next request with a context is looked at
+    def note(self) -> None:
+        """A look is due: the requester of the request being answered (the binding's
+        ``last_request_pid``) is noted, and compared with that of the next request: from
+        one requester, it is sampled; from two, the thread is released (two requesters
+        taking turns would otherwise be sampled as one, the same one each time, when
+        their turns divide ``SAMPLE_EVERY``)."""
+        pid = pyfuse3.last_request_pid()
+        if not pid:
+            self.countdown = 1  # not in the mount's pid namespace: try the next request
             return
         if not self._first:
-            self._first = ctx.pid
+            self._first = pid
             self.countdown = 1
             return
         first, self._first = self._first, 0
         self.countdown = SAMPLE_EVERY - 1
-        if ctx.pid != first:
+        if pid != first:
             self.pid = 0
             self.release()
             return
-        self.sample(ctx.pid)
+        self.sample(pid)
 
     def sample(self, pid: int) -> None:
         """Pin to, stay on or leave ``pid``'s CPU (module docstring)."""
+        if self.pinned is not None and not pyfuse3.idle_replies()[0]:
+            # The binding turned them off: a change of policy failed (not expected once
+            # can_leave_sched_idle said yes); the thread may be left SCHED_IDLE.
+            err = pyfuse3.idle_replies()[2]
+            self.disable("writing a reply under SCHED_IDLE failed: "
+                         f"{os.strerror(err) if err else 'unknown error'}")
+            return
         now = time.monotonic()
-        delay = run_delay_s()
-        if self.pinned is not None and delay is not None:
-            t0, d0 = self._window
-            if now > t0 and (delay - d0) / (now - t0) > STARVED:
-                self.starved += 1
-                self._cool_until = now + COOL_DOWN_S
-                self.release()
-        self._window = (now, delay or 0.0)
+        verdict = self._starved(now, pid) if self.pinned is not None else None
+        if verdict:
+            self.starved += 1
+            self._cool_until = now + self._cool_s
+            self._cool_s = min(2 * self._cool_s, COOL_DOWN_S[1])
+            self.release()
+        elif verdict is False:
+            self._cool_s = COOL_DOWN_S[0]
         same, self.pid = pid == self.pid, pid
         if now < self._cool_until:
             return
@@ -180,11 +203,32 @@ class ServingAffinity:
             except OSError as e:
                 self.disable(f"sched_setaffinity failed: {e}")
                 return
+            if self.pinned is None:
+                self._starved(now, pid)  # the first window begins
             self.pinned = cpu
             self.pins += 1
             if not pyfuse3.set_idle_replies(True):
                 self.disable("the binding refused idle replies (no mount serving them, "
                              "or the serving thread is not SCHED_OTHER)")
+
+    def _starved(self, now: float, pid: int) -> bool | None:
+        """Whether (None: not judged now), over the last ``WINDOW_S`` or more, this thread waited to run for
+        other threads than the requester ``pid`` over ``STARVED`` of the time. It waits
+        for the requester as a matter of course (a reply under SCHED_IDLE lets the
+        requester run first), so the requester's own CPU time is taken off the thread's
+        run delay. A window begins at the first call, with another requester, or after
+        ``WINDOW_S`` (shorter ones are too noisy: one kernel worker's millisecond)."""
+        t0, d0, pid0, c0 = self._window
+        if pid0 == pid and now - t0 < WINDOW_S:
+            return None
+        own, theirs = schedstat(), schedstat(f"/proc/{pid}/schedstat")
+        self._window = (now, own[1] if own else 0.0, pid, theirs[0] if theirs else 0.0)
+        if own is None or theirs is None or pid0 != pid:
+            return None
+        share = ((own[1] - d0) - (theirs[0] - c0)) / (now - t0)
+        log.debug("affinity: on CPU %s for pid %d, waited for others %.0f%% of %.0f ms",
+                  self.pinned, pid, 100 * share, 1000 * (now - t0))
+        return share > STARVED
 
     def release(self) -> None:
         """Unpin the thread (the daemon's mask back) and write replies normally."""

@@ -76,6 +76,8 @@ class MountConfig:
     # OPEN/OPENDIR answered ENOSYS (README: no-open mode); None: where the patched binding
     # serves (its default), else file handles
     no_open: bool | None = None
+    # The serving thread follows a serial requester's CPU (fusefs/affinity.py).
+    follow_cpu: bool = True
 
 
 LOG_KEEP = 10000
@@ -348,7 +350,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
         from .gate import Gate
 
         gate = Gate()  # checkpoint and restore pause changes through it
-    ops = Operations(ov, gate=gate, no_open=cfg.no_open)
+    ops = Operations(ov, gate=gate, no_open=cfg.no_open, follow_cpu=cfg.follow_cpu)
     options = mount_options(readonly=ov.readonly, allow_other=cfg.allow_other)
     # A log in the runtime directory (the CLI's for a mount without a state directory) is
     # this mount's alone, and so is its stats file; a clean end leaves neither behind.

@@ -153,7 +153,7 @@ def _boundary(fn: F) -> F:
         if aff is not None:
             aff.countdown -= 1
             if aff.countdown <= 0:
-                aff.note(args)
+                aff.note()
         t0 = perf_counter()
         try:
             return await fn(self, *args)
@@ -201,7 +201,7 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, overlay: Overlay, *, timeout: float = TIMEOUT_S,
                  gate: Gate | None = None, upper_lock: trio.Lock | None = None,
-                 no_open: bool | None = None) -> None:
+                 no_open: bool | None = None, follow_cpu: bool = True) -> None:
         """``no_open``: answer OPEN and OPENDIR with ENOSYS, so the kernel sends no more
         OPEN/RELEASE or OPENDIR/RELEASEDIR on this connection and later requests come
         with handle 0 (addressed by inode); needs the patched binding (ValueError
@@ -240,15 +240,17 @@ class Operations(pyfuse3.Operations):
         self._unwritten = 0
         self._unsynced: list[str] = []  # data files whose sync failed: synced at the next fsync
         self._inflight: dict[bytes, trio.Event] = {}
+        self._commit_soon = trio.Event()  # set: commit_loop commits without waiting more
         self._nursery: trio.Nursery | None = None
         self.on_init: Callable[[], None] | None = None
         # Set at INIT, on the thread that answers requests (fusefs/affinity.py).
         self.affinity: ServingAffinity | None = None
+        self.follow_cpu = follow_cpu
 
     def init(self) -> None:
         """The kernel's INIT was answered: the mount serves from now on."""
         try:
-            self.affinity = ServingAffinity(self.no_open)
+            self.affinity = ServingAffinity(self.no_open, self.follow_cpu)
         except Exception as e:  # init must not raise (pyfuse3 docs)
             self.log_unexpected("init", e)
         if self.on_init is not None:
@@ -398,8 +400,14 @@ class Operations(pyfuse3.Operations):
         and refuses it only while ``has_room`` is false: the one change then unwritten
         has no fallback."""
         upper = self.ov.upper
-        if upper is None or \
-                self._unwritten + self.ov.pending_bytes + more <= upper.spill_room():
+        if upper is None:
+            return
+        held, room = self._unwritten + self.ov.pending_bytes + more, upper.spill_room()
+        if held <= room:
+            if held > room >> 1:
+                # Half-way: the background commit starts now, so that by the bound the
+                # batch is usually written and this handler need not wait for it.
+                self._commit_soon.set()
             return
         await self.commit()
         if self._unwritten + self.ov.pending_bytes + more > upper.spill_room() and \
@@ -434,10 +442,14 @@ class Operations(pyfuse3.Operations):
             raise UpperSpilledError(upper.state_dir, len(upper.spilled))
 
     async def commit_loop(self, interval: float = COMMIT_INTERVAL_S) -> None:
-        """Batch commits between fsyncs (CONTRACT 2.5): every ``interval`` seconds."""
+        """Batch commits between fsyncs (CONTRACT 2.5): every ``interval`` seconds, or
+        sooner when ``admit`` finds the unwritten changes half-way to what the spill is
+        sure to take."""
         last: str | None = None  # the failure logged last: a full disk logs once, not per try
         while True:
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):
+                await self._commit_soon.wait()
+            self._commit_soon = trio.Event()
             try:
                 await self.commit()
             except Exception as e:

@@ -215,6 +215,7 @@ def cmd_status(args: argparse.Namespace) -> int:
            f"through the mount; the kernel holds {r.get('kernel_inodes', 0)} inodes)"
            if r.get("no_open") else ""),
         f"writers:   {_writers_text(r)}",
+        f"cpu:       {_affinity_text(r.get('affinity'))}",
         f"state:     {r['state']}",
         f"disk:      {_disk_text(r)}",
         f"quota:     {_quota_text(r.get('quota') or {})}",
@@ -222,6 +223,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"daemon:    pid {r['pid']}"])
     emit(args, r, text)
     return 0
+
+
+def _affinity_text(a: dict[str, Any] | None) -> str:
+    """``serving thread on CPU 1, following pid 40 (3 moves)`` (fusefs/affinity.py)."""
+    if not a:
+        return "the scheduler's choice"
+    if not a.get("following"):
+        return f"the scheduler's choice ({a.get('reason')})"
+    moves = f"{a.get('pins', 0)} moves, {a.get('starved', 0)} left for other work"
+    if a.get("cpu") is None:
+        return f"the scheduler's choice until one process makes the requests ({moves})"
+    return f"serving thread on CPU {a['cpu']}, following pid {a.get('pid')} ({moves})"
 
 
 def _writers_text(r: dict[str, Any]) -> str:

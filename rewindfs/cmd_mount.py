@@ -72,6 +72,10 @@ def register(sub: Any) -> None:
     how.add_argument("--open-handles", dest="no_open", action="store_const", const=False,
                      help="every open and close reaches the daemon, which counts open "
                           "and writable handles (the mode of a stock pyfuse3)")
+    p.add_argument("--no-follow-cpu", dest="follow_cpu", action="store_false",
+                   help="leave the serving thread's CPU to the scheduler (by default, in "
+                        "no-open mode, it moves to the CPU of a process making requests "
+                        "one after another; see README)")
     add_quota_args(p)
     p.add_argument("--stats-file", metavar="FILE", help=argparse.SUPPRESS)
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -168,7 +172,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cfg = MountConfig(store_root=store, mountpoint=mnt, ref=ref, state_dir=state,
                       readonly=args.ro, allow_other=args.allow_other, log_path=log_path,
                       stats_path=stats_path, debug=args.debug, cache_mib=args.cache_mib,
-                      no_open=args.no_open, quota_bytes=args.quota_bytes,
+                      no_open=args.no_open, follow_cpu=args.follow_cpu,
+                      quota_bytes=args.quota_bytes,
                       quota_inodes=args.quota_inodes)
     if args.foreground:
         return serve(cfg, ready)
@@ -193,6 +198,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         argv.append("--debug")
     if args.no_open is not None:
         argv.append("--no-open" if args.no_open else "--open-handles")
+    if not args.follow_cpu:
+        argv.append("--no-follow-cpu")
     if args.cache_mib != 128:
         argv += ["--cache-mib", str(args.cache_mib)]
     if args.quota_bytes is not None:
