@@ -204,7 +204,7 @@ class ServingAffinity:
                 self.disable(f"sched_setaffinity failed: {e}")
                 return
             if self.pinned is None:
-                self._starved(now, pid)  # the first window begins
+                self._begin(now, pid)
             self.pinned = cpu
             self.pins += 1
             if not pyfuse3.set_idle_replies(True):
@@ -212,23 +212,31 @@ class ServingAffinity:
                              "or the serving thread is not SCHED_OTHER)")
 
     def _starved(self, now: float, pid: int) -> bool | None:
-        """Whether (None: not judged now), over the last ``WINDOW_S`` or more, this thread waited to run for
-        other threads than the requester ``pid`` over ``STARVED`` of the time. It waits
-        for the requester as a matter of course (a reply under SCHED_IDLE lets the
-        requester run first), so the requester's own CPU time is taken off the thread's
-        run delay. A window begins at the first call, with another requester, or after
-        ``WINDOW_S`` (shorter ones are too noisy: one kernel worker's millisecond)."""
+        """Whether (None: not judged now), over the last ``WINDOW_S`` or more, this
+        thread waited to run for other threads than the requester ``pid`` over
+        ``STARVED`` of the time. It waits for the requester as a matter of course (a
+        reply under SCHED_IDLE lets the requester run first), so the requester's own CPU
+        time is taken off the thread's run delay. Windows shorter than ``WINDOW_S`` are
+        too noisy to judge (one kernel worker's millisecond); one with another requester
+        is not judged. Each judged window begins the next (``_begin``)."""
         t0, d0, pid0, c0 = self._window
         if pid0 == pid and now - t0 < WINDOW_S:
             return None
-        own, theirs = schedstat(), schedstat(f"/proc/{pid}/schedstat")
-        self._window = (now, own[1] if own else 0.0, pid, theirs[0] if theirs else 0.0)
+        own, theirs = self._begin(now, pid)
         if own is None or theirs is None or pid0 != pid:
             return None
         share = ((own[1] - d0) - (theirs[0] - c0)) / (now - t0)
         log.debug("affinity: on CPU %s for pid %d, waited for others %.0f%% of %.0f ms",
                   self.pinned, pid, 100 * share, 1000 * (now - t0))
         return share > STARVED
+
+    def _begin(self, now: float, pid: int) -> tuple[tuple[float, float] | None,
+                                                   tuple[float, float] | None]:
+        """Begin a starvation window at ``now`` for requester ``pid``; the sched stats
+        read (this thread's, the requester's), None where unreadable."""
+        own, theirs = schedstat(), schedstat(f"/proc/{pid}/schedstat")
+        self._window = (now, own[1] if own else 0.0, pid, theirs[0] if theirs else 0.0)
+        return own, theirs
 
     def release(self) -> None:
         """Unpin the thread (the daemon's mask back) and write replies normally."""
