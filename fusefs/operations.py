@@ -444,7 +444,8 @@ class Operations(pyfuse3.Operations):
     async def commit_loop(self, interval: float = COMMIT_INTERVAL_S) -> None:
         """Batch commits between fsyncs (CONTRACT 2.5): every ``interval`` seconds, or
         sooner when ``admit`` finds the unwritten changes half-way to what the spill is
-        sure to take."""
+        sure to take; after a failure, ``interval`` seconds later whatever ``admit``
+        asks."""
         last: str | None = None  # the failure logged last: a full disk logs once, not per try
         while True:
             with trio.move_on_after(interval):
@@ -459,6 +460,9 @@ class Operations(pyfuse3.Operations):
                     log.error("write-behind commit failed: %s; kept and tried again every "
                               "%g s", why, interval)
                     last = why
+                # Not sooner, whatever admit asks meanwhile: a failing commit (a full disk)
+                # is not retried at every change.
+                await trio.sleep(interval)
                 continue
             if last is not None:
                 log.info("write-behind commits work again")
