@@ -105,6 +105,19 @@ def can_leave_sched_idle() -> bool:
     return bool(ok)
 
 
+def unavailable(mask: frozenset[int] | None = None) -> str | None:
+    """Why this process's mounts cannot follow a requester's CPU (None: they can, in
+    no-open mode): the binding lacks idle replies, one CPU is allowed (``mask``, default
+    the calling thread's), or no way back from SCHED_IDLE. ``rewindfs doctor`` says it."""
+    if "idle_replies" not in getattr(pyfuse3, "extensions", ()):
+        return "needs the patched binding's idle replies"
+    if len(mask if mask is not None else os.sched_getaffinity(0)) < 2:
+        return "one CPU allowed"
+    if not can_leave_sched_idle():
+        return "no way back from SCHED_IDLE (needs CAP_SYS_NICE or RLIMIT_NICE 20)"
+    return None
+
+
 class ServingAffinity:
     """Pins the serving thread to a serial requester's CPU (module docstring).
 
@@ -134,13 +147,7 @@ class ServingAffinity:
             return "off (--no-follow-cpu)"
         if not no_open:
             return "off in handle mode"
-        if "idle_replies" not in getattr(pyfuse3, "extensions", ()):
-            return "needs the patched binding's idle replies"
-        if len(self.mask) < 2:
-            return "one CPU allowed"
-        if not can_leave_sched_idle():
-            return "no way back from SCHED_IDLE (needs CAP_SYS_NICE or RLIMIT_NICE 20)"
-        return None
+        return unavailable(self.mask)
 
     def _thread_started(self, frame: Any, event: str, arg: Any) -> None:
         sys.setprofile(None)

@@ -243,6 +243,21 @@ def check_binding() -> Check:
     return Check("fuse_binding", "ok", detail)
 
 
+def check_serving_cpu() -> Check:
+    """Whether a mount's serving thread can follow a serial requester's CPU
+    (``fusefs.affinity``): informational, never a failure."""
+    try:
+        from fusefs.affinity import unavailable
+
+        why = unavailable()
+    except ImportError as e:
+        return Check("serving_cpu", "ok", f"not known: {e}")
+    if why is None:
+        return Check("serving_cpu", "ok", "in no-open mode the serving thread follows a "
+                     "process making requests one after another to its CPU")
+    return Check("serving_cpu", "ok", f"the scheduler places the serving thread: {why}")
+
+
 def check_shared_store(store: str) -> list[Check]:
     """For the local directory of a shared store: can this host reach its bucket and its
     catalog? Nothing for an embedded store; a failed ``store_access`` for a store directory
@@ -339,6 +354,7 @@ def run_checks(store: str, allow_other: bool = False) -> list[Check]:
     is reported as failed with its cause, never raised."""
     steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
         ("fuse_device", check_fuse), ("fuse_binding", check_binding),
+        ("serving_cpu", check_serving_cpu),
         ("runtime_dir", check_runtime_dir),
         ("user_allow_other", lambda: check_allow_other(allow_other)),
         ("bash_sandbox", check_sandbox), ("sandbox_network", check_sandbox_network),

@@ -298,3 +298,30 @@ def test_a_store_of_another_user_is_named_not_taken_for_a_bad_store_json(
     assert list_err.startswith(f"rewindfs: store {store}: not accessible to this user nobody "
                                "(uid 65534): it belongs to root (uid 0), mode 0700; "), list_err
     assert sub_code == 1 and f"its parent {store} is not accessible" in sub_err, sub_err
+
+
+def _serving_cpu(tmp: Path, prefix: Sequence[str] = ()) -> dict[str, Any]:
+    run = tmp / "run"
+    run.mkdir(mode=0o700, exist_ok=True)
+    p = subprocess.run([*prefix, sys.executable, "-m", "rewindfs", "--store",
+                        str(tmp / "store"), "doctor", "--json"], capture_output=True,
+                       text=True, cwd=fh.REPO, timeout=120,
+                       env=dict(fh.user_env(), XDG_RUNTIME_DIR=str(run)))
+    return by_name(json.loads(p.stdout))["serving_cpu"]
+
+
+@pytest.mark.skipif(not ROOT or len(os.sched_getaffinity(0)) < 2
+                    or not shutil.which("taskset"),
+                    reason="following needs 2 CPUs and CAP_SYS_NICE (root)")
+def test_doctor_says_whether_the_serving_thread_can_follow_a_requester(
+        tmp_path: Path) -> None:
+    import pyfuse3
+
+    c = _serving_cpu(tmp_path)
+    assert c["status"] == "ok"
+    if "idle_replies" not in getattr(pyfuse3, "extensions", ()):
+        assert "patched binding" in c["detail"]
+        return
+    assert "follows" in c["detail"]
+    one = _serving_cpu(tmp_path, ["taskset", "-c", str(min(os.sched_getaffinity(0)))])
+    assert one["status"] == "ok" and "one CPU allowed" in one["detail"]
