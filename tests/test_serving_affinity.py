@@ -226,15 +226,24 @@ def test_requesters_taking_turns_leave_the_thread_unpinned(mounter: fh.Mounter,
         check_data(d.mnt / f"w{cpu}")
 
 
-def test_handle_mode_leaves_the_thread_alone(mounter: fh.Mounter, lower_ref: str) -> None:
-    d = mounter.rw(lower_ref, extra=["--open-handles"])
+def check_left_alone(d: fh.Daemon, why: str) -> None:
+    """A serial requester on ``d``'s mount leaves the serving thread unpinned, with a
+    reason containing ``why``, and its data intact."""
     start = allowed(d.pid)
     requester(max(start), d.mnt / "k" / "r0", data=True)
     aff = affinity(d)
-    assert aff["following"] is False and "handle mode" in aff["reason"], aff
+    assert aff["following"] is False and why in aff["reason"], aff
     assert (aff["cpu"], aff["pins"]) == (None, 0)
     assert allowed(d.pid) == start
     check_data(d.mnt / "k")
+
+
+def test_handle_mode_leaves_the_thread_alone(mounter: fh.Mounter, lower_ref: str) -> None:
+    check_left_alone(mounter.rw(lower_ref, extra=["--open-handles"]), "handle mode")
+
+
+def test_no_follow_cpu_leaves_the_thread_alone(mounter: fh.Mounter, lower_ref: str) -> None:
+    check_left_alone(mounter.rw(lower_ref, extra=["--no-follow-cpu"]), "--no-follow-cpu")
 
 
 @pytest.mark.skipif(not fh.AS_ROOT, reason="drops CAP_SYS_NICE from root")
@@ -247,14 +256,8 @@ def test_without_cap_sys_nice_the_mount_serves_unpinned(mounter: fh.Mounter, fus
                  "--bounding-set=-sys_nice", *d.argv()]
     mounter.daemons.append(d)
     fh.start(d)
-    start = allowed(d.pid)
-    requester(max(start), d.mnt / "k" / "r0", data=True)
-    aff = affinity(d)
-    assert aff["following"] is False and "SCHED_IDLE" in aff["reason"], aff
-    assert (aff["cpu"], aff["pins"]) == (None, 0)
-    assert allowed(d.pid) == start
+    check_left_alone(d, "SCHED_IDLE")
     assert set(policies(d.pid).values()) == {0}
-    check_data(d.mnt / "k")
 
 
 @needs_way_back
