@@ -277,6 +277,12 @@ class ServingAffinity:
         self._window = (now, own[1] if own else 0.0, pid, theirs[0] if theirs else 0.0)
         return own, theirs
 
+    def release_if_gone(self) -> None:
+        """Unpin if the requester followed has ended (called before control work, which
+        then runs unpinned, and before ``status`` reports whom the thread follows)."""
+        if self.pinned is not None and self._proc.read(f"/proc/{self.pid}/stat") is None:
+            self.release()
+
     def release(self) -> None:
         """Unpin the thread (the daemon's mask back) and write replies normally."""
         if self.pinned is None:

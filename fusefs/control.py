@@ -856,6 +856,8 @@ class Live:
 
     async def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
+        if self.ops.affinity is not None:  # control work runs unpinned once it is over
+            self.ops.affinity.release_if_gone()
         if op == "status":
             return dict(await self.current_status(), ok=True)
         if op == "checkpoint":

@@ -448,12 +448,15 @@ class Operations(pyfuse3.Operations):
     async def commit_loop(self, interval: float = COMMIT_INTERVAL_S) -> None:
         """Batch commits between fsyncs (CONTRACT 2.5): every ``interval`` seconds, or
         sooner when ``admit`` finds the unwritten changes half-way to what the spill is
-        sure to take; after a failure, ``interval`` seconds later whatever ``admit``
-        asks."""
+        sure to take; after a failure, ``interval`` seconds later, whatever ``admit``
+        asks meanwhile."""
         last: str | None = None  # the failure logged last: a full disk logs once, not per try
+        retry = False
         while True:
-            with trio.move_on_after(interval):
-                await self._commit_soon.wait()
+            if not retry:
+                with trio.move_on_after(interval):
+                    await self._commit_soon.wait()
+            retry = False
             self._commit_soon = trio.Event()
             try:
                 await self.commit()
@@ -464,9 +467,10 @@ class Operations(pyfuse3.Operations):
                     log.error("write-behind commit failed: %s; kept and tried again every "
                               "%g s", why, interval)
                     last = why
-                # Not sooner, whatever admit asks meanwhile: a failing commit (a full disk)
-                # is not retried at every change.
+                # Not sooner, whatever admit asks meanwhile: a failing commit (a locked or
+                # failing upper) is not retried at every change; and not later either.
                 await trio.sleep(interval)
+                retry = True
                 continue
             if last is not None:
                 log.info("write-behind commits work again")

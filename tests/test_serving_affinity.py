@@ -12,12 +12,14 @@ user's processes cannot return from SCHED_IDLE (the daemon would not follow eith
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,8 @@ needs_way_back = pytest.mark.skipif(not can_leave_sched_idle(),
 ROUNDS = 8
 
 # argv: CPU, directory, count, "data" or "empty". Pinned to CPU before it touches the
-# mount; creates count files (with a line naming each when "data") and stats each.
+# mount; creates count files (with a line naming each when "data") and stats each; then
+# prints "done" and lives on until its stdin is closed.
 REQUESTER = r"""
 import os, sys
 cpu, where, n, data = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "data"
@@ -59,6 +62,8 @@ for i in range(n):
         os.write(fd, f"{where} {i}\n".encode())
     os.close(fd)
     os.stat(p)
+print("done", flush=True)
+sys.stdin.read()
 """
 
 # argv: CPU a, CPU b, directory, turns. Two processes, on CPUs a and b, take turns of one
@@ -129,25 +134,51 @@ def affinity(d: fh.Daemon) -> dict[str, Any]:
     return dict(client(d.state).status()["affinity"])
 
 
+def start_requester(cpu: int, where: Path, n: int = 300, *,
+                    data: bool = False) -> subprocess.Popen[str]:
+    """REQUESTER, once its requests are made (it then waits for ``finish``)."""
+    p = subprocess.Popen([sys.executable, "-c", REQUESTER, str(cpu), str(where), str(n),
+                          "data" if data else "empty"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    if p.stdout.readline() != "done\n":
+        finish(p)
+        raise AssertionError(f"the requester failed: exit {p.returncode}")
+    return p
+
+
+def finish(p: subprocess.Popen[str]) -> None:
+    """Let a requester end, and check it ended well."""
+    assert p.stdin is not None
+    p.stdin.close()
+    assert p.wait(120) == 0
+
+
 def requester(cpu: int, where: Path, n: int = 300, *, data: bool = False) -> int:
     """Run REQUESTER to its end; return its pid."""
-    p = subprocess.Popen([sys.executable, "-c", REQUESTER, str(cpu), str(where), str(n),
-                          "data" if data else "empty"])
-    assert p.wait(120) == 0
+    p = start_requester(cpu, where, n, data=data)
+    finish(p)
     return p.pid
 
 
-def follow(d: fh.Daemon, cpu: int, where: Path, *, data: bool = False
-           ) -> tuple[dict[str, Any], int]:
+@contextlib.contextmanager
+def following(d: fh.Daemon, cpu: int, where: Path, *, data: bool = False
+              ) -> Iterator[tuple[dict[str, Any], int]]:
     """Run a serial requester on ``cpu`` (files under ``where``/rN) until a run of it was
-    not starved (at most ROUNDS); return ``affinity`` after it and its pid."""
+    not starved (at most ROUNDS); give ``affinity`` after its requests and its pid, while
+    it still lives (the daemon releases a thread whose requester ended at its next
+    control request)."""
     for n in range(ROUNDS):
         before = affinity(d)["starved"]
-        pid = requester(cpu, where / f"r{n}", data=data)
-        aff = affinity(d)
-        if aff["starved"] == before:
-            return aff, pid
-        time.sleep(COOL_DOWN_S)
+        p = start_requester(cpu, where / f"r{n}", data=data)
+        try:
+            aff = affinity(d)
+            if aff["starved"] == before:
+                yield aff, p.pid
+                return
+        finally:
+            finish(p)
+        time.sleep(COOL_DOWN_S[1])  # the longest a cool-down can last
     raise AssertionError(f"{ROUNDS} runs on CPU {cpu} were all starved by other load: {aff}")
 
 
@@ -164,16 +195,20 @@ def test_the_serving_thread_follows_a_serial_requester(mounter: fh.Mounter, fuse
     start = allowed(d.pid)
     assert start == MASK
     k, j = max(start), min(start)
-    aff, pid = follow(d, k, d.mnt / "k")
-    assert aff["following"] is True and aff["reason"] is None
-    assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (k, pid, True), aff
-    assert allowed(d.pid) == {k}
-    aff, pid = follow(d, j, d.mnt / "j")
-    assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (j, pid, True), aff
-    assert allowed(d.pid) == {j}
-    # what a user reads
-    st = json.loads(cli(fuse_store, "status", str(d.state), "--json").stdout)
-    assert (st["affinity"]["cpu"], st["affinity"]["following"]) == (j, True)
+    with following(d, k, d.mnt / "k") as (aff, pid):
+        assert aff["following"] is True and aff["reason"] is None
+        assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (k, pid, True), aff
+        assert allowed(d.pid) == {k}
+    with following(d, j, d.mnt / "j") as (aff, pid):
+        assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (j, pid, True), aff
+        assert allowed(d.pid) == {j}
+        # what a user reads
+        st = json.loads(cli(fuse_store, "status", str(d.state), "--json").stdout)
+        assert (st["affinity"]["cpu"], st["affinity"]["following"]) == (j, True)
+    # The requester has ended: the next control request finds it gone and unpins.
+    aff = affinity(d)
+    assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (None, None, False), aff
+    assert allowed(d.pid) == start
 
 
 @needs_way_back
@@ -182,22 +217,22 @@ def test_no_thread_stays_idle_and_new_threads_get_the_whole_mask(mounter: fh.Mou
     d = mounter.rw(lower_ref)
     start = allowed(d.pid)
     k = max(start)
-    aff, _ = follow(d, k, d.mnt / "k")
-    assert aff["cpu"] == k and allowed(d.pid) == {k}, aff
-    assert set(policies(d.pid).values()) == {0}, policies(d.pid)
-    # The event loop's worker threads leave after 10 s idle (trio); once they have, a
-    # checkpoint starts new ones from the pinned thread.
-    deadline = time.monotonic() + 60
-    while threads(d.pid) != {d.pid}:
-        assert time.monotonic() < deadline, f"daemon threads stay: {threads(d.pid)}"
-        time.sleep(0.2)
-    assert d.state is not None
-    client(d.state).checkpoint()
-    assert allowed(d.pid) == {k}  # still pinned: they were started from CPU k
-    started = threads(d.pid) - {d.pid}
-    assert started, "the checkpoint started no thread"
-    assert {t: allowed(d.pid, t) for t in started} == {t: start for t in started}
-    assert set(policies(d.pid).values()) == {0}, policies(d.pid)
+    with following(d, k, d.mnt / "k") as (aff, _):
+        assert aff["cpu"] == k and allowed(d.pid) == {k}, aff
+        assert set(policies(d.pid).values()) == {0}, policies(d.pid)
+        # The event loop's worker threads leave after 10 s idle (trio); once they have, a
+        # checkpoint starts new ones from the pinned thread (its requester still lives).
+        deadline = time.monotonic() + 60
+        while threads(d.pid) != {d.pid}:
+            assert time.monotonic() < deadline, f"daemon threads stay: {threads(d.pid)}"
+            time.sleep(0.2)
+        assert d.state is not None
+        client(d.state).checkpoint()
+        assert allowed(d.pid) == {k}  # still pinned: they were started from CPU k
+        started = threads(d.pid) - {d.pid}
+        assert started, "the checkpoint started no thread"
+        assert {t: allowed(d.pid, t) for t in started} == {t: start for t in started}
+        assert set(policies(d.pid).values()) == {0}, policies(d.pid)
 
 
 @needs_way_back
@@ -206,8 +241,8 @@ def test_requesters_taking_turns_leave_the_thread_unpinned(mounter: fh.Mounter,
     d = mounter.rw(lower_ref)
     start = allowed(d.pid)
     k, j = max(start), min(start)
-    aff, _ = follow(d, k, d.mnt / "serial")
-    assert aff["cpu"] == k, aff
+    with following(d, k, d.mnt / "serial") as (aff, _):
+        assert aff["cpu"] == k, aff
     # two writers at once, one on each CPU
     ps = [subprocess.Popen([sys.executable, "-c", REQUESTER, str(cpu),
                             str(d.mnt / f"w{cpu}" / "r0"), "300", "data"]) for cpu in (k, j)]
