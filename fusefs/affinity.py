@@ -19,11 +19,14 @@ have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
 ``processor``, proc(5)):
 
 - two samples in a row from one requester pin the serving thread to its CPU, within the
-  CPUs the daemon was allowed when it started, and turn idle replies on;
-- two requests in a row from two requesters, a sample from another requester, or one on
-  a CPU outside that mask unpin the thread and turn them off (several processes at once
-  are left to the scheduler; two taking turns request by request are never taken for
-  one, whatever the length of their turns);
+  CPUs the thread was allowed when it was last unpinned (the daemon's start mask, or one
+  set since from outside, e.g. ``taskset -p``, which is then kept), and turn idle replies
+  on;
+- while pinned, any request of another process unpins the thread at once, for
+  ``COOL_DOWN_S[0]`` (that process would wait for the followed one's CPU, which the
+  followed one may keep busy between its requests); so do two requests in a row from two
+  requesters at a sample, a requester on a CPU outside the mask, and the followed one's
+  end (``release_if_gone``, before each control request);
 - a window of ``WINDOW_S`` in which the pinned thread waited to run over ``STARVED`` of
   the wall time, not counting the requester's own CPU time (``/proc/thread-self/
   schedstat`` run delay less ``/proc/PID/schedstat`` CPU time, the kernel's sched stats),
@@ -143,6 +146,12 @@ def unavailable(mask: frozenset[int] | None = None) -> str | None:
         return "needs the patched binding's idle replies"
     if len(mask if mask is not None else os.sched_getaffinity(0)) < 2:
         return "one CPU allowed"
+    policy = os.sched_getscheduler(0)
+    if policy != os.SCHED_OTHER:
+        names = {os.SCHED_BATCH: "SCHED_BATCH", os.SCHED_IDLE: "SCHED_IDLE",
+                 os.SCHED_FIFO: "SCHED_FIFO", os.SCHED_RR: "SCHED_RR"}
+        return f"the daemon runs under {names.get(policy, f'policy {policy}')}, " \
+               "not SCHED_OTHER"
     if not can_leave_sched_idle():
         return "no way back from SCHED_IDLE (needs CAP_SYS_NICE or RLIMIT_NICE 20)"
     return None
@@ -163,6 +172,8 @@ class ServingAffinity:
         self.pid = 0  # requester of the last sample
         self._first = 0  # requester of the first request of a pair being looked at
         self.pins = self.releases = self.starved = 0
+        self.others = 0  # releases for a request of another process (``request``)
+        self._own = 0  # the last thread of this daemon seen making a request
         # When the window began: (monotonic s, this thread's run delay s, requester,
         # its CPU time s); see _starved.
         self._window: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
@@ -175,7 +186,7 @@ class ServingAffinity:
 
     def _unavailable(self, no_open: bool, wanted: bool) -> str | None:
         if not wanted:
-            return "off (--no-follow-cpu)"
+            return "turned off by --no-follow-cpu"
         if not no_open:
             return "off in handle mode"
         return unavailable(self.mask)
@@ -187,6 +198,33 @@ class ServingAffinity:
                 os.sched_setaffinity(0, self.mask)
         except OSError:
             pass
+
+    def request(self) -> None:
+        """Count a request (call for each, on the serving thread, while ``reason`` is
+        None). A request from another process than the one followed releases the thread
+        at once, for ``COOL_DOWN_S[0]``: its requester would otherwise wait for the
+        followed one's CPU, which that one may keep busy between its requests."""
+        if self.pinned is not None:
+            pid = pyfuse3.last_request_pid()
+            if pid and pid != self.pid and not self._own_thread(pid):
+                self.others += 1
+                self._first = self.pid = 0
+                self._cool_until = time.monotonic() + COOL_DOWN_S[0]
+                self.release()
+                return
+        self.countdown -= 1
+        if self.countdown <= 0:
+            self.note()
+
+    def _own_thread(self, tid: int) -> bool:
+        """Whether ``tid`` is a thread of this daemon (its own syncfs, say): its requests
+        do not count as another process's."""
+        if tid == self._own:
+            return True
+        if os.path.exists(f"/proc/self/task/{tid}"):
+            self._own = tid
+            return True
+        return False
 
     def note(self) -> None:
         """A look is due: the requester of the request being answered (the binding's
@@ -231,8 +269,12 @@ class ServingAffinity:
         same, self.pid = pid == self.pid, pid
         if now < self._cool_until:
             return
+        if self.pinned is not None and os.sched_getaffinity(0) != {self.pinned}:
+            self._adopt_mask()  # changed by someone else (taskset -p, a cpuset)
+        elif self.pinned is None:
+            self.mask = frozenset(os.sched_getaffinity(0))
         cpu = requester_cpu(self._proc.read(f"/proc/{pid}/stat")) if same else None
-        if cpu is None or cpu not in self.mask:
+        if cpu is None or cpu not in self.mask or len(self.mask) < 2:
             self.release()
             return
         if cpu != self.pinned:
@@ -283,9 +325,21 @@ class ServingAffinity:
         if self.pinned is not None and self._proc.read(f"/proc/{self.pid}/stat") is None:
             self.release()
 
+    def _adopt_mask(self) -> None:
+        """The pinned thread's CPUs were changed from outside: they become the mask to
+        keep (and to give new threads), and the thread counts as unpinned."""
+        self.mask = frozenset(os.sched_getaffinity(0))
+        pyfuse3.set_idle_replies(False)
+        self.pinned = None
+        self.releases += 1
+
     def release(self) -> None:
-        """Unpin the thread (the daemon's mask back) and write replies normally."""
+        """Unpin the thread (the daemon's mask back) and write replies normally; a mask
+        changed from outside while it was pinned is kept instead (``_adopt_mask``)."""
         if self.pinned is None:
+            return
+        if os.sched_getaffinity(0) != {self.pinned}:
+            self._adopt_mask()
             return
         pyfuse3.set_idle_replies(False)
         self.pinned = None
@@ -304,11 +358,12 @@ class ServingAffinity:
 
     def info(self) -> dict[str, Any]:
         """What ``status`` reports: ``{following, reason, pid, cpu, pins, releases,
-        starved, idle_replies}``; ``idle_replies`` is the binding's ``[on, failures,
+        starved, others, idle_replies}`` (``others``: releases for another process's
+        request); ``idle_replies`` is the binding's ``[on, failures,
         errno]`` (None on a binding without them)."""
         idle = getattr(pyfuse3, "idle_replies", None)
         return {"following": self.reason is None, "reason": self.reason,
                 "pid": self.pid if self.pinned is not None else None,
                 "cpu": self.pinned, "pins": self.pins, "releases": self.releases,
-                "starved": self.starved,
+                "starved": self.starved, "others": self.others,
                 "idle_replies": list(idle()) if callable(idle) else None}

@@ -150,10 +150,8 @@ def _boundary(fn: F) -> F:
     async def handler(self: Operations, *args: Any) -> Any:
         self.counts[op] += 1
         aff = self.affinity
-        if aff is not None:
-            aff.countdown -= 1
-            if aff.countdown <= 0:
-                aff.note()
+        if aff is not None and aff.reason is None:
+            aff.request()
         t0 = perf_counter()
         try:
             return await fn(self, *args)

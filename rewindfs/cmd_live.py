@@ -231,7 +231,8 @@ def _affinity_text(a: dict[str, Any] | None) -> str:
         return "the scheduler's choice"
     if not a.get("following"):
         return f"the scheduler's choice ({a.get('reason')})"
-    moves = f"{a.get('pins', 0)} moves, {a.get('starved', 0)} left for other work"
+    moves = (f"{a.get('pins', 0)} moves, left {a.get('others', 0)} times for another "
+             f"process's request, {a.get('starved', 0)} for other work")
     if a.get("cpu") is None:
         return f"the scheduler's choice until one process makes the requests ({moves})"
     return f"serving thread on CPU {a['cpu']}, following pid {a.get('pid')} ({moves})"

@@ -261,6 +261,43 @@ def test_requesters_taking_turns_leave_the_thread_unpinned(mounter: fh.Mounter,
         check_data(d.mnt / f"w{cpu}")
 
 
+def lookup_from_another_process(where: Path) -> None:
+    """One LOOKUP (of a name never looked up) made by a process of its own."""
+    subprocess.run([sys.executable, "-c", "import os, sys; os.path.lexists(sys.argv[1])",
+                    str(where)], check=True, timeout=60)
+
+
+@needs_way_back
+def test_a_request_of_another_process_releases_the_thread_at_once(
+        mounter: fh.Mounter, lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    k = max(start)
+    with following(d, k, d.mnt / "k") as (aff, _):
+        assert aff["cpu"] == k and allowed(d.pid) == {k}, aff
+        lookup_from_another_process(d.mnt / "k" / "absent")
+        aff2 = affinity(d)
+        assert (aff2["cpu"], aff2["pid"], aff2["idle_replies"][0]) == (None, None, False)
+        assert aff2["others"] == aff["others"] + 1
+        assert allowed(d.pid) == start
+
+
+@needs_way_back
+def test_a_mask_set_from_outside_while_pinned_is_kept(mounter: fh.Mounter,
+                                                      lower_ref: str) -> None:
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    k, j = max(start), min(start)
+    with following(d, k, d.mnt / "k") as (aff, _):
+        assert aff["cpu"] == k, aff
+        os.sched_setaffinity(d.pid, {j})  # as `taskset -p` would, on the serving thread
+        lookup_from_another_process(d.mnt / "k" / "absent")  # releases it
+        assert affinity(d)["cpu"] is None
+        assert allowed(d.pid) == {j}  # kept, not the start mask back
+    with following(d, k, d.mnt / "again") as (aff, _):
+        assert aff["cpu"] is None and allowed(d.pid) == {j}, aff  # k is not in {j}
+
+
 def check_left_alone(d: fh.Daemon, why: str) -> None:
     """A serial requester on ``d``'s mount leaves the serving thread unpinned, with a
     reason containing ``why``, and its data intact."""
