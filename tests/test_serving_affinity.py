@@ -182,6 +182,28 @@ def following(d: fh.Daemon, cpu: int, where: Path, *, data: bool = False
     raise AssertionError(f"{ROUNDS} runs on CPU {cpu} were all starved by other load: {aff}")
 
 
+@contextlib.contextmanager
+def pinned_high(d: fh.Daemon, where: str = "k"
+                ) -> Iterator[tuple[set[int], int, int, dict[str, Any]]]:
+    """Follow a serial requester on the highest CPU of the daemon's mask (files under
+    ``where``) and check that the serving thread is pinned there; give the daemon's mask
+    before, that CPU, the lowest one and ``affinity`` after the requests."""
+    start = allowed(d.pid)
+    k = max(start)
+    with following(d, k, d.mnt / where) as (aff, _):
+        assert aff["cpu"] == k and allowed(d.pid) == {k}, aff
+        yield start, k, min(start), aff
+
+
+def released(d: fh.Daemon, start: set[int]) -> dict[str, Any]:
+    """Check that the serving thread follows no one, writes replies normally and has the
+    mask ``start`` back; give ``affinity``."""
+    aff = affinity(d)
+    assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (None, None, False), aff
+    assert allowed(d.pid) == start
+    return aff
+
+
 def check_data(where: Path, n: int = 300) -> None:
     for r in where.iterdir():
         for i in range(n):
@@ -206,19 +228,14 @@ def test_the_serving_thread_follows_a_serial_requester(mounter: fh.Mounter, fuse
         st = json.loads(cli(fuse_store, "status", str(d.state), "--json").stdout)
         assert (st["affinity"]["cpu"], st["affinity"]["following"]) == (j, True)
     # The requester has ended: the next control request finds it gone and unpins.
-    aff = affinity(d)
-    assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (None, None, False), aff
-    assert allowed(d.pid) == start
+    released(d, start)
 
 
 @needs_way_back
 def test_no_thread_stays_idle_and_new_threads_get_the_whole_mask(mounter: fh.Mounter,
                                                                  lower_ref: str) -> None:
     d = mounter.rw(lower_ref)
-    start = allowed(d.pid)
-    k = max(start)
-    with following(d, k, d.mnt / "k") as (aff, _):
-        assert aff["cpu"] == k and allowed(d.pid) == {k}, aff
+    with pinned_high(d) as (start, k, _j, _aff):
         assert set(policies(d.pid).values()) == {0}, policies(d.pid)
         # The event loop's worker threads leave after 10 s idle (trio); once they have, a
         # checkpoint starts new ones from the pinned thread (its requester still lives).
@@ -239,10 +256,8 @@ def test_no_thread_stays_idle_and_new_threads_get_the_whole_mask(mounter: fh.Mou
 def test_requesters_taking_turns_leave_the_thread_unpinned(mounter: fh.Mounter,
                                                            lower_ref: str) -> None:
     d = mounter.rw(lower_ref)
-    start = allowed(d.pid)
-    k, j = max(start), min(start)
-    with following(d, k, d.mnt / "serial") as (aff, _):
-        assert aff["cpu"] == k, aff
+    with pinned_high(d, "serial") as (start, k, j, _aff):
+        pass
     # two writers at once, one on each CPU
     ps = [subprocess.Popen([sys.executable, "-c", REQUESTER, str(cpu),
                             str(d.mnt / f"w{cpu}" / "r0"), "300", "data"]) for cpu in (k, j)]
@@ -271,25 +286,16 @@ def lookup_from_another_process(where: Path) -> None:
 def test_a_request_of_another_process_releases_the_thread_at_once(
         mounter: fh.Mounter, lower_ref: str) -> None:
     d = mounter.rw(lower_ref)
-    start = allowed(d.pid)
-    k = max(start)
-    with following(d, k, d.mnt / "k") as (aff, _):
-        assert aff["cpu"] == k and allowed(d.pid) == {k}, aff
+    with pinned_high(d) as (start, _k, _j, aff):
         lookup_from_another_process(d.mnt / "k" / "absent")
-        aff2 = affinity(d)
-        assert (aff2["cpu"], aff2["pid"], aff2["idle_replies"][0]) == (None, None, False)
-        assert aff2["others"] == aff["others"] + 1
-        assert allowed(d.pid) == start
+        assert released(d, start)["others"] == aff["others"] + 1
 
 
 @needs_way_back
 def test_a_mask_set_from_outside_while_pinned_is_kept(mounter: fh.Mounter,
                                                       lower_ref: str) -> None:
     d = mounter.rw(lower_ref)
-    start = allowed(d.pid)
-    k, j = max(start), min(start)
-    with following(d, k, d.mnt / "k") as (aff, _):
-        assert aff["cpu"] == k, aff
+    with pinned_high(d) as (start, k, j, _aff):
         os.sched_setaffinity(d.pid, {j})  # as `taskset -p` would, on the serving thread
         lookup_from_another_process(d.mnt / "k" / "absent")  # releases it
         assert affinity(d)["cpu"] is None
