@@ -10,10 +10,10 @@ the daemon and tar free to run anywhere and 1.24 s with both pinned to one CPU (
 an idle CPU over the one the daemon is busy replying on.
 
 ``ServingAffinity`` does, in no-open mode with the patched binding's idle replies
-(``pyfuse3.set_idle_replies``, scripts/pyfuse3/README.md): the binding writes a reply
-under SCHED_IDLE, so the CPU looks idle to the requester's wake-up and the requester runs
-there at once, and the serving thread is pinned to that CPU, so the next request wakes it
-there too. Every ``SAMPLE_EVERY`` requests the thread looks at two requests in a row and,
+(``pyfuse3.set_idle_replies``, scripts/pyfuse3/README.md): the binding writes replies
+under SCHED_IDLE, and keeps the thread so until it waits for a request, so the CPU looks
+idle to the requester's wake-up and the requester runs there at once, and the serving
+thread is pinned to that CPU, so the next request wakes it there too. Every ``SAMPLE_EVERY`` requests the thread looks at two requests in a row and,
 when one requester (a thread id: the binding's ``last_request_pid``, which READ and WRITE
 have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
 ``processor``, proc(5)):
@@ -27,11 +27,16 @@ have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
   followed one may keep busy between its requests); so do two requests in a row from two
   requesters at a sample, a requester on a CPU outside the mask, and the followed one's
   end (``release_if_gone``, before each control request);
+- while pinned, a wait for the followed one's request (the binding's ``request_waits``)
+  moves the thread to that one's CPU at once: it ran elsewhere meanwhile;
 - a window of ``WINDOW_S`` in which the pinned thread waited to run over ``STARVED`` of
   the wall time, not counting the requester's own CPU time (``/proc/thread-self/
   schedstat`` run delay less ``/proc/PID/schedstat`` CPU time, the kernel's sched stats),
   unpins it for a cool-down (``COOL_DOWN_S``, doubling while it recurs): other work
-  shares that CPU.
+  shares that CPU, and leaves an idle thread little time. Judged at each sample and at
+  the first request after each window.
+
+While pinned, the write-behind commits run on the same CPU (``beside``).
 
 Threads that the serving thread starts while pinned (trio's worker threads) would inherit
 its one CPU; a ``threading.setprofile`` hook gives each new thread the daemon's mask back
@@ -42,16 +47,19 @@ stock binding, in handle mode or with one allowed CPU, nothing here changes anyt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pyfuse3
 
 log = logging.getLogger("rewindfs.affinity")
+T = TypeVar("T")
 
 SAMPLE_EVERY = 32  # requests between two samples of the requester's CPU
 STARVED = 0.25  # share of a window's wall time spent waiting to run that unpins
@@ -174,6 +182,7 @@ class ServingAffinity:
         self.pins = self.releases = self.starved = 0
         self.others = 0  # releases for a request of another process (``request``)
         self._own = 0  # the last thread of this daemon seen making a request
+        self._waits = 0  # the binding's request_waits() at the last request
         # When the window began: (monotonic s, this thread's run delay s, requester,
         # its CPU time s); see _starved.
         self._window: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
@@ -212,9 +221,36 @@ class ServingAffinity:
                 self._cool_until = time.monotonic() + COOL_DOWN_S[0]
                 self.release()
                 return
+            waits = pyfuse3.request_waits()
+            if waits != self._waits:
+                self._waits = waits
+                self._moved(pid)
+            else:
+                now = time.monotonic()
+                if now - self._window[0] >= WINDOW_S:
+                    self._judge(now, self.pid)
         self.countdown -= 1
         if self.countdown <= 0:
             self.note()
+
+    def _moved(self, pid: int) -> None:
+        """The pinned thread waited for a request of ``pid``, the requester followed: that
+        one ran on another CPU meanwhile (the binding's ``request_waits``), most often
+        moved there by the scheduler's load balancing. The thread moves to its CPU at once
+        rather than at the next samples: until then each round trip wakes two CPUs."""
+        cpu = requester_cpu(self._proc.read(f"/proc/{pid}/stat"))
+        if cpu is None or cpu == self.pinned or cpu not in self.mask:
+            return
+        if os.sched_getaffinity(0) != {self.pinned}:
+            self._adopt_mask()  # changed by someone else
+            return
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError as e:
+            self.disable(f"sched_setaffinity failed: {e}")
+            return
+        self.pinned = cpu
+        self.pins += 1
 
     def _own_thread(self, tid: int) -> bool:
         """Whether ``tid`` is a thread of this daemon (its own syncfs, say): its requests
@@ -258,14 +294,8 @@ class ServingAffinity:
                          f"{os.strerror(err) if err else 'unknown error'}")
             return
         now = time.monotonic()
-        verdict = self._starved(now, pid) if self.pinned is not None else None
-        if verdict:
-            self.starved += 1
-            self._cool_until = now + self._cool_s
-            self._cool_s = min(2 * self._cool_s, COOL_DOWN_S[1])
-            self.release()
-        elif verdict is False:
-            self._cool_s = COOL_DOWN_S[0]
+        if self.pinned is not None:
+            self._judge(now, pid)
         same, self.pid = pid == self.pid, pid
         if now < self._cool_until:
             return
@@ -290,6 +320,42 @@ class ServingAffinity:
             if not pyfuse3.set_idle_replies(True):
                 self.disable("the binding refused idle replies (no mount serving them, "
                              "or the serving thread is not SCHED_OTHER)")
+
+    def _judge(self, now: float, pid: int) -> None:
+        """Unpin for a cool-down if the pinned thread was starved (``_starved``); judged at
+        each sample and whenever a window has passed, so that a thread left SCHED_IDLE
+        among busy threads is let go within about ``WINDOW_S``, not 32 slow requests."""
+        verdict = self._starved(now, pid)
+        if verdict:
+            self.starved += 1
+            self._cool_until = now + self._cool_s
+            self._cool_s = min(2 * self._cool_s, COOL_DOWN_S[1])
+            self.release()
+        elif verdict is False:
+            self._cool_s = COOL_DOWN_S[0]
+
+    def beside(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` made to run, in the worker thread that calls it, on the CPU the serving
+        thread is pinned to now, and on the whole mask again afterwards (``fn`` itself
+        when unpinned). For the write-behind commits: on another CPU their thread takes the
+        interpreter lock in turns with the serving thread, each handover a wake-up of the
+        other CPU (an rm -rf's unlink took 28 us in its handler instead of 9 us)."""
+        cpu, mask = self.pinned, self.mask
+        if cpu is None:
+            return fn
+
+        def run() -> T:
+            try:
+                os.sched_setaffinity(0, {cpu})
+            except OSError:
+                return fn()
+            try:
+                return fn()
+            finally:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, mask)
+
+        return run
 
     def _starved(self, now: float, pid: int) -> bool | None:
         """Whether (None: not judged now), over the last ``WINDOW_S`` or more, this

@@ -382,7 +382,8 @@ class Operations(pyfuse3.Operations):
                         raise
                 self._unwritten = 0  # in the database, or in the spill (``spilled_bytes``)
 
-            await trio.to_thread.run_sync(work)
+            aff = self.affinity
+            await trio.to_thread.run_sync(work if aff is None else aff.beside(work))
 
     def forget_unwritten(self) -> None:
         """Drop the batches that failed to write, and their count in ``admit``'s bound: a

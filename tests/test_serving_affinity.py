@@ -47,11 +47,12 @@ needs_way_back = pytest.mark.skipif(not can_leave_sched_idle(),
 # fusefs.affinity), which is the feature at work, not the case under test.
 ROUNDS = 8
 
-# argv: CPU, directory, count, "data" or "empty". Pinned to CPU before it touches the
-# mount; creates count files (with a line naming each when "data") and stats each; then
-# prints "done" and lives on until its stdin is closed.
+# argv: CPU, directory, count, "data" or "empty"[, CPU to move to]. Pinned to CPU before it
+# touches the mount; creates count files (with a line naming each when "data") and stats
+# each; given a CPU to move to, moves there and, after a pause each, looks up MOVED_LOOKUPS
+# names that do not exist; then prints "done" and lives on until its stdin is closed.
 REQUESTER = r"""
-import os, sys
+import os, sys, time
 cpu, where, n, data = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "data"
 os.sched_setaffinity(0, {cpu})
 os.makedirs(where, exist_ok=True)
@@ -62,8 +63,28 @@ for i in range(n):
         os.write(fd, f"{where} {i}\n".encode())
     os.close(fd)
     os.stat(p)
+if len(sys.argv) > 5:
+    os.sched_setaffinity(0, {int(sys.argv[5])})
+    for i in range(int(sys.argv[6])):
+        time.sleep(0.02)
+        try:
+            os.stat(os.path.join(where, f"absent{i}"))
+            sys.exit(3)
+        except FileNotFoundError:
+            pass
 print("done", flush=True)
 sys.stdin.read()
+"""
+MOVED_LOOKUPS = 3  # fewer than SAMPLE_EVERY: a sample would seldom fall among them
+
+# argv: CPU. A busy loop on that CPU, after it printed "ready".
+BUSY_FILES = 2000  # its requests last well over a starvation window (about 1 s beside HOG)
+HOG = r"""
+import os, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("ready", flush=True)
+while True:
+    pass
 """
 
 # argv: CPU a, CPU b, directory, turns. Two processes, on CPUs a and b, take turns of one
@@ -134,11 +155,12 @@ def affinity(d: fh.Daemon) -> dict[str, Any]:
     return dict(client(d.state).status()["affinity"])
 
 
-def start_requester(cpu: int, where: Path, n: int = 300, *,
-                    data: bool = False) -> subprocess.Popen[str]:
+def start_requester(cpu: int, where: Path, n: int = 300, *, data: bool = False,
+                    move: int | None = None) -> subprocess.Popen[str]:
     """REQUESTER, once its requests are made (it then waits for ``finish``)."""
+    moving = [] if move is None else [str(move), str(MOVED_LOOKUPS)]
     p = subprocess.Popen([sys.executable, "-c", REQUESTER, str(cpu), str(where), str(n),
-                          "data" if data else "empty"], stdin=subprocess.PIPE,
+                          "data" if data else "empty", *moving], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     if p.stdout.readline() != "done\n":
@@ -162,15 +184,15 @@ def requester(cpu: int, where: Path, n: int = 300, *, data: bool = False) -> int
 
 
 @contextlib.contextmanager
-def following(d: fh.Daemon, cpu: int, where: Path, *, data: bool = False
-              ) -> Iterator[tuple[dict[str, Any], int]]:
-    """Run a serial requester on ``cpu`` (files under ``where``/rN) until a run of it was
-    not starved (at most ROUNDS); give ``affinity`` after its requests and its pid, while
-    it still lives (the daemon releases a thread whose requester ended at its next
-    control request)."""
+def following(d: fh.Daemon, cpu: int, where: Path, *, data: bool = False,
+              move: int | None = None) -> Iterator[tuple[dict[str, Any], int]]:
+    """Run a serial requester on ``cpu`` (files under ``where``/rN; then moving to CPU
+    ``move``, if given) until a run of it was not starved (at most ROUNDS); give
+    ``affinity`` after its requests and its pid, while it still lives (the daemon releases
+    a thread whose requester ended at its next control request)."""
     for n in range(ROUNDS):
         before = affinity(d)["starved"]
-        p = start_requester(cpu, where / f"r{n}", data=data)
+        p = start_requester(cpu, where / f"r{n}", data=data, move=move)
         try:
             aff = affinity(d)
             if aff["starved"] == before:
@@ -229,6 +251,46 @@ def test_the_serving_thread_follows_a_serial_requester(mounter: fh.Mounter, fuse
         assert (st["affinity"]["cpu"], st["affinity"]["following"]) == (j, True)
     # The requester has ended: the next control request finds it gone and unpins.
     released(d, start)
+
+
+@needs_way_back
+def test_a_requester_that_moves_is_followed_at_its_next_request(mounter: fh.Mounter,
+                                                                lower_ref: str) -> None:
+    # Each of its lookups on the new CPU comes after a pause: the serving thread waited for
+    # it, and moves to that CPU at once instead of at its next sample.
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    k, j = max(start), min(start)
+    with following(d, k, d.mnt / "k", move=j) as (aff, pid):
+        assert (aff["cpu"], aff["pid"], aff["idle_replies"][0]) == (j, pid, True), aff
+        assert allowed(d.pid) == {j}
+    released(d, start)
+
+
+@needs_way_back
+def test_a_busy_cpu_lets_the_pinned_thread_go(mounter: fh.Mounter, lower_ref: str) -> None:
+    # Pinned beside a busy loop, the serving thread (SCHED_IDLE while requests keep coming)
+    # would get a sliver of that CPU: it is judged starved and let go, and every request is
+    # still answered.
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    k = max(start)
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(k)], stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline() == "ready\n"
+        before = affinity(d)["starved"]
+        requester(k, d.mnt / "busy" / "r0", BUSY_FILES, data=True)
+        aff = affinity(d)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert aff["starved"] > before, json.dumps(aff)
+    # Read after a status request, which the serving thread answered: reading them right
+    # after a reply of this process could find it still idle, not yet run again.
+    assert set(policies(d.pid).values()) == {0}, policies(d.pid)
+    released(d, start)
+    check_data(d.mnt / "busy", BUSY_FILES)
 
 
 @needs_way_back
@@ -375,3 +437,26 @@ def test_a_pin_the_binding_refuses_is_undone() -> None:
         (False, 1, 1, None), after
     assert "refused idle replies" in after["reason"]
     assert seen["mask"] == MASK
+
+
+def test_work_beside_a_pinned_thread_runs_on_its_cpu_and_gets_the_mask_back() -> None:
+    """The write-behind commit's wrapper: unpinned, the work itself; pinned, the work runs
+    on the serving thread's CPU and its thread has the whole mask again afterwards."""
+    aff = ServingAffinity(True, wanted=False)
+    cpu = max(MASK)
+    seen: dict[str, Any] = {}
+
+    def work() -> int:
+        seen["in"] = os.sched_getaffinity(0)
+        return 7
+
+    def in_a_thread() -> None:
+        seen["plain"] = aff.beside(work) is work
+        aff.pinned = cpu  # what a pin sets
+        seen["result"] = aff.beside(work)()
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+    assert seen == {"plain": True, "in": {cpu}, "result": 7, "after": MASK}
