@@ -26,7 +26,7 @@ have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
   ``COOL_DOWN_S[0]`` (that process would wait for the followed one's CPU, which the
   followed one may keep busy between its requests); so do two requests in a row from two
   requesters at a sample, a requester on a CPU outside the mask, and the followed one's
-  end (``release_if_gone``, before each control request);
+  end (``release_if_gone``, before each control request, which never runs idle);
 - while pinned, a wait for the followed one's request (the binding's ``request_waits``)
   moves the thread to that one's CPU at once: it ran elsewhere meanwhile;
 - a window of ``WINDOW_S`` in which the pinned thread waited to run over ``STARVED`` of
@@ -386,10 +386,17 @@ class ServingAffinity:
         return own, theirs
 
     def release_if_gone(self) -> None:
-        """Unpin if the requester followed has ended (called before control work, which
-        then runs unpinned, and before ``status`` reports whom the thread follows)."""
-        if self.pinned is not None and self._proc.read(f"/proc/{self.pid}/stat") is None:
+        """Before control work (and before ``status`` reports whom the thread follows):
+        unpin if the requester followed has ended, so that the work runs unpinned; and in
+        any case leave SCHED_IDLE, which a reply may have left the thread in (a handler
+        waiting in the middle lets other tasks run before the thread waits for the
+        device): control work never runs at idle weight."""
+        if self.pinned is None:
+            return
+        if self._proc.read(f"/proc/{self.pid}/stat") is None:
             self.release()
+        else:
+            pyfuse3.leave_idle()
 
     def _adopt_mask(self) -> None:
         """The pinned thread's CPUs were changed from outside: they become the mask to
