@@ -18,7 +18,9 @@ when one requester (a thread id: the binding's ``last_request_pid``, which READ 
 have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
 ``processor``, proc(5)):
 
-- two samples in a row from one requester pin the serving thread to its CPU, within the
+- two samples in a row from one requester pin the serving thread to its CPU, unless the
+  requester waited to run for over ``STARVED`` of its runnable time between them (its
+  CPU is busy with other work, which would starve the thread there too), within the
   CPUs the thread was allowed when it was last unpinned (the daemon's start mask, or one
   set since from outside, e.g. ``taskset -p``, which is then kept), and turn idle replies
   on;
@@ -26,7 +28,8 @@ have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
   ``COOL_DOWN_S[0]`` (that process would wait for the followed one's CPU, which the
   followed one may keep busy between its requests); so do two requests in a row from two
   requesters at a sample, a requester on a CPU outside the mask, and the followed one's
-  end (``release_if_gone``, before each control request, which never runs idle);
+  end (``release_if_gone``: before each control request, which never runs idle
+  (``control_work``), and every second);
 - while pinned, a wait for the followed one's request (the binding's ``request_waits``)
   moves the thread to that one's CPU at once: it ran elsewhere meanwhile;
 - a window of ``WINDOW_S`` in which the pinned thread waited to run over ``STARVED`` of
@@ -34,7 +37,9 @@ have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
   schedstat`` run delay less ``/proc/PID/schedstat`` CPU time, the kernel's sched stats),
   unpins it for a cool-down (``COOL_DOWN_S``, doubling while it recurs): other work
   shares that CPU, and leaves an idle thread little time. Judged at each sample and at
-  the first request after each window.
+  the first request after each window; so is a rescue by the binding's watchdog, which
+  puts an idle thread that waits to run for three quarters of 10 ms back to SCHED_OTHER
+  (``pyfuse3.idle_rescues``): beside a heavier thread an idle one might not run at all.
 
 While pinned, the write-behind commits run on the same CPU (``beside``).
 
@@ -53,7 +58,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -183,6 +188,10 @@ class ServingAffinity:
         self.others = 0  # releases for a request of another process (``request``)
         self._own = 0  # the last thread of this daemon seen making a request
         self._waits = 0  # the binding's request_waits() at the last request
+        self._control = 0  # control requests in progress (``control_work``)
+        # (requester, its (run time s, run delay s)) at the last sample
+        self._req_delay: tuple[int, tuple[float, float]] = (0, (0.0, 0.0))
+        self._rescues = pyfuse3.idle_rescues() if self.reason is None else 0
         # When the window began: (monotonic s, this thread's run delay s, requester,
         # its CPU time s); see _starved.
         self._window: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
@@ -286,7 +295,7 @@ class ServingAffinity:
 
     def sample(self, pid: int) -> None:
         """Pin to, stay on or leave ``pid``'s CPU (module docstring)."""
-        if self.pinned is not None and not pyfuse3.idle_replies()[0]:
+        if self.pinned is not None and not self._control and not pyfuse3.idle_replies()[0]:
             # The binding turned them off: a change of policy failed (not expected once
             # can_leave_sched_idle said yes); the thread may be left SCHED_IDLE.
             err = pyfuse3.idle_replies()[2]
@@ -297,6 +306,7 @@ class ServingAffinity:
         if self.pinned is not None:
             self._judge(now, pid)
         same, self.pid = pid == self.pid, pid
+        waits = self.pinned is None and self._requester_waits(now, pid)
         if now < self._cool_until:
             return
         if self.pinned is not None and os.sched_getaffinity(0) != {self.pinned}:
@@ -306,6 +316,8 @@ class ServingAffinity:
         cpu = requester_cpu(self._proc.read(f"/proc/{pid}/stat")) if same else None
         if cpu is None or cpu not in self.mask or len(self.mask) < 2:
             self.release()
+            return
+        if waits:
             return
         if cpu != self.pinned:
             try:
@@ -317,15 +329,31 @@ class ServingAffinity:
                 self._begin(now, pid)
             self.pinned = cpu
             self.pins += 1
-            if not pyfuse3.set_idle_replies(True):
+            if not self._control and not pyfuse3.set_idle_replies(True):
                 self.disable("the binding refused idle replies (no mount serving them, "
                              "or the serving thread is not SCHED_OTHER)")
+
+    def _requester_waits(self, now: float, pid: int) -> bool:
+        """Whether the requester ``pid``, since the last sample, waited to run for over
+        ``STARVED`` of the time it was runnable (its ``/proc/PID/schedstat``: run delay
+        against run time): its CPU is busy with other work, which would starve the serving thread there too (an idle one most,
+        and beside a heavier thread a pinned one cannot leave), so it is not pinned there.
+        False when not known (the first sample of this requester)."""
+        st = schedstat(self._proc.read(f"/proc/{pid}/schedstat"))
+        last, self._req_delay = self._req_delay, (pid, st) if st else (0, (0.0, 0.0))
+        if st is None or last[0] != pid:
+            return False
+        ran, waited = st[0] - last[1][0], st[1] - last[1][1]
+        return ran + waited > 0 and waited / (ran + waited) > STARVED
 
     def _judge(self, now: float, pid: int) -> None:
         """Unpin for a cool-down if the pinned thread was starved (``_starved``); judged at
         each sample and whenever a window has passed, so that a thread left SCHED_IDLE
         among busy threads is let go within about ``WINDOW_S``, not 32 slow requests."""
         verdict = self._starved(now, pid)
+        rescues = pyfuse3.idle_rescues()
+        if rescues != self._rescues:  # the binding's watchdog found it starved meanwhile
+            self._rescues, verdict = rescues, True
         if verdict:
             self.starved += 1
             self._cool_until = now + self._cool_s
@@ -398,6 +426,24 @@ class ServingAffinity:
         else:
             pyfuse3.leave_idle()
 
+    @contextlib.contextmanager
+    def control_work(self) -> Iterator[None]:
+        """Around a control request (a checkpoint, a restore, ``status``): replies are
+        written normally while any is in progress, so that the thread is never left
+        SCHED_IDLE when the control work goes on after one of its waits (the requests
+        answered meanwhile would otherwise leave it so). Pinning goes on as before."""
+        self.release_if_gone()
+        self._control += 1
+        if self._control == 1 and self.pinned is not None:
+            pyfuse3.set_idle_replies(False)
+        try:
+            yield
+        finally:
+            self._control -= 1
+            if (self._control == 0 and self.pinned is not None and self.reason is None
+                    and not pyfuse3.set_idle_replies(True)):
+                self.disable("the binding refused idle replies after control work")
+
     def _adopt_mask(self) -> None:
         """The pinned thread's CPUs were changed from outside: they become the mask to
         keep (and to give new threads), and the thread counts as unpinned."""
@@ -431,12 +477,16 @@ class ServingAffinity:
 
     def info(self) -> dict[str, Any]:
         """What ``status`` reports: ``{following, reason, pid, cpu, pins, releases,
-        starved, others, idle_replies}`` (``others``: releases for another process's
-        request); ``idle_replies`` is the binding's ``[on, failures,
-        errno]`` (None on a binding without them)."""
+        starved, others, idle_replies, rescues}`` (``others``: releases for another
+        process's request); ``idle_replies`` is the binding's ``[on, failures, errno]``
+        (None on a binding without them; ``on`` also while a control request, such as
+        this ``status``, pauses them), ``rescues`` its watchdog's count (0 without)."""
         idle = getattr(pyfuse3, "idle_replies", None)
+        rescues = getattr(pyfuse3, "idle_rescues", None)
         return {"following": self.reason is None, "reason": self.reason,
                 "pid": self.pid if self.pinned is not None else None,
                 "cpu": self.pinned, "pins": self.pins, "releases": self.releases,
                 "starved": self.starved, "others": self.others,
-                "idle_replies": list(idle()) if callable(idle) else None}
+                "idle_replies": ([idle()[0] or bool(self._control and self.pinned is not None),
+                                  *idle()[1:]] if callable(idle) else None),
+                "rescues": rescues() if callable(rescues) else 0}

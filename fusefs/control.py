@@ -855,9 +855,14 @@ class Live:
         return out
 
     async def dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
+        aff = self.ops.affinity
+        if aff is None:
+            return await self._dispatch(req)
+        with aff.control_work():  # unpinned if its requester is gone; never idle
+            return await self._dispatch(req)
+
+    async def _dispatch(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
-        if self.ops.affinity is not None:  # control work runs unpinned once it is over
-            self.ops.affinity.release_if_gone()
         if op == "status":
             return dict(await self.current_status(), ok=True)
         if op == "checkpoint":

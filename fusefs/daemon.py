@@ -416,6 +416,7 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                 return
             our_mount = mount_id(cfg.mountpoint)
             nursery.start_soon(ops.commit_loop)
+            nursery.start_soon(ops.affinity_loop)
             ops.start_background(nursery)
 
             def serving() -> None:
@@ -427,7 +428,11 @@ def serve(cfg: MountConfig, ready: Ready) -> int:
                 nursery.start_soon(trio.to_thread.run_sync, _raise_readahead, cfg.mountpoint)
 
             ops.on_init = serving  # ready once the kernel's INIT is answered
-            await pyfuse3.main(min_tasks=1, max_tasks=cfg.max_tasks)
+            try:
+                await pyfuse3.main(min_tasks=1, max_tasks=cfg.max_tasks)
+            finally:  # the teardown runs on the daemon's whole mask, at normal weight
+                if ops.affinity is not None:
+                    ops.affinity.disable("the session ended")
             nursery.cancel_scope.cancel()
 
     code = 0

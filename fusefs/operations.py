@@ -475,6 +475,15 @@ class Operations(pyfuse3.Operations):
                 log.info("write-behind commits work again")
                 last = None
 
+    async def affinity_loop(self, interval: float = 1.0) -> None:
+        """Every ``interval`` seconds, unpin the serving thread if the requester it
+        follows has ended (fusefs/affinity.py): a mount left alone is not kept on one CPU
+        until the next request."""
+        while True:
+            await trio.sleep(interval)
+            if self.affinity is not None and self.affinity.reason is None:
+                self.affinity.release_if_gone()
+
     def stats(self) -> dict[str, Any]:
         """Requests served per operation, seconds spent inside each operation's handler
         (wall time, awaits included), and the daemon's CPU time (s)."""

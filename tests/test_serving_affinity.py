@@ -77,11 +77,12 @@ sys.stdin.read()
 """
 MOVED_LOOKUPS = 3  # fewer than SAMPLE_EVERY: a sample would seldom fall among them
 
-# argv: CPU. A busy loop on that CPU, after it printed "ready".
-BUSY_FILES = 2000  # its requests last well over a starvation window (about 1 s beside HOG)
+# argv: CPU, nice. A busy loop on that CPU at that nice value, after it printed "ready".
+BUSY_FILES = 2000  # its requests last about 1 s beside HOG: many samples
 HOG = r"""
 import os, sys
 os.sched_setaffinity(0, {int(sys.argv[1])})
+os.setpriority(os.PRIO_PROCESS, 0, int(sys.argv[2]))
 print("ready", flush=True)
 while True:
     pass
@@ -132,7 +133,17 @@ def allowed(pid: int, tid: int | None = None) -> set[int]:
 
 
 def threads(pid: int) -> set[int]:
-    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    """The daemon's threads but the binding's watchdog, which lives as long as the mount."""
+    out = set()
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/comm") as f:
+                if f.read().strip() == "fuse-watchdog":
+                    continue
+        except FileNotFoundError:
+            continue
+        out.add(int(t))
+    return out
 
 
 def policies(pid: int) -> dict[int, int]:
@@ -267,30 +278,51 @@ def test_a_requester_that_moves_is_followed_at_its_next_request(mounter: fh.Moun
     released(d, start)
 
 
-@needs_way_back
-def test_a_busy_cpu_lets_the_pinned_thread_go(mounter: fh.Mounter, lower_ref: str) -> None:
-    # Pinned beside a busy loop, the serving thread (SCHED_IDLE while requests keep coming)
-    # would get a sliver of that CPU: it is judged starved and let go, and every request is
-    # still answered.
-    d = mounter.rw(lower_ref)
-    start = allowed(d.pid)
-    k = max(start)
-    hog = subprocess.Popen([sys.executable, "-c", HOG, str(k)], stdout=subprocess.PIPE,
-                           text=True)
+def busy_cpu_run(d: fh.Daemon, k: int, nice: int, n: int = BUSY_FILES) -> dict[str, Any]:
+    """A serial requester on CPU ``k`` beside HOG at ``nice`` there; give ``affinity``
+    after (its ``n`` files are checked by ``check_data(d.mnt / "busy", n)``)."""
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(k), str(nice)],
+                           stdout=subprocess.PIPE, text=True)
     try:
         assert hog.stdout is not None and hog.stdout.readline() == "ready\n"
-        before = affinity(d)["starved"]
-        requester(k, d.mnt / "busy" / "r0", BUSY_FILES, data=True)
+        requester(k, d.mnt / "busy" / "r0", n, data=True)
         aff = affinity(d)
     finally:
         hog.kill()
         hog.wait()
-    assert aff["starved"] > before, json.dumps(aff)
     # Read after a status request, which the serving thread answered: reading them right
     # after a reply of this process could find it still idle, not yet run again.
     assert set(policies(d.pid).values()) == {0}, policies(d.pid)
+    return aff
+
+
+@needs_way_back
+def test_a_busy_cpu_lets_the_pinned_thread_go(mounter: fh.Mounter, lower_ref: str) -> None:
+    # Pinned beside a busy loop, the serving thread (SCHED_IDLE while requests keep coming)
+    # gets a sliver of that CPU: it is judged starved and let go. The requester, woken by
+    # each reply, preempts the loop and does not wait much itself.
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    before = affinity(d)["starved"]
+    aff = busy_cpu_run(d, max(start), 0)
+    assert aff["starved"] > before, json.dumps(aff)
     released(d, start)
     check_data(d.mnt / "busy", BUSY_FILES)
+
+
+@needs_way_back
+@pytest.mark.skipif(not fh.AS_ROOT, reason="a nice -20 loop needs root")
+def test_a_requester_waiting_for_its_cpu_is_not_followed_there(mounter: fh.Mounter,
+                                                               lower_ref: str) -> None:
+    # Beside a nice -20 loop the requester itself waits to run most of the time: the thread
+    # is never pinned to that CPU, where it could not get away from the loop.
+    d = mounter.rw(lower_ref)
+    start = allowed(d.pid)
+    before = affinity(d)["pins"]
+    aff = busy_cpu_run(d, max(start), -20, 300)  # about 5 s at ~1% of a CPU
+    assert aff["pins"] == before, json.dumps(aff)
+    released(d, start)
+    check_data(d.mnt / "busy", 300)
 
 
 @needs_way_back
