@@ -13,7 +13,8 @@ an idle CPU over the one the daemon is busy replying on.
 (``pyfuse3.set_idle_replies``, scripts/pyfuse3/README.md): the binding writes replies
 under SCHED_IDLE, and keeps the thread so until it waits for a request, so the CPU looks
 idle to the requester's wake-up and the requester runs there at once, and the serving
-thread is pinned to that CPU, so the next request wakes it there too. Every ``SAMPLE_EVERY`` requests the thread looks at two requests in a row and,
+thread is pinned to that CPU, so the next request wakes it there too. Every
+``SAMPLE_EVERY`` requests the thread looks at two requests in a row and,
 when one requester (a thread id: the binding's ``last_request_pid``, which READ and WRITE
 have too) sent both, samples it: reads its CPU (``/proc/PID/stat`` field 39,
 ``processor``, proc(5)):
@@ -336,9 +337,10 @@ class ServingAffinity:
     def _requester_waits(self, now: float, pid: int) -> bool:
         """Whether the requester ``pid``, since the last sample, waited to run for over
         ``STARVED`` of the time it was runnable (its ``/proc/PID/schedstat``: run delay
-        against run time): its CPU is busy with other work, which would starve the serving thread there too (an idle one most,
-        and beside a heavier thread a pinned one cannot leave), so it is not pinned there.
-        False when not known (the first sample of this requester)."""
+        against run time): its CPU is busy with other work, which would starve the
+        serving thread there too (an idle one most, and beside a heavier thread a pinned
+        one cannot leave), so it is not pinned there. False when not known (the first
+        sample of this requester)."""
         st = schedstat(self._proc.read(f"/proc/{pid}/schedstat"))
         last, self._req_delay = self._req_delay, (pid, st) if st else (0, (0.0, 0.0))
         if st is None or last[0] != pid:
